@@ -1,0 +1,229 @@
+"""Normal-mode dispatch and combine (training, prefill), with their backward passes.
+
+`dispatch` sends each token once to every rank that holds one of its experts; `combine`
+brings the experts' rows back and sums them at the token's home rank. Each is the other's
+transpose: the VJP of dispatch is combine of the cotangents, and the VJP of combine is
+dispatch (with the same handle). The exact outputs are specified in docs/contract.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from jax_ep import _checks, _runtime_checks, backends, fp8
+from jax_ep.structs import DispatchHandle, Received
+
+@dataclasses.dataclass(frozen=True)
+class _DispatchConfig:
+    """Static configuration of one dispatch (hashable: a custom_vjp non-diff argument)."""
+
+    backend: str
+    num_experts: int
+    axis_name: str
+    capacity: int
+    expert_major: bool
+
+
+def _check_x(op: str, x, num_tokens: int) -> tuple[jax.Array, jax.Array | None]:
+    """x is [T, H] floating, or the FP8 pair; returns (x or x_fp8, scales or None)."""
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise ValueError(
+                f"{op}: x must be an array [T, H] or the pair (x_fp8, scales); got a "
+                f"{type(x).__name__} of length {len(x)}."
+            )
+        x_fp8, scales = x
+        fp8.check_pair(op, "x[0] (x_fp8)", x_fp8, scales)
+        _checks.check_array(op, "x[0] (x_fp8)", x_fp8, ndim=2, expect="float8_e4m3fn [T, H]")
+        data = x_fp8
+    else:
+        _checks.check_float(op, "x", x, ndim=2, expect="[T, H]")
+        data, scales = x, None
+    if data.shape[0] != num_tokens:
+        raise ValueError(
+            f"{op}: x has {data.shape[0]} rows but topk_idx has {num_tokens}; both must be "
+            f"[T, ...] for the same T tokens."
+        )
+    return data, scales
+
+
+def dispatch(
+    x: jax.Array | tuple[jax.Array, jax.Array],
+    topk_idx: jax.Array,
+    topk_weights: jax.Array,
+    *,
+    num_experts: int,
+    axis_name: str = "ep",
+    capacity: int | None = None,
+    expert_major: bool = False,
+    on_overflow: Literal["error", "drop"] = "error",
+    on_invalid: Literal["error", "mask"] = "error",
+    backend: str = "auto",
+) -> tuple[Received, DispatchHandle]:
+    """Sends each token to the ranks that hold its chosen experts (per shard, in shard_map).
+
+    Args:
+      x: [T, H] tokens of this rank (any float dtype of 16 bits or more), or the FP8 pair
+        `(x_fp8 float8_e4m3fn [T, H], scales float32 [T, H/128])` from `jax_ep.fp8.quantize`.
+      topk_idx: int32 [T, K] expert ids in [0, E); -1 masks a choice.
+      topk_weights: float32 [T, K].
+      num_experts: E, a multiple of the EP axis size R.
+      axis_name: the mesh axis of the expert-parallel group.
+      capacity: static rows of the output (entries when `expert_major`). Default: the
+        worst case, R*T (R*T*min(K, E/R) when `expert_major`), which never overflows.
+      expert_major: return one row per (token, local expert) choice grouped by expert, with
+        `group_sizes` for `jax.lax.ragged_dot`, instead of one row per token.
+      on_overflow: "error" raises at run time when a rank needs more than `capacity`;
+        "drop" keeps the first `capacity` rows and reports the rest in `num_dropped`.
+      on_invalid: "error" raises at run time on ids outside [-1, E); "mask" treats them as
+        -1 and reports them in `num_invalid`.
+      backend: "auto", "xla" or "cuda" (see `jax_ep.backends`).
+
+    Returns:
+      (Received, DispatchHandle). Pass the handle to `combine`.
+    """
+    op = "jax_ep.dispatch"
+    num_ranks = _checks.axis_size(op, axis_name)
+    num_tokens, top_k = _checks.check_topk_idx(op, topk_idx)
+    data, scales = _check_x(op, x, num_tokens)
+    _checks.check_topk_weights(op, topk_weights, num_tokens, top_k)
+    experts_per_rank = _checks.check_num_experts(op, num_experts, num_ranks, axis_name)
+    _checks.check_top_k(op, top_k, num_experts)
+    _checks.check_positive_int(op, "capacity", capacity, allow_none=True)
+    if not isinstance(expert_major, bool):
+        raise TypeError(f"{op}: expert_major must be a bool; got {expert_major!r}.")
+    _checks.check_choice(op, "on_overflow", on_overflow, _checks.OVERFLOW_POLICIES)
+    _checks.check_choice(op, "on_invalid", on_invalid, _checks.INVALID_POLICIES)
+    # Rows (entries) a rank can need at most; a capacity that large never overflows.
+    worst_case = num_ranks * num_tokens * (top_k if expert_major else 1)
+    if capacity is None:
+        capacity = num_ranks * num_tokens
+        if expert_major:  # duplicate choices of one expert may still exceed this
+            capacity *= min(top_k, experts_per_rank)
+
+    config = _DispatchConfig(
+        backend=backends.resolve(backend),
+        num_experts=num_experts,
+        axis_name=axis_name,
+        capacity=capacity,
+        expert_major=expert_major,
+    )
+    received, handle, needed = _dispatch(config, data, scales, topk_idx, topk_weights)
+    if on_invalid == "error":
+        _runtime_checks.check_invalid(
+            op, received.num_invalid, num_experts=num_experts, axis_name=axis_name
+        )
+    if on_overflow == "error" and capacity < worst_case:
+        what = "expert entries" if expert_major else "token rows"
+        _runtime_checks.check_overflow(
+            op, needed, capacity=capacity, what=what, axis_name=axis_name
+        )
+    return received, handle
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dispatch(config: _DispatchConfig, x, scales, topk_idx, topk_weights):
+    run = backends.function(config.backend, "dispatch", "dispatch")
+    return run(
+        x,
+        scales,
+        topk_idx,
+        topk_weights,
+        num_experts=config.num_experts,
+        axis_name=config.axis_name,
+        capacity=config.capacity,
+        expert_major=config.expert_major,
+    )
+
+
+def _dispatch_fwd(config, x, scales, topk_idx, topk_weights):
+    out = _dispatch(config, x, scales, topk_idx, topk_weights)
+    received, handle, _ = out
+    return out, (handle, received.topk_idx)
+
+
+def _dispatch_bwd(config, residuals, cotangents):
+    handle, received_idx = residuals
+    d_received = cotangents[0]
+    to_sources = backends.function(config.backend, "dispatch", "weights_to_sources")
+    d_weights = to_sources(d_received.topk_weights, received_idx, handle)
+    if d_received.scales is not None:  # FP8 data is not differentiated
+        d_x = jnp.zeros((handle.num_tokens, d_received.x.shape[1]), d_received.x.dtype)
+    else:
+        combine_rows = backends.function(config.backend, "dispatch", "combine")
+        d_x = combine_rows(d_received.x, None, handle)
+    return d_x, None, None, d_weights
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def combine(
+    y: jax.Array,
+    handle: DispatchHandle,
+    *,
+    topk_weights: jax.Array | None = None,
+    backend: str = "auto",
+) -> jax.Array:
+    """Sums each token's rows over the ranks that received it, at the token's home rank.
+
+    Args:
+      y: [capacity, H] rows in the layout `dispatch` returned (rank-major rows or
+        expert-major entries), any float dtype of 16 bits or more.
+      handle: the DispatchHandle of that dispatch.
+      topk_weights: optional float32 [capacity], a weight per row (entry): typically the
+        received `topk_weights` of each expert-major entry, so the weighted expert outputs
+        are reduced per rank before they travel.
+      backend: "auto", "xla" or "cuda".
+
+    Returns:
+      [T, H] in y.dtype: the float32 sum, in rank order (docs/contract.md, "combine").
+    """
+    op = "jax_ep.combine"
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(
+            f"{op}: handle must be the DispatchHandle returned by jax_ep.dispatch; got "
+            f"{type(handle).__name__}."
+        )
+    rows = handle.capacity
+    layout = "entries" if handle.expert_major else "rows"
+    _checks.check_float(op, "y", y, ndim=2, expect=f"[capacity, H] = [{rows}, H] ({layout})")
+    if y.shape[0] != rows:
+        raise ValueError(
+            f"{op}: y must have one row per dispatched {layout[:-1]}, [{rows}, H] (the "
+            f"dispatch capacity); got {_checks.describe(y)}."
+        )
+    if topk_weights is not None:
+        _checks.check_array(
+            op, "topk_weights", topk_weights, ndim=1, dtypes=(jnp.float32,), shape=(rows,),
+            expect=f"float32 [{rows}] (one weight per row of y)",
+        )
+    return _combine(backends.resolve(backend), y, topk_weights, handle)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _combine(backend: str, y, weights, handle):
+    return backends.function(backend, "combine", "combine")(y, weights, handle)
+
+
+def _combine_fwd(backend, y, weights, handle):
+    return _combine(backend, y, weights, handle), (y, weights, handle)
+
+
+def _combine_bwd(backend, residuals, d_out):
+    y, weights, handle = residuals
+    rows = backends.function(backend, "combine", "rows_for_receivers")(d_out, handle)
+    if weights is None:
+        return rows.astype(y.dtype), None, None
+    rows = rows.astype(jnp.float32)
+    d_y = (rows * weights[:, None]).astype(y.dtype)
+    d_weights = jnp.sum(rows * y.astype(jnp.float32), axis=1)
+    return d_y, d_weights, None
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)

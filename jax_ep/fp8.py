@@ -1,0 +1,72 @@
+"""FP8 (e4m3) quantization with one float32 scale per token per 128 channels.
+
+`scale = max(amax, 1e-4) / 448` over each block of 128 channels, computed in float32, and
+`x_fp8 = float8_e4m3fn(x / scale)` rounded to nearest even; 448 is the largest e4m3 value, so
+the cast never saturates. The same rule is used by the low-latency kernels' in-kernel cast.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_ep import _checks
+
+BLOCK = 128
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+FP8_DTYPE = jnp.float8_e4m3fn
+
+
+def _blocks(x: jax.Array) -> jax.Array:
+    return x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+
+
+def check_hidden(op: str, name: str, hidden: int) -> None:
+    if hidden % BLOCK != 0:
+        raise ValueError(
+            f"{op}: the hidden size of {name} ({hidden}) must be a multiple of {BLOCK} for FP8 "
+            f"(one scale per {BLOCK} channels). Pad the hidden dimension or dispatch in bf16."
+        )
+
+
+def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Quantizes `x` [..., H] (any float dtype, H % 128 == 0).
+
+    Returns:
+      (x_fp8 float8_e4m3fn [..., H], scales float32 [..., H/128]).
+    """
+    op = "jax_ep.fp8.quantize"
+    _checks.check_float(op, "x", x, ndim=x.ndim if hasattr(x, "ndim") else 1, expect="[..., H]")
+    if x.ndim < 1:
+        raise ValueError(f"{op}: x must have at least one dimension; got a scalar.")
+    check_hidden(op, "x", x.shape[-1])
+    blocks = _blocks(x.astype(jnp.float32))
+    amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), jnp.float32(AMAX_FLOOR))
+    scales = amax / jnp.float32(FP8_MAX)
+    x_fp8 = (blocks / scales[..., None]).astype(FP8_DTYPE)
+    return x_fp8.reshape(x.shape), scales
+
+
+def dequantize(
+    x_fp8: jax.Array, scales: jax.Array, out_dtype: jnp.dtype = jnp.float32
+) -> jax.Array:
+    """Inverse of `quantize`: float32(x_fp8) * scale per block, returned in `out_dtype`."""
+    op = "jax_ep.fp8.dequantize"
+    check_pair(op, "x_fp8", x_fp8, scales)
+    out = _blocks(x_fp8.astype(jnp.float32)) * scales[..., None]
+    return out.reshape(x_fp8.shape).astype(out_dtype)
+
+
+def check_pair(op: str, name: str, x_fp8: jax.Array, scales: jax.Array) -> None:
+    """`(x_fp8 [..., H] float8_e4m3fn, scales float32 [..., H/128])` with matching shapes."""
+    _checks.check_array(
+        op, name, x_fp8, dtypes=(FP8_DTYPE,), expect="float8_e4m3fn [..., H]",
+        fix="Produce the pair with jax_ep.fp8.quantize(x).",
+    )
+    check_hidden(op, name, x_fp8.shape[-1])
+    want = (*x_fp8.shape[:-1], x_fp8.shape[-1] // BLOCK)
+    _checks.check_array(
+        op, "scales", scales, dtypes=(jnp.float32,), shape=want, ndim=len(want),
+        expect=f"float32 {list(want)} (one scale per {BLOCK} channels of {name})",
+    )

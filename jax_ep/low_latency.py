@@ -1,0 +1,180 @@
+"""Low-latency dispatch and combine (decode), whole or split into send and receive halves.
+
+Each (token, expert) pair is one message into per-expert slots `[E_local, R*T, H]`, so the
+expert computation can start from a fixed layout, and combine forms the top-k weighted sum at
+the token's home rank. The split forms let other work run between issuing the sends and
+waiting for the data: `*_send` returns a pending value, `*_recv` completes it. The exact
+outputs are specified in docs/contract.md.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from jax_ep import _checks, _runtime_checks, backends, fp8
+from jax_ep.structs import (
+    LowLatencyCombinePending,
+    LowLatencyDispatchPending,
+    LowLatencyHandle,
+    LowLatencyReceived,
+)
+
+
+def low_latency_dispatch_send(
+    x: jax.Array,
+    topk_idx: jax.Array,
+    *,
+    num_experts: int,
+    axis_name: str = "ep",
+    use_fp8: bool = False,
+    on_invalid: Literal["error", "mask"] = "error",
+    backend: str = "auto",
+) -> LowLatencyDispatchPending:
+    """Issues the sends of `low_latency_dispatch`; complete with `low_latency_dispatch_recv`."""
+    op = "jax_ep.low_latency_dispatch"
+    num_ranks = _checks.axis_size(op, axis_name)
+    num_tokens, top_k = _checks.check_topk_idx(op, topk_idx)
+    _checks.check_array(
+        op, "x", x, ndim=2, dtypes=(jnp.bfloat16,), shape=(num_tokens, None),
+        expect=f"bfloat16 [T, H] with T={num_tokens} like topk_idx",
+        fix="Cast with x.astype(jnp.bfloat16).",
+    )
+    fp8.check_hidden(op, "x", x.shape[1])
+    _checks.check_num_experts(op, num_experts, num_ranks, axis_name)
+    _checks.check_top_k(op, top_k, num_experts)
+    _checks.check_choice(op, "on_invalid", on_invalid, _checks.INVALID_POLICIES)
+    if not isinstance(use_fp8, bool):
+        raise TypeError(f"{op}: use_fp8 must be a bool; got {use_fp8!r}.")
+    name = backends.resolve(backend)
+    send = backends.function(name, "low_latency_dispatch", "low_latency_dispatch_send")
+    data = send(x, topk_idx, num_experts=num_experts, axis_name=axis_name, use_fp8=use_fp8)
+    if on_invalid == "error":
+        _runtime_checks.check_invalid(
+            op, data["num_invalid"], num_experts=num_experts, axis_name=axis_name
+        )
+    return LowLatencyDispatchPending(
+        data=data, num_experts=num_experts, axis_name=axis_name, backend=name
+    )
+
+
+def low_latency_dispatch_recv(
+    pending: LowLatencyDispatchPending,
+) -> tuple[LowLatencyReceived, LowLatencyHandle]:
+    """Completes a `low_latency_dispatch_send`."""
+    if not isinstance(pending, LowLatencyDispatchPending):
+        raise TypeError(
+            "jax_ep.low_latency_dispatch_recv: pending must be the value returned by "
+            f"low_latency_dispatch_send; got {type(pending).__name__}."
+        )
+    recv = backends.function(pending.backend, "low_latency_dispatch", "low_latency_dispatch_recv")
+    return recv(pending.data, num_experts=pending.num_experts, axis_name=pending.axis_name)
+
+
+def low_latency_dispatch(
+    x: jax.Array,
+    topk_idx: jax.Array,
+    *,
+    num_experts: int,
+    axis_name: str = "ep",
+    use_fp8: bool = False,
+    on_invalid: Literal["error", "mask"] = "error",
+    backend: str = "auto",
+) -> tuple[LowLatencyReceived, LowLatencyHandle]:
+    """Sends one message per (token, expert) into per-expert slots (per shard, in shard_map).
+
+    Args:
+      x: bfloat16 [T, H] tokens of this rank, H a multiple of 128.
+      topk_idx: int32 [T, K] expert ids in [0, E); -1 masks a choice. A token that picks
+        the same expert twice is sent to it once.
+      num_experts: E, a multiple of the EP axis size R.
+      axis_name: the mesh axis of the expert-parallel group.
+      use_fp8: quantize to float8_e4m3fn (one float32 scale per 128 channels) before sending.
+      on_invalid: "error" raises at run time on ids outside [-1, E); "mask" only counts them.
+      backend: "auto", "xla" or "cuda".
+
+    Returns:
+      (LowLatencyReceived, LowLatencyHandle): `.x` [E_local, R*T, H] (bf16, or FP8 with
+      `.scales` [E_local, R*T, H/128]), rows of local expert j ordered by source rank then
+      source token, `.count` [E_local] rows used; pass the handle to `low_latency_combine`.
+    """
+    return low_latency_dispatch_recv(
+        low_latency_dispatch_send(
+            x, topk_idx, num_experts=num_experts, axis_name=axis_name, use_fp8=use_fp8,
+            on_invalid=on_invalid, backend=backend,
+        )
+    )
+
+
+def low_latency_combine_send(
+    y: jax.Array,
+    topk_idx: jax.Array,
+    topk_weights: jax.Array,
+    handle: LowLatencyHandle,
+    *,
+    backend: str = "auto",
+) -> LowLatencyCombinePending:
+    """Issues the sends of `low_latency_combine`; complete with `low_latency_combine_recv`."""
+    op = "jax_ep.low_latency_combine"
+    if not isinstance(handle, LowLatencyHandle):
+        raise TypeError(
+            f"{op}: handle must be the LowLatencyHandle returned by low_latency_dispatch; got "
+            f"{type(handle).__name__}."
+        )
+    num_tokens, top_k = handle.topk_idx.shape
+    experts_per_rank = handle.num_experts // handle.num_ranks
+    slots = handle.num_ranks * num_tokens
+    _checks.check_array(
+        op, "y", y, ndim=3, dtypes=(jnp.bfloat16,), shape=(experts_per_rank, slots, None),
+        expect=f"bfloat16 [E_local, R*T, H] = [{experts_per_rank}, {slots}, H]",
+    )
+    _checks.check_array(
+        op, "topk_idx", topk_idx, ndim=2, dtypes=(jnp.int32,), shape=(num_tokens, top_k),
+        expect=f"int32 [T, K] = [{num_tokens}, {top_k}], the topk_idx given to dispatch",
+    )
+    _checks.check_topk_weights(op, topk_weights, num_tokens, top_k)
+    name = backends.resolve(backend)
+    send = backends.function(name, "low_latency_combine", "low_latency_combine_send")
+    return LowLatencyCombinePending(
+        data=send(y, handle), topk_weights=topk_weights, handle=handle, backend=name
+    )
+
+
+def low_latency_combine_recv(pending: LowLatencyCombinePending) -> jax.Array:
+    """Completes a `low_latency_combine_send`; returns bfloat16 [T, H]."""
+    if not isinstance(pending, LowLatencyCombinePending):
+        raise TypeError(
+            "jax_ep.low_latency_combine_recv: pending must be the value returned by "
+            f"low_latency_combine_send; got {type(pending).__name__}."
+        )
+    recv = backends.function(pending.backend, "low_latency_combine", "low_latency_combine_recv")
+    return recv(pending.data, pending.topk_weights, pending.handle)
+
+
+def low_latency_combine(
+    y: jax.Array,
+    topk_idx: jax.Array,
+    topk_weights: jax.Array,
+    handle: LowLatencyHandle,
+    *,
+    backend: str = "auto",
+) -> jax.Array:
+    """Top-k weighted sum of the experts' outputs at each token's home rank.
+
+    Args:
+      y: bfloat16 [E_local, R*T, H], expert outputs in the layout of low_latency_dispatch.
+      topk_idx: int32 [T, K], the routing given to low_latency_dispatch (the handle holds
+        it; this argument is checked for shape only).
+      topk_weights: float32 [T, K] weights of the choices.
+      handle: the LowLatencyHandle of that dispatch.
+      backend: "auto", "xla" or "cuda".
+
+    Returns:
+      bfloat16 [T, H]: sum over k of topk_weights[t, k] * y[expert of k][slot of t], in
+      float32, in k order.
+    """
+    return low_latency_combine_recv(
+        low_latency_combine_send(y, topk_idx, topk_weights, handle, backend=backend)
+    )

@@ -1,0 +1,160 @@
+"""Result and handle types of the ops: frozen dataclasses registered as JAX pytrees.
+
+Array fields are pytree leaves (they flow through jit, grad, shard_map and scan); static
+configuration (sizes, the axis name) is pytree metadata, so a handle carries everything that
+combine needs to undo its dispatch. Field shapes use the notation of docs/contract.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+
+def _pytree(cls: type) -> type:
+    """Frozen dataclass whose `meta` fields are static and all other fields are leaves."""
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    fields = dataclasses.fields(cls)
+    meta = [f.name for f in fields if f.metadata.get("static")]
+    data = [f.name for f in fields if not f.metadata.get("static")]
+    return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+
+
+def static(default: Any = dataclasses.MISSING) -> Any:
+    return dataclasses.field(default=default, metadata={"static": True})
+
+
+@_pytree
+class DispatchLayout:
+    """Where this rank's tokens go (purely local).
+
+    Attributes:
+      num_tokens_per_rank: int32 [R], tokens of this rank that go to each rank.
+      num_tokens_per_expert: int32 [E], valid choices of each expert (duplicates count twice).
+      is_token_in_rank: bool [T, R].
+      num_invalid: int32 [], ids in topk_idx outside [-1, E).
+    """
+
+    num_tokens_per_rank: jax.Array
+    num_tokens_per_expert: jax.Array
+    is_token_in_rank: jax.Array
+    num_invalid: jax.Array
+
+
+@_pytree
+class Received:
+    """What normal dispatch delivers to this rank (docs/contract.md, "dispatch").
+
+    Attributes:
+      x: [capacity, H] in the input dtype, or float8_e4m3fn when FP8 was dispatched.
+      scales: float32 [capacity, H/128] for FP8 dispatch, else None.
+      topk_idx: int32 local expert ids, [capacity, K] (rank-major) or [capacity]
+        (expert-major, one entry per row); -1 where masked or past the count.
+      topk_weights: float32, same shape as topk_idx; 0 where topk_idx is -1.
+      num_tokens: int32 [], rows (entries, when expert-major) kept.
+      tokens_per_expert: int32 [E_local], kept choices per local expert.
+      num_dropped: int32 [], rows (entries) that did not fit in the capacity.
+      num_invalid: int32 [], ids outside [-1, E) in this rank's own topk_idx.
+      group_sizes: int32 [E_local] for expert-major (== tokens_per_expert), else None.
+    """
+
+    x: jax.Array
+    scales: jax.Array | None
+    topk_idx: jax.Array
+    topk_weights: jax.Array
+    num_tokens: jax.Array
+    tokens_per_expert: jax.Array
+    num_dropped: jax.Array
+    num_invalid: jax.Array
+    group_sizes: jax.Array | None
+
+
+@_pytree
+class DispatchHandle:
+    """Everything combine (and the backward passes) need to undo a dispatch.
+
+    Attributes:
+      topk_idx: int32 [T, K], this rank's routing with invalid ids replaced by -1.
+      recv_src: int32 [N], source of each rank-major row: s * T + t, or -1 past the count.
+        N = capacity (rank-major) or R*T (expert-major, where capacity applies to entries).
+      entry_row: int32 [capacity], rank-major row of each entry (expert-major), else None.
+      entry_choice: int32 [capacity], top-k slot k of each entry (expert-major), else None.
+      row_entries: int32 [R*T, K], entries of each rank-major row in their sorted order,
+        -1 padded (expert-major), else None.
+    """
+
+    topk_idx: jax.Array
+    recv_src: jax.Array
+    entry_row: jax.Array | None
+    entry_choice: jax.Array | None
+    row_entries: jax.Array | None
+    num_experts: int = static()
+    num_ranks: int = static()
+    capacity: int = static()
+    expert_major: bool = static()
+    axis_name: str = static()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.topk_idx.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.topk_idx.shape[1]
+
+
+@_pytree
+class LowLatencyReceived:
+    """What low-latency dispatch delivers to this rank.
+
+    Attributes:
+      x: [E_local, R*T, H] bfloat16, or float8_e4m3fn with `scales`.
+      scales: float32 [E_local, R*T, H/128] for FP8, else None.
+      count: int32 [E_local], rows used per local expert.
+      num_invalid: int32 [], ids outside [-1, E) in this rank's own topk_idx.
+    """
+
+    x: jax.Array
+    scales: jax.Array | None
+    count: jax.Array
+    num_invalid: jax.Array
+
+
+@_pytree
+class LowLatencyHandle:
+    """Routing that low-latency combine needs to bring expert outputs home.
+
+    Attributes:
+      topk_idx: int32 [T, K], this rank's routing with invalid ids replaced by -1.
+      src_row: int32 [R, T, K], for every source rank's choices, the row in this rank's
+        slots flattened to [E_local * R*T] (local expert j, slot i -> j * R*T + i), -1 where
+        the choice does not live on this rank (the expert side of the exchange).
+    """
+
+    topk_idx: jax.Array
+    src_row: jax.Array
+    num_experts: int = static()
+    num_ranks: int = static()
+    axis_name: str = static()
+
+
+@_pytree
+class LowLatencyDispatchPending:
+    """A low-latency dispatch whose sends are issued and whose receive is still to come."""
+
+    data: Any
+    num_experts: int = static()
+    axis_name: str = static()
+    backend: str = static()
+
+
+@_pytree
+class LowLatencyCombinePending:
+    """A low-latency combine whose sends are issued and whose receive is still to come."""
+
+    data: Any
+    topk_weights: jax.Array
+    handle: LowLatencyHandle
+    backend: str = static()

@@ -1,0 +1,21 @@
+"""Test setup: 8 host CPU devices (before jax is imported), shared fixtures and markers."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a test that takes more than a few seconds")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _eight_devices():
+    assert len(jax.devices()) == 8, "tests expect 8 forced host devices"

@@ -1,0 +1,250 @@
+"""Normal dispatch and combine against the NumPy reference (jax_ep.reference).
+
+Covers: every routing kind (uniform, hot expert, masks, empty ranks, duplicate choices),
+R in {1, 2, 4, 8}, rank-major and expert-major layouts, BF16/float32 and FP8 payloads,
+weighted and unweighted combine, capacity overflow ("drop" counts, "error" message),
+invalid expert ids, determinism, and random shapes (T, E, K not powers of two) with
+hypothesis. Data movement is compared bit for bit; combine too, since its order is fixed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jax_ep
+from harness import sharded, to_numpy
+from jax_ep import reference
+from jax_ep.bench.routings import KINDS, make_routing
+
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+
+def _assert_bitwise(got, want, what):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    g = got.view(np.uint8) if got.dtype.itemsize == 1 else got.view(f"u{got.dtype.itemsize}")
+    w = want.view(np.uint8) if want.dtype.itemsize == 1 else want.view(f"u{want.dtype.itemsize}")
+    bad = np.argwhere(g != w)
+    assert bad.size == 0, f"{what}: {len(bad)} elements differ, first at {bad[0].tolist()}"
+
+
+def _run(num_ranks, x, idx, w, y, yw, *, num_experts, capacity=None, expert_major=False):
+    """dispatch, then combine of `y` (unweighted and weighted by `yw`) on R devices."""
+
+    def per_shard(x, idx, w, y, yw):
+        recv, handle = jax_ep.dispatch(
+            x, idx, w, num_experts=num_experts, capacity=capacity, expert_major=expert_major,
+            on_overflow="drop",
+        )
+        return (
+            recv,
+            jax_ep.combine(y, handle),
+            jax_ep.combine(y, handle, topk_weights=yw),
+        )
+
+    return to_numpy(sharded(per_shard, num_ranks)(x, idx, w, y, yw))
+
+
+def check_against_reference(
+    rng, *, num_ranks, num_tokens, top_k, num_experts, hidden, kind, dtype=np.float32,
+    capacity=None, expert_major=False,
+):
+    idx, w = make_routing(
+        rng, num_ranks=num_ranks, num_tokens=num_tokens, top_k=top_k,
+        num_experts=num_experts, kind=kind,
+    )
+    x = rng.standard_normal((num_ranks, num_tokens, hidden)).astype(dtype)
+    want = reference.dispatch(
+        x, idx, w, num_experts=num_experts, capacity=capacity, expert_major=expert_major
+    )
+    cap = want["x"].shape[1]
+    y = rng.standard_normal((num_ranks, cap, hidden)).astype(dtype)
+    yw = rng.random((num_ranks, cap)).astype(np.float32)
+    recv, out, out_w = _run(
+        num_ranks, x, idx, w, y, yw, num_experts=num_experts, capacity=capacity,
+        expert_major=expert_major,
+    )
+    for key in ("x", "topk_idx", "topk_weights", "num_tokens", "tokens_per_expert",
+                "num_dropped", "num_invalid"):
+        _assert_bitwise(getattr(recv, key), want[key], f"dispatch {key}")
+    if expert_major:
+        _assert_bitwise(recv.group_sizes, want["group_sizes"], "dispatch group_sizes")
+    kw = dict(num_experts=num_experts, capacity=capacity, expert_major=expert_major)
+    _assert_bitwise(out, reference.combine(y, idx, **kw), "combine")
+    _assert_bitwise(out_w, reference.combine(y, idx, weights=yw, **kw), "weighted combine")
+    return want
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
+@pytest.mark.parametrize("expert_major", [False, True], ids=["rank_major", "expert_major"])
+def test_matches_reference(kind, num_ranks, expert_major):
+    rng = np.random.default_rng()
+    check_against_reference(
+        rng, num_ranks=num_ranks, num_tokens=13, top_k=6, num_experts=3 * num_ranks * 2,
+        hidden=40, kind=kind, dtype=ml_dtypes.bfloat16, expert_major=expert_major,
+    )
+
+
+@settings(
+    max_examples=12, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    num_ranks=st.sampled_from([1, 2, 4, 8]),
+    num_tokens=st.integers(1, 23),
+    top_k=st.sampled_from([1, 2, 6, 8]),
+    experts_per_rank=st.integers(1, 9),
+    kind=st.sampled_from(KINDS),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    expert_major=st.booleans(),
+    capacity_fraction=st.sampled_from([None, 0.3, 0.8]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_random_shapes(
+    num_ranks, num_tokens, top_k, experts_per_rank, kind, dtype, expert_major,
+    capacity_fraction, seed,
+):
+    num_experts = num_ranks * experts_per_rank
+    top_k = min(top_k, num_experts)
+    capacity = None
+    if capacity_fraction is not None:
+        worst = num_ranks * num_tokens * (min(top_k, experts_per_rank) if expert_major else 1)
+        capacity = max(1, int(worst * capacity_fraction))
+    check_against_reference(
+        np.random.default_rng(seed), num_ranks=num_ranks, num_tokens=num_tokens, top_k=top_k,
+        num_experts=num_experts, hidden=24, kind=kind, dtype=DTYPES[dtype],
+        capacity=capacity, expert_major=expert_major,
+    )
+
+
+def test_drop_reports_exact_count():
+    rng = np.random.default_rng()
+    want = check_against_reference(
+        rng, num_ranks=4, num_tokens=16, top_k=4, num_experts=8, hidden=8, kind="hot_expert",
+        capacity=5,
+    )
+    assert want["num_dropped"].sum() > 0  # the case really overflows
+
+
+@pytest.mark.parametrize("expert_major", [False, True])
+def test_overflow_error_names_capacity_and_needed_size(expert_major):
+    rng = np.random.default_rng()
+    num_ranks, num_tokens, num_experts = 4, 16, 8
+    idx, w = make_routing(rng, num_ranks=num_ranks, num_tokens=num_tokens, top_k=2,
+                          num_experts=num_experts, kind="hot_expert")
+    x = rng.standard_normal((num_ranks, num_tokens, 8)).astype(np.float32)
+    needed = reference.dispatch(x, idx, w, num_experts=num_experts, expert_major=expert_major)
+    worst = int((needed["num_tokens"] + needed["num_dropped"]).max())
+
+    def per_shard(x, idx, w):
+        recv, _ = jax_ep.dispatch(x, idx, w, num_experts=num_experts, capacity=3,
+                                  expert_major=expert_major)
+        return recv.x
+
+    with pytest.raises(Exception, match=rf"capacity=3 is too small.*{worst}.*capacity>={worst}"):
+        jax.block_until_ready(sharded(per_shard, num_ranks)(x, idx, w))
+
+
+def test_fp8_pair_moves_bit_for_bit():
+    rng = np.random.default_rng()
+    num_ranks, num_tokens, num_experts, hidden = 4, 9, 12, 256
+    idx, w = make_routing(rng, num_ranks=num_ranks, num_tokens=num_tokens, top_k=3,
+                          num_experts=num_experts, kind="masked")
+    x = rng.standard_normal((num_ranks, num_tokens, hidden)).astype(np.float32)
+    q, s = reference.quantize(x)
+    want = reference.dispatch((q, s), idx, w, num_experts=num_experts)
+
+    def per_shard(q, s, idx, w):
+        recv, _ = jax_ep.dispatch((q, s), idx, w, num_experts=num_experts)
+        return recv
+
+    got = to_numpy(sharded(per_shard, num_ranks)(q, s, idx, w))
+    _assert_bitwise(got.x, want["x"], "fp8 x")
+    _assert_bitwise(got.scales, want["scales"], "fp8 scales")
+
+
+@pytest.mark.parametrize("on_invalid", ["error", "mask"])
+def test_invalid_ids_are_counted_or_raise(on_invalid):
+    rng = np.random.default_rng()
+    num_ranks, num_tokens, num_experts = 2, 6, 4
+    idx, w = make_routing(rng, num_ranks=num_ranks, num_tokens=num_tokens, top_k=2,
+                          num_experts=num_experts)
+    idx[0, 1, 0] = num_experts  # one past the end
+    idx[1, 3, 1] = -7
+    x = rng.standard_normal((num_ranks, num_tokens, 8)).astype(np.float32)
+
+    def per_shard(x, idx, w):
+        recv, _ = jax_ep.dispatch(x, idx, w, num_experts=num_experts, on_invalid=on_invalid)
+        return recv
+
+    run = sharded(per_shard, num_ranks)
+    if on_invalid == "error":
+        with pytest.raises(Exception, match=r"topk_idx holds 2 expert id\(s\) outside \[-1, 4\)"):
+            jax.block_until_ready(run(x, idx, w))
+        return
+    got = to_numpy(run(x, idx, w))
+    want = reference.dispatch(x, idx, w, num_experts=num_experts)
+    np.testing.assert_array_equal(got.num_invalid, [1, 1])
+    _assert_bitwise(got.x, want["x"], "x with invalid ids masked")
+    _assert_bitwise(got.topk_idx, want["topk_idx"], "topk_idx with invalid ids masked")
+
+
+def test_deterministic_bits():
+    rng = np.random.default_rng()
+    idx, w = make_routing(rng, num_ranks=8, num_tokens=32, top_k=8, num_experts=64)
+    x = rng.standard_normal((8, 32, 64)).astype(ml_dtypes.bfloat16)
+    y = rng.standard_normal((8, 8 * 32 * 8, 64)).astype(ml_dtypes.bfloat16)
+    yw = rng.random((8, 8 * 32 * 8)).astype(np.float32)
+    first = _run(8, x, idx, w, y, yw, num_experts=64, expert_major=True)
+    second = _run(8, x, idx, w, y, yw, num_experts=64, expert_major=True)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True):
+        _assert_bitwise(a, b, "second run")
+
+
+def test_eager_and_jit_agree():
+    rng = np.random.default_rng()
+    idx, w = make_routing(rng, num_ranks=2, num_tokens=5, top_k=2, num_experts=6)
+    x = rng.standard_normal((2, 5, 16)).astype(np.float32)
+
+    def per_shard(x, idx, w):
+        recv, handle = jax_ep.dispatch(x, idx, w, num_experts=6)
+        return recv.x, jax_ep.combine(recv.x, handle)
+
+    eager = to_numpy(sharded(per_shard, 2, jit=False)(x, idx, w))
+    jitted = to_numpy(sharded(per_shard, 2)(x, idx, w))
+    for a, b in zip(eager, jitted, strict=True):
+        _assert_bitwise(a, b, "eager vs jit")
+
+
+def test_expert_major_feeds_ragged_dot():
+    """The expert-major rows and group sizes drive jax.lax.ragged_dot directly."""
+    rng = np.random.default_rng()
+    num_ranks, num_tokens, num_experts, hidden, out_dim = 4, 7, 8, 16, 5
+    idx, w = make_routing(rng, num_ranks=num_ranks, num_tokens=num_tokens, top_k=3,
+                          num_experts=num_experts)
+    x = rng.standard_normal((num_ranks, num_tokens, hidden)).astype(np.float32)
+    experts = rng.standard_normal((num_ranks, num_experts // num_ranks, hidden, out_dim))
+    experts = experts.astype(np.float32)
+
+    def per_shard(x, idx, w, experts):
+        recv, handle = jax_ep.dispatch(x, idx, w, num_experts=num_experts, expert_major=True)
+        y = jax.lax.ragged_dot(recv.x, experts, recv.group_sizes)
+        return jax_ep.combine(y, handle, topk_weights=recv.topk_weights)
+
+    got = to_numpy(sharded(per_shard, num_ranks)(x, idx, w, experts))
+    all_experts = experts.reshape(num_experts, hidden, out_dim)
+    want = np.zeros((num_ranks, num_tokens, out_dim))
+    for r in range(num_ranks):
+        for t in range(num_tokens):
+            for k in range(3):
+                if idx[r, t, k] >= 0:
+                    want[r, t] += w[r, t, k] * (x[r, t] @ all_experts[idx[r, t, k]])
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)

@@ -1,0 +1,59 @@
+"""2 processes x 4 CPU devices through jax.distributed on 127.0.0.1 give the same bits as one
+process with 8 devices."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import multiprocess_case
+from harness import to_numpy
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(tmp_path):
+    seed = int(np.random.default_rng().integers(2**31))
+    port = _free_port()
+    out = tmp_path / "out.npz"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    env.pop("XLA_FLAGS", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "multiprocess_worker.py"), str(pid), "2",
+             str(port), str(seed), str(out)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for pid in range(2)
+    ]
+    logs = []
+    for proc in procs:
+        try:
+            logs.append(proc.communicate(timeout=300)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail("multi-process run timed out:\n" + "\n".join(logs))
+    for proc, log in zip(procs, logs, strict=True):
+        assert proc.returncode == 0, log[-3000:]
+
+    multi = np.load(out)
+    single = to_numpy(multiprocess_case.run(seed))
+    for key, want in single.items():
+        got = multi[key]
+        assert got.shape == want.shape, key
+        np.testing.assert_array_equal(got.view(np.uint8), np.asarray(want).view(np.uint8),
+                                      err_msg=key)
