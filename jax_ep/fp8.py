@@ -1,8 +1,12 @@
 """FP8 (e4m3) quantization with one float32 scale per token per 128 channels.
 
-`scale = max(amax, 1e-4) / 448` over each block of 128 channels, computed in float32, and
-`x_fp8 = float8_e4m3fn(x / scale)` rounded to nearest even; 448 is the largest e4m3 value, so
-the cast never saturates. The same rule is used by the low-latency kernels' in-kernel cast.
+Per block of 128 channels, in float32: `scale = max(amax, 1e-4) * float32(1/448)`, then
+`x_fp8 = float8_e4m3fn(x * (1 / scale))` (the reciprocal rounded to float32 once per block,
+the cast rounding to nearest even); 448 is the largest e4m3 value, so the cast never
+saturates. Both are products with a rounded reciprocal, not quotients, because compilers
+rewrite a division by a constant or by a broadcast value into exactly such a product;
+writing the products out keeps every backend bit-identical. The low-latency kernels' in-kernel
+cast uses the same rule.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from jax_ep import _checks
 
 BLOCK = 128
 FP8_MAX = 448.0
+INV_FP8_MAX = 1.0 / FP8_MAX  # rounded to float32 where it is used
 AMAX_FLOOR = 1e-4
 FP8_DTYPE = jnp.float8_e4m3fn
 
@@ -43,8 +48,8 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     check_hidden(op, "x", x.shape[-1])
     blocks = _blocks(x.astype(jnp.float32))
     amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), jnp.float32(AMAX_FLOOR))
-    scales = amax / jnp.float32(FP8_MAX)
-    x_fp8 = (blocks / scales[..., None]).astype(FP8_DTYPE)
+    scales = amax * jnp.float32(INV_FP8_MAX)
+    x_fp8 = (blocks * (1.0 / scales)[..., None]).astype(FP8_DTYPE)
     return x_fp8.reshape(x.shape), scales
 
 

@@ -9,6 +9,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import Phase, settings  # noqa: E402
+
+# Each example compiles a program, so shrinking a failure would take minutes: report the
+# failing example as drawn instead (hypothesis prints it, and its seed to reproduce it).
+settings.register_profile(
+    "jax_ep", deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate]
+)
+settings.load_profile("jax_ep")
 
 
 def pytest_configure(config):

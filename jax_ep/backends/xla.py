@@ -64,12 +64,20 @@ def _to_home(blocks: jax.Array, axis_name: str) -> jax.Array:
     return lax.all_to_all(blocks, axis_name, split_axis=0, concat_axis=0)
 
 
-def _sum_in_rank_order(parts: jax.Array) -> jax.Array:
-    """float32 sum over the leading (rank) axis, strictly in order, from 0.0."""
-    total = jnp.zeros(parts.shape[1:], jnp.float32)
-    for part in parts:  # R is static and small; an explicit chain fixes the order
-        total = total + part.astype(jnp.float32)
-    return total
+def _sum_in_order(count: int, term) -> jax.Array:
+    """float32 `term(0) + term(1) + ...` strictly in that order, starting from 0.0.
+
+    The sum runs in a loop, so the additions stay in a computation of their own: XLA then
+    cannot fuse a product computed outside into an addition as a fused multiply-add (which
+    rounds once instead of twice and would change the bits).
+    """
+    zero = jnp.zeros_like(term(0), jnp.float32)  # typed like the terms (shard_map varying axes)
+    return lax.fori_loop(0, count, lambda i, acc: acc + term(i).astype(jnp.float32), zero)
+
+
+def _products(a: jax.Array, b: jax.Array) -> jax.Array:
+    """float32 a * b (summed later with _sum_in_order, outside this computation)."""
+    return a.astype(jnp.float32) * b.astype(jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,13 +219,9 @@ def dispatch(
 
 def _reduce_entries(y: jax.Array, weights: jax.Array | None, handle: DispatchHandle) -> jax.Array:
     """Expert-major rows -> one partial per rank-major row, summed in entry order, in y.dtype."""
-    rows = jnp.zeros((handle.row_entries.shape[0], y.shape[1]), jnp.float32)
-    for k in range(handle.top_k):  # entries of a row are sorted; -1 slots add exact zeros
-        entry = handle.row_entries[:, k]
-        part = _gather_rows(y, entry).astype(jnp.float32)
-        if weights is not None:
-            part = part * _gather_rows(weights, entry)[:, None]
-        rows = rows + part
+    terms = y if weights is None else _products(y, weights[:, None])
+    # The entries of a row are sorted; its -1 slots add exact zeros.
+    rows = _sum_in_order(handle.top_k, lambda k: _gather_rows(terms, handle.row_entries[:, k]))
     return rows.astype(y.dtype)
 
 
@@ -225,14 +229,14 @@ def combine(y: jax.Array, weights: jax.Array | None, handle: DispatchHandle) -> 
     """Sum each token's rows over the ranks that received it, in rank order (float32)."""
     num_ranks, num_tokens = handle.num_ranks, handle.num_tokens
     if handle.expert_major:
-        y, weights = _reduce_entries(y, weights, handle), None
+        y, weights = _reduce_entries(y, weights, handle).astype(y.dtype), None
     blocks = _scatter_rows(num_ranks * num_tokens, handle.recv_src, y)
     parts = _to_home(blocks.reshape(num_ranks, num_tokens, -1), handle.axis_name)
     if weights is not None:  # weights travel beside the rows; the product is formed at home
         w_blocks = _scatter_rows(num_ranks * num_tokens, handle.recv_src, weights)
         w_parts = _to_home(w_blocks.reshape(num_ranks, num_tokens), handle.axis_name)
-        parts = parts.astype(jnp.float32) * w_parts[:, :, None]
-    return _sum_in_rank_order(parts).astype(y.dtype)
+        parts = _products(parts, w_parts[:, :, None])
+    return _sum_in_order(num_ranks, lambda d: parts[d]).astype(y.dtype)
 
 
 def rows_for_receivers(values: jax.Array, handle: DispatchHandle) -> jax.Array:
@@ -261,7 +265,8 @@ def weights_to_sources(d_weights: jax.Array, received_idx: jax.Array, handle: Di
         d_weights = d_weights.reshape(num_ranks * num_tokens, top_k)
     blocks = _scatter_rows(num_ranks * num_tokens, handle.recv_src, d_weights)
     parts = _to_home(blocks.reshape(num_ranks, num_tokens, top_k), handle.axis_name)
-    return _sum_in_rank_order(parts)  # each choice lives on one rank: the others add zeros
+    # Each choice lives on one rank: the other ranks add exact zeros.
+    return _sum_in_order(num_ranks, lambda d: parts[d])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,8 +348,7 @@ def low_latency_combine_recv(
     """Second half: weighted sum over the top-k choices at the home rank (float32, k order)."""
     dest = routing.dest_rank(handle.topk_idx, handle.num_experts, handle.num_ranks)
     picked = jnp.take_along_axis(parts, jnp.maximum(dest, 0)[None, :, :, None], axis=0)[0]
-    out = jnp.zeros((picked.shape[0], picked.shape[2]), jnp.float32)
-    for k in range(picked.shape[1]):
-        w = jnp.where(dest[:, k] >= 0, topk_weights[:, k], 0.0)
-        out = out + w[:, None] * picked[:, k].astype(jnp.float32)
+    weights = jnp.where(dest >= 0, topk_weights, 0.0)
+    terms = _products(picked, weights[:, :, None])  # [T, K, H]
+    out = _sum_in_order(terms.shape[1], lambda k: terms[:, k])
     return out.astype(parts.dtype)
