@@ -43,5 +43,6 @@ def check_overflow(
     op: str, needed: jax.Array, *, capacity: int, what: str, axis_name: str
 ) -> None:
     """Raises at run time when any rank needed more than `capacity` rows (or entries)."""
-    worst = jax.lax.pmax(needed.astype(jnp.int32), axis_name)
+    # stop_gradient: counts carry no tangent, and pmax has no differentiation rule.
+    worst = jax.lax.pmax(jax.lax.stop_gradient(needed), axis_name)
     io_callback(lambda n: _raise_overflow(op, capacity, what, n), None, worst, ordered=False)

@@ -15,9 +15,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 
 @functools.cache
-def mesh(num_ranks: int, axis_name: str = "ep") -> Mesh:
+def mesh(num_ranks: int, axis_name: str = "ep", explicit: bool = True) -> Mesh:
+    """A 1-D mesh of the first `num_ranks` devices. An Auto (not explicit) mesh lets
+    shard_map reshard its inputs implicitly, for functions called under other transforms."""
     devices = np.array(jax.devices()[:num_ranks])
-    return Mesh(devices, (axis_name,), axis_types=(AxisType.Explicit,))
+    axis_type = AxisType.Explicit if explicit else AxisType.Auto
+    return Mesh(devices, (axis_name,), axis_types=(axis_type,))
 
 
 def sharded(fn, num_ranks: int, axis_name: str = "ep", jit: bool = True):

@@ -11,8 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run_example(name: str) -> str:
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    env.pop("XLA_FLAGS", None)
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", name)],
         env=env, capture_output=True, text=True, timeout=300,

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_ep
-from harness import sharded, to_numpy
+from harness import mesh, sharded, to_numpy
 from jax_ep import backends, reference
 from jax_ep.bench.routings import KINDS, make_routing
 
@@ -62,19 +62,24 @@ def test_backends_agree_on_skew():
         np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
 
 
-def test_cuda_backend_lowers_to_the_custom_call():
-    """The "cuda" backend really runs our custom call (here: its CPU handler)."""
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_cuda_backend_lowers_to_the_custom_call(platform):
+    """The "cuda" backend is our custom call with its attributes, for CPU and for CUDA (the
+    CUDA lowering is produced on this CPU-only jaxlib; the GPU runs the same module)."""
 
     def per_shard(idx):
-        return jax_ep.get_dispatch_layout(idx, num_experts=8, backend="cuda").num_invalid
+        return jax_ep.get_dispatch_layout(idx, num_experts=12, backend="cuda").num_tokens_per_rank
 
-    from harness import mesh
-
-    m = mesh(2)
+    m = mesh(4)
     fn = jax.jit(jax.shard_map(per_shard, mesh=m, in_specs=jax.P("ep"), out_specs=jax.P("ep")))
+    arg = jax.ShapeDtypeStruct((20, 3), np.int32, sharding=jax.NamedSharding(m, jax.P("ep")))
     with jax.set_mesh(m):
-        text = fn.lower(jax.ShapeDtypeStruct((10, 3), np.int32)).as_text()
-    assert 'custom_call_target = "jax_ep_dispatch_layout"' in text
+        text = fn.trace(arg).lower(lowering_platforms=(platform,)).as_text()
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    ours = [line for line in calls if "@jax_ep_dispatch_layout" in line]
+    assert len(ours) == 1, calls
+    assert "num_experts = 12 : i64" in ours[0] and "num_ranks = 4 : i64" in ours[0], ours[0]
+    assert "tensor<5x3xi32>" in ours[0]  # one shard of topk_idx per device
 
 
 def test_auto_backend_resolution(monkeypatch):

@@ -47,10 +47,12 @@ def _gather_rows(table: jax.Array, index: jax.Array, fill: int | float = 0) -> j
     return jnp.take(table, safe, axis=0, mode="fill", fill_value=fill)
 
 
-def _scatter_rows(num_rows: int, index: jax.Array, rows: jax.Array) -> jax.Array:
-    """[num_rows, ...] zeros with rows[i] written at index[i]; index -1 is skipped."""
+def _scatter_rows(
+    num_rows: int, index: jax.Array, rows: jax.Array, fill: int | float = 0
+) -> jax.Array:
+    """[num_rows, ...] of `fill` with rows[i] written at index[i]; index -1 is skipped."""
     safe = jnp.where(index >= 0, index, num_rows)
-    out = jnp.zeros((num_rows, *rows.shape[1:]), rows.dtype)
+    out = jnp.full((num_rows, *rows.shape[1:]), fill, rows.dtype)
     return out.at[safe].set(rows, mode="drop")
 
 
@@ -134,9 +136,11 @@ def dispatch(
     num_rows = num_ranks * num_tokens if expert_major else capacity
     kept = goes & (row_of_src < num_rows)
     recv_src = _scatter_rows(
-        num_rows, jnp.where(kept, row_of_src, -1), jnp.arange(goes.shape[0], dtype=jnp.int32)
+        num_rows,
+        jnp.where(kept, row_of_src, -1),
+        jnp.arange(goes.shape[0], dtype=jnp.int32),
+        fill=-1,
     )
-    recv_src = jnp.where(jnp.arange(num_rows) < jnp.minimum(needed_rows, num_rows), recv_src, -1)
     row_idx = _gather_rows(local, recv_src, fill=-1)
     row_w = jnp.where(row_idx >= 0, _gather_rows(all_w, recv_src), 0.0)
 
@@ -309,7 +313,9 @@ def low_latency_dispatch_recv(
     count = jnp.sum(chose, axis=0, dtype=jnp.int32)
     slots = num_ranks * num_tokens
     src_of_slot = jax.vmap(
-        lambda ok, pos: _scatter_rows(slots, jnp.where(ok, pos, -1), jnp.arange(slots)),
+        lambda ok, pos: _scatter_rows(
+            slots, jnp.where(ok, pos, -1), jnp.arange(slots, dtype=jnp.int32), fill=-1
+        ),
         in_axes=1,
     )(chose, slot_of)  # [E_local, R*T]
 

@@ -1,0 +1,45 @@
+// Routing arithmetic shared by the CUDA kernels and the CPU handlers (host + device).
+// An expert id is a choice when 0 <= id < num_experts, a mask when -1, and invalid otherwise;
+// invalid ids are counted and never used as addresses. Expert e lives on rank
+// e / experts_per_rank as local expert e % experts_per_rank.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define JAX_EP_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define JAX_EP_HOST_DEVICE inline
+#endif
+
+namespace jax_ep {
+
+// Largest top-k the kernels accept (a token's choices live in registers).
+constexpr int kMaxTopK = 32;
+
+JAX_EP_HOST_DEVICE bool is_choice(int32_t id, int num_experts) {
+  return id >= 0 && id < num_experts;
+}
+
+JAX_EP_HOST_DEVICE bool is_invalid(int32_t id, int num_experts) {
+  return id != -1 && !is_choice(id, num_experts);
+}
+
+// Rank holding the expert of a choice, or -1 for masked and invalid ids.
+JAX_EP_HOST_DEVICE int choice_rank(int32_t id, int num_experts, int experts_per_rank) {
+  return is_choice(id, num_experts) ? id / experts_per_rank : -1;
+}
+
+// True when choice k of a token is the first of its choices that lives on its rank, so that a
+// token counts once per rank. `ids` points at the token's top_k ids.
+JAX_EP_HOST_DEVICE bool first_choice_on_rank(const int32_t* ids, int k, int num_experts,
+                                             int experts_per_rank) {
+  const int rank = choice_rank(ids[k], num_experts, experts_per_rank);
+  if (rank < 0) return false;
+  for (int j = 0; j < k; ++j) {
+    if (choice_rank(ids[j], num_experts, experts_per_rank) == rank) return false;
+  }
+  return true;
+}
+
+}  // namespace jax_ep

@@ -1,0 +1,28 @@
+// FFI handlers of the target "jax_ep_dispatch_layout" (CPU and CUDA) and their shared checks.
+//
+// Operand: topk_idx s32[T, K]. Attributes: num_experts, num_ranks (int64).
+// Results: num_tokens_per_rank s32[R], num_tokens_per_expert s32[E], is_token_in_rank
+// pred[T, R], num_invalid s32[].
+#pragma once
+
+#include <cstdint>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ep::ffi {
+
+inline constexpr const char kLayoutOp[] = "jax_ep_dispatch_layout";
+
+// Validates attributes and result shapes against topk_idx.
+::xla::ffi::Error CheckLayoutArgs(::xla::ffi::Buffer<::xla::ffi::S32> topk_idx,
+                                  ::xla::ffi::Result<::xla::ffi::Buffer<::xla::ffi::S32>> per_rank,
+                                  ::xla::ffi::Result<::xla::ffi::Buffer<::xla::ffi::S32>> per_expert,
+                                  ::xla::ffi::Result<::xla::ffi::Buffer<::xla::ffi::PRED>> in_rank,
+                                  ::xla::ffi::Result<::xla::ffi::Buffer<::xla::ffi::S32>> invalid,
+                                  int64_t num_experts,
+                                  int64_t num_ranks);
+
+}  // namespace jax_ep::ffi
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLayoutCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLayoutCuda);
