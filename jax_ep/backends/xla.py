@@ -146,65 +146,45 @@ def dispatch(
 
     experts_per_rank = num_experts // num_ranks
     if not expert_major:
-        kept_rows = jnp.minimum(needed_rows, capacity)
-        tokens_per_expert = routing.count_ids(row_idx, experts_per_rank)
-        received = Received(
-            x=_gather_rows(all_x, recv_src),
-            scales=None if all_scales is None else _gather_rows(all_scales, recv_src),
-            topk_idx=row_idx,
-            topk_weights=row_w,
-            num_tokens=kept_rows,
-            tokens_per_expert=tokens_per_expert,
-            num_dropped=needed_rows - kept_rows,
-            num_invalid=num_invalid,
-            group_sizes=None,
-        )
-        handle = DispatchHandle(
-            topk_idx=idx,
-            recv_src=recv_src,
-            entry_row=None,
-            entry_choice=None,
-            row_entries=None,
-            num_experts=num_experts,
-            num_ranks=num_ranks,
-            capacity=capacity,
-            expert_major=False,
-            axis_name=axis_name,
-        )
-        return received, handle, needed_rows
+        kept = jnp.minimum(needed_rows, capacity)
+        src, ids, weights = recv_src, row_idx, row_w
+        needed = needed_rows
+        entry_row = entry_choice = row_entries = None
+    else:
+        # Entries: one per (row, k) with a local choice, stably sorted by expert.
+        flat_idx = row_idx.reshape(-1)
+        num_slots = flat_idx.shape[0]
+        is_entry = flat_idx >= 0
+        order = jnp.argsort(jnp.where(is_entry, flat_idx, experts_per_rank), stable=True)
+        needed = jnp.sum(is_entry, dtype=jnp.int32)
+        kept = jnp.minimum(needed, capacity)
+        padding = jnp.full((max(capacity - num_slots, 0),), -1, order.dtype)
+        padded = jnp.concatenate([order, padding])
+        entry_slot = jnp.where(jnp.arange(capacity) < kept, padded[:capacity], -1)
+        entry_slot = entry_slot.astype(jnp.int32)
+        entry_row = jnp.where(entry_slot >= 0, entry_slot // top_k, -1)
+        entry_choice = jnp.where(entry_slot >= 0, entry_slot % top_k, -1)
+        src = _gather_rows(recv_src, entry_row, fill=-1)
+        ids = _gather_rows(flat_idx, entry_slot, fill=-1)
+        weights = _gather_rows(row_w.reshape(-1), entry_slot)
 
-    # Expert-major entries: one per (row, k) with a local choice, stably sorted by expert.
-    flat_idx = row_idx.reshape(-1)
-    num_slots = flat_idx.shape[0]
-    is_entry = flat_idx >= 0
-    order = jnp.argsort(jnp.where(is_entry, flat_idx, experts_per_rank), stable=True)
-    needed_entries = jnp.sum(is_entry, dtype=jnp.int32)
-    kept_entries = jnp.minimum(needed_entries, capacity)
-    padded = jnp.concatenate([order, jnp.full((max(capacity - num_slots, 0),), -1, order.dtype)])
-    entry_slot = jnp.where(jnp.arange(capacity) < kept_entries, padded[:capacity], -1)
-    entry_slot = entry_slot.astype(jnp.int32)
-    entry_row = jnp.where(entry_slot >= 0, entry_slot // top_k, -1)
-    entry_choice = jnp.where(entry_slot >= 0, entry_slot % top_k, -1)
-    entry_src = _gather_rows(recv_src, entry_row, fill=-1)
-    entry_idx = _gather_rows(flat_idx, entry_slot, fill=-1)
-    group_sizes = routing.count_ids(entry_idx, experts_per_rank)
+        # Position of each (row, k) in the sorted entries, then each row's entries in order.
+        position = jnp.zeros((num_slots,), jnp.int32).at[order].set(jnp.arange(num_slots))
+        position = jnp.where(is_entry & (position < capacity), position, num_slots)
+        row_entries = jnp.sort(position.reshape(-1, top_k), axis=1)
+        row_entries = jnp.where(row_entries < num_slots, row_entries, -1)
 
-    # Position of each (row, k) in the sorted entries, then each row's entries in that order.
-    position = jnp.zeros((num_slots,), jnp.int32).at[order].set(jnp.arange(num_slots))
-    position = jnp.where(is_entry & (position < capacity), position, num_slots)
-    row_entries = jnp.sort(position.reshape(-1, top_k), axis=1)
-    row_entries = jnp.where(row_entries < num_slots, row_entries, -1)
-
+    tokens_per_expert = routing.count_ids(ids, experts_per_rank)
     received = Received(
-        x=_gather_rows(all_x, entry_src),
-        scales=None if all_scales is None else _gather_rows(all_scales, entry_src),
-        topk_idx=entry_idx,
-        topk_weights=_gather_rows(row_w.reshape(-1), entry_slot),
-        num_tokens=kept_entries,
-        tokens_per_expert=group_sizes,
-        num_dropped=needed_entries - kept_entries,
+        x=_gather_rows(all_x, src),
+        scales=None if all_scales is None else _gather_rows(all_scales, src),
+        topk_idx=ids,
+        topk_weights=weights,
+        num_tokens=kept,
+        tokens_per_expert=tokens_per_expert,
+        num_dropped=needed - kept,
         num_invalid=num_invalid,
-        group_sizes=group_sizes,
+        group_sizes=tokens_per_expert if expert_major else None,
     )
     handle = DispatchHandle(
         topk_idx=idx,
@@ -215,10 +195,10 @@ def dispatch(
         num_experts=num_experts,
         num_ranks=num_ranks,
         capacity=capacity,
-        expert_major=True,
+        expert_major=expert_major,
         axis_name=axis_name,
     )
-    return received, handle, needed_entries
+    return received, handle, needed
 
 
 def _reduce_entries(y: jax.Array, weights: jax.Array | None, handle: DispatchHandle) -> jax.Array:
