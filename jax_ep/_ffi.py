@@ -22,9 +22,14 @@ _registered = False
 def require_extension(op: str) -> None:
     """Raises a clear error when the extension is missing."""
     if EXT is None:
+        import jax_ep
+
         raise RuntimeError(
-            f"{op}: jax_ep's compiled extension is not available ({IMPORT_ERROR}). Install the "
-            f"package with `pip install .` (which builds it), or use backend='xla'."
+            f"{op}: jax_ep's compiled extension is not available ({IMPORT_ERROR}). jax_ep was "
+            f"imported from {jax_ep.__path__[0]}: build it there with `pip install -e .`, or "
+            f"install with `pip install .` and run from a directory where the source tree does "
+            f"not shadow the installed package (`pytest`, not `python -m pytest`, in the "
+            f"repository root); or use backend='xla'."
         )
 
 
