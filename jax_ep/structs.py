@@ -79,6 +79,8 @@ class DispatchHandle:
       topk_idx: int32 [T, K], this rank's routing with invalid ids replaced by -1.
       recv_src: int32 [N], source of each rank-major row: s * T + t, or -1 past the count.
         N = capacity (rank-major) or R*T (expert-major, where capacity applies to entries).
+      src_row: int32 [R*T], the inverse of recv_src: the rank-major row of each source token
+        s * T + t on this rank, or -1 when it was not received (or dropped).
       entry_row: int32 [capacity], rank-major row of each entry (expert-major), else None.
       entry_choice: int32 [capacity], top-k slot k of each entry (expert-major), else None.
       row_entries: int32 [R*T, K], entries of each rank-major row in their sorted order,
@@ -87,6 +89,7 @@ class DispatchHandle:
 
     topk_idx: jax.Array
     recv_src: jax.Array
+    src_row: jax.Array
     entry_row: jax.Array | None
     entry_choice: jax.Array | None
     row_entries: jax.Array | None

@@ -135,11 +135,9 @@ def dispatch(
     needed_rows = jnp.sum(goes, dtype=jnp.int32)
     num_rows = num_ranks * num_tokens if expert_major else capacity
     kept = goes & (row_of_src < num_rows)
+    src_row = jnp.where(kept, row_of_src, -1)
     recv_src = _scatter_rows(
-        num_rows,
-        jnp.where(kept, row_of_src, -1),
-        jnp.arange(goes.shape[0], dtype=jnp.int32),
-        fill=-1,
+        num_rows, src_row, jnp.arange(goes.shape[0], dtype=jnp.int32), fill=-1
     )
     row_idx = _gather_rows(local, recv_src, fill=-1)
     row_w = jnp.where(row_idx >= 0, _gather_rows(all_w, recv_src), 0.0)
@@ -189,6 +187,7 @@ def dispatch(
     handle = DispatchHandle(
         topk_idx=idx,
         recv_src=recv_src,
+        src_row=src_row,
         entry_row=entry_row,
         entry_choice=entry_choice,
         row_entries=row_entries,
@@ -213,11 +212,12 @@ def combine(y: jax.Array, weights: jax.Array | None, handle: DispatchHandle) -> 
     """Sum each token's rows over the ranks that received it, in rank order (float32)."""
     num_ranks, num_tokens = handle.num_ranks, handle.num_tokens
     if handle.expert_major:
-        y, weights = _reduce_entries(y, weights, handle).astype(y.dtype), None
-    blocks = _scatter_rows(num_ranks * num_tokens, handle.recv_src, y)
+        y, weights = _reduce_entries(y, weights, handle), None
+    # Gathers rather than scatters: the same data movement, and much faster on XLA:CPU.
+    blocks = _gather_rows(y, handle.src_row)
     parts = _to_home(blocks.reshape(num_ranks, num_tokens, -1), handle.axis_name)
     if weights is not None:  # weights travel beside the rows; the product is formed at home
-        w_blocks = _scatter_rows(num_ranks * num_tokens, handle.recv_src, weights)
+        w_blocks = _gather_rows(weights, handle.src_row)
         w_parts = _to_home(w_blocks.reshape(num_ranks, num_tokens), handle.axis_name)
         parts = _products(parts, w_parts[:, :, None])
     return _sum_in_order(num_ranks, lambda d: parts[d]).astype(y.dtype)
@@ -247,7 +247,7 @@ def weights_to_sources(d_weights: jax.Array, received_idx: jax.Array, handle: Di
         )
         d_weights = _scatter_rows(num_ranks * num_tokens * top_k, slot, d_weights)
         d_weights = d_weights.reshape(num_ranks * num_tokens, top_k)
-    blocks = _scatter_rows(num_ranks * num_tokens, handle.recv_src, d_weights)
+    blocks = _gather_rows(d_weights, handle.src_row)
     parts = _to_home(blocks.reshape(num_ranks, num_tokens, top_k), handle.axis_name)
     # Each choice lives on one rank: the other ranks add exact zeros.
     return _sum_in_order(num_ranks, lambda d: parts[d])
