@@ -9,38 +9,21 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from jax_ep.bench import suite
 
 
 @functools.cache
-def mesh(num_ranks: int, axis_name: str = "ep", explicit: bool = True) -> Mesh:
-    """A 1-D mesh of the first `num_ranks` devices. An Auto (not explicit) mesh lets
-    shard_map reshard its inputs implicitly, for functions called under other transforms."""
-    devices = np.array(jax.devices()[:num_ranks])
-    axis_type = AxisType.Explicit if explicit else AxisType.Auto
-    return Mesh(devices, (axis_name,), axis_types=(axis_type,))
+def mesh(num_ranks: int, explicit: bool = True):
+    return suite.make_mesh(num_ranks, explicit)
 
 
-def sharded(fn, num_ranks: int, axis_name: str = "ep", jit: bool = True):
-    """`fn(*per_shard_args)` as a function of rank-stacked arrays ([R, ...] -> [R, ...])."""
-    m = mesh(num_ranks, axis_name)
-
-    def per_shard(*args):
-        out = fn(*jax.tree.map(lambda a: a[0], args))
-        return jax.tree.map(lambda a: jnp.asarray(a)[None], out)
-
-    mapped = jax.shard_map(per_shard, mesh=m, in_specs=P(axis_name), out_specs=P(axis_name))
-    if jit:
-        mapped = jax.jit(mapped)
-
-    def run(*args):
-        put = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(m, P(axis_name))), args)
-        with jax.set_mesh(m):
-            return mapped(*put)
-
-    return run
+def sharded(fn, num_ranks: int, jit: bool = True):
+    """`fn(*per_shard_args)` as a function of rank-stacked host arrays."""
+    m = mesh(num_ranks)
+    run = suite.stacked(fn, m, jit=jit)
+    return lambda *args: run(*suite.put(m, args))
 
 
 def to_numpy(tree):

@@ -60,20 +60,25 @@ class Case:
     bytes_per_rank: float
 
 
-def make_mesh(num_ranks: int) -> Mesh:
+def make_mesh(num_ranks: int, explicit: bool = True) -> Mesh:
+    """A 1-D "ep" mesh of the first `num_ranks` devices. An Auto (not explicit) mesh lets
+    shard_map reshard its inputs implicitly, for functions called under other transforms."""
     devices = np.array(jax.devices()[:num_ranks])
-    return Mesh(devices, (AXIS,), axis_types=(AxisType.Explicit,))
+    axis_type = AxisType.Explicit if explicit else AxisType.Auto
+    return Mesh(devices, (AXIS,), axis_types=(axis_type,))
 
 
-def stacked(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
-    """`fn` (per shard) as a jitted function of rank-stacked arrays: [R, ...] -> [R, ...]."""
+def stacked(fn: Callable[..., Any], mesh: Mesh, jit: bool = True) -> Callable[..., Any]:
+    """`fn` (per shard) as a function of rank-stacked arrays: [R, ...] -> [R, ...]."""
 
     def per_shard(*args):
         out = fn(*jax.tree.map(lambda a: a[0], args))
         return jax.tree.map(lambda a: jnp.asarray(a)[None], out)
 
-    mapped = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=PartitionSpec(AXIS),
-                                   out_specs=PartitionSpec(AXIS)))
+    mapped = jax.shard_map(per_shard, mesh=mesh, in_specs=PartitionSpec(AXIS),
+                           out_specs=PartitionSpec(AXIS))
+    if jit:
+        mapped = jax.jit(mapped)
 
     def run(*args):
         with jax.set_mesh(mesh):
