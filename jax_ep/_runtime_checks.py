@@ -9,7 +9,6 @@ exception reaches the caller as a ``JaxRuntimeError`` whose message contains our
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 

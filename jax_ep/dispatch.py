@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax_ep import _checks, _runtime_checks, backends, fp8
 from jax_ep.structs import DispatchHandle, Received
 
+
 @dataclasses.dataclass(frozen=True)
 class _DispatchConfig:
     """Static configuration of one dispatch (hashable: a custom_vjp non-diff argument)."""

@@ -1,11 +1,10 @@
 """The program of the multi-process test, shared by the worker and the single-process run."""
 
-import jax
 import ml_dtypes
 import numpy as np
+from harness import sharded
 
 import jax_ep
-from harness import sharded
 from jax_ep.bench.routings import make_routing
 
 R, T, K, E, H = 8, 10, 4, 24, 128

@@ -10,15 +10,14 @@ hypothesis. Data movement is compared bit for bit; combine too, since its order 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from harness import sharded, to_numpy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jax_ep
-from harness import sharded, to_numpy
 from jax_ep import reference
 from jax_ep.bench.routings import KINDS, make_routing
 

@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import mesh, sharded, to_numpy
 from jax.test_util import check_grads
 
 import jax_ep
-from harness import mesh, sharded, to_numpy
 from jax_ep import reference
 from jax_ep.bench.routings import make_routing
 

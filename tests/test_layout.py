@@ -6,11 +6,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from harness import mesh, sharded, to_numpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_ep
-from harness import mesh, sharded, to_numpy
 from jax_ep import backends, reference
 from jax_ep.bench.routings import KINDS, make_routing
 

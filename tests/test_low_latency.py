@@ -10,12 +10,12 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from harness import sharded, to_numpy
+from test_dispatch import _assert_bitwise
 
 import jax_ep
-from harness import sharded, to_numpy
 from jax_ep import reference
 from jax_ep.bench.routings import KINDS, make_routing
-from test_dispatch import _assert_bitwise
 
 
 def _case(rng, num_ranks, kind, num_tokens=11, top_k=4, experts_per_rank=3, hidden=256):

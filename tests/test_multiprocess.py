@@ -8,10 +8,9 @@ import socket
 import subprocess
 import sys
 
+import multiprocess_case
 import numpy as np
 import pytest
-
-import multiprocess_case
 from harness import to_numpy
 
 HERE = os.path.dirname(os.path.abspath(__file__))

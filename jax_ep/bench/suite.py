@@ -160,7 +160,7 @@ def build_cases(setup: Setup, mesh: Mesh, ops: list[str], backend: str) -> list[
                 args, nbytes = (dev["x"], dev["idx"], dev["w"]), 2 * rows * h * item
             elif op in ("ll_dispatch", "ll_dispatch_fp8"):
                 use_fp8 = op == "ll_dispatch_fp8"
-                fn = stacked(lambda x, i: ll_dispatch(x, i, use_fp8)[0], mesh)
+                fn = stacked(lambda x, i, fp8=use_fp8: ll_dispatch(x, i, fp8)[0], mesh)
                 args = (dev["ll_x"], dev["ll_idx"])
                 nbytes = messages * (fp8_row if use_fp8 else 2 * h)
             elif op == "ll_combine":
