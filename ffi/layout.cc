@@ -11,8 +11,6 @@ namespace jax_ep::ffi {
 namespace {
 
 namespace xffi = ::xla::ffi;
-using S32 = xffi::Buffer<xffi::S32>;
-using Pred = xffi::Buffer<xffi::PRED>;
 
 xffi::Error LayoutCpuImpl(S32 topk_idx,
                           xffi::Result<S32> per_rank,

@@ -13,12 +13,15 @@ namespace jax_ep::ffi {
 
 inline constexpr const char kLayoutOp[] = "jax_ep_dispatch_layout";
 
+using S32 = ::xla::ffi::Buffer<::xla::ffi::S32>;
+using Pred = ::xla::ffi::Buffer<::xla::ffi::PRED>;
+
 // Validates attributes and result shapes against topk_idx.
-::xla::ffi::Error CheckLayoutArgs(::xla::ffi::Buffer<::xla::ffi::S32> topk_idx,
-                                  ::xla::ffi::Result<::xla::ffi::Buffer<::xla::ffi::S32>> per_rank,
-                                  ::xla::ffi::Result<::xla::ffi::Buffer<::xla::ffi::S32>> per_expert,
-                                  ::xla::ffi::Result<::xla::ffi::Buffer<::xla::ffi::PRED>> in_rank,
-                                  ::xla::ffi::Result<::xla::ffi::Buffer<::xla::ffi::S32>> invalid,
+::xla::ffi::Error CheckLayoutArgs(S32 topk_idx,
+                                  ::xla::ffi::Result<S32> per_rank,
+                                  ::xla::ffi::Result<S32> per_expert,
+                                  ::xla::ffi::Result<Pred> in_rank,
+                                  ::xla::ffi::Result<S32> invalid,
                                   int64_t num_experts,
                                   int64_t num_ranks);
 
