@@ -35,5 +35,6 @@ def get_dispatch_layout(
             _result(topk_idx, (num_tokens, num_ranks), jnp.bool_),
             _result(topk_idx, (), jnp.int32),
         ),
+        vmap_method="sequential",  # each batch element is an independent layout
     )(topk_idx, num_experts=np.int64(num_experts), num_ranks=np.int64(num_ranks))
     return DispatchLayout(*outs)
