@@ -4,15 +4,18 @@
 
 #include <cuda_runtime_api.h>
 
-#include <array>
 #include <cstdint>
 
 namespace jax_ep::cuda {
 
-// Dispatch layout of one rank's routing (purely local). Zeroes and fills:
-//   num_tokens_per_rank [num_ranks], num_tokens_per_expert [num_experts],
-//   is_token_in_rank [num_tokens, num_ranks], num_invalid [1].
-// Requires num_experts % num_ranks == 0 and 1 <= top_k <= kMaxTopK.
+// Dispatch layout of one rank's routing (purely local; DESIGN.md §3). Writes every element of:
+//   num_tokens_per_rank [num_ranks]: tokens with at least one valid choice on each rank;
+//   num_tokens_per_expert [num_experts]: valid choices per expert (duplicates count twice);
+//   is_token_in_rank [num_tokens, num_ranks]: token t has a valid choice on rank r;
+//   num_invalid [1]: entries that are neither -1 nor in [0, num_experts).
+// topk_idx is [num_tokens, top_k], row-major. Requires num_ranks >= 1, num_experts a positive
+// multiple of num_ranks, top_k >= 0 and num_tokens * top_k < 2^31; otherwise it launches
+// nothing and returns cudaErrorInvalidValue.
 cudaError_t dispatch_layout(const int32_t* topk_idx,
                             int num_tokens,
                             int top_k,
@@ -24,15 +27,17 @@ cudaError_t dispatch_layout(const int32_t* topk_idx,
                             int32_t* num_invalid,
                             cudaStream_t stream);
 
-// Largest num_experts + num_ranks that dispatch_layout counts in shared memory.
-int dispatch_layout_max_counters();
-
 // Writes nvshmem_my_pe() of this GPU to device memory `pe` (after NVSHMEM is initialized).
-cudaError_t query_my_pe(int* pe, cudaStream_t stream);
+cudaError_t query_my_pe(int* pe,
+                        cudaStream_t stream);
 
-// NVSHMEM unique id (128 bytes) for rank 0 to share; works without a GPU. Returns the NVSHMEM
-// status (0 on success).
-int nvshmem_unique_id(std::array<uint8_t, 128>* id);
+// Size of an NVSHMEM unique id (nvshmemx_uniqueid_t).
+constexpr int kNvshmemUniqueIdBytes = 128;
+
+// Writes a fresh NVSHMEM unique id (kNvshmemUniqueIdBytes bytes) to `id`, for rank 0 to share
+// before initialization. Needs no GPU and initializes nothing. Returns the NVSHMEM status (0 on
+// success).
+int nvshmem_unique_id(uint8_t* id);
 
 // Version of the NVSHMEM headers and device library compiled in.
 int nvshmem_version_major();

@@ -14,9 +14,6 @@
 
 namespace jax_ep {
 
-// Largest top-k the kernels accept (a token's choices live in registers).
-constexpr int kMaxTopK = 32;
-
 JAX_EP_HOST_DEVICE bool is_choice(int32_t id, int num_experts) {
   return id >= 0 && id < num_experts;
 }

@@ -1,9 +1,10 @@
-// The nanobind module jax_ep._ext: FFI handler registrations and build information only.
+// The nanobind module jax_ep._ext: FFI handler registrations and small informational
+// functions only. jax_ep/_ffi.py registers the handlers with JAX.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
-#include <array>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 
 #include "ffi/layout.h"
@@ -17,18 +18,18 @@ namespace nb = nanobind;
 
 namespace {
 
-template <typename Fn>
-nb::capsule Capsule(Fn* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
+nb::capsule Capsule(XLA_FFI_Error* (*handler)(XLA_FFI_CallFrame*)) {
+  return nb::capsule(reinterpret_cast<void*>(handler));
 }
 
-// {platform: {target name: handler capsule}}, for jax.ffi.register_ffi_target.
+// {platform: {target name: handler capsule}} for jax.ffi.register_ffi_target. The same target
+// names on both platforms; the "CUDA" dict is empty when the CUDA kernels were not compiled.
 nb::dict Registrations() {
   nb::dict cpu;
-  cpu["jax_ep_dispatch_layout"] = Capsule(JaxEpLayoutCpu);
+  cpu["jax_ep_dispatch_layout"] = Capsule(jax_ep::ffi::LayoutCpu);
   nb::dict cuda;
 #ifdef JAX_EP_WITH_CUDA
-  cuda["jax_ep_dispatch_layout"] = Capsule(JaxEpLayoutCuda);
+  cuda["jax_ep_dispatch_layout"] = Capsule(jax_ep::ffi::LayoutCuda);
 #endif
   nb::dict out;
   out["cpu"] = cpu;
@@ -46,17 +47,18 @@ bool CudaCompiled() {
 
 nb::bytes NvshmemUniqueId() {
 #ifdef JAX_EP_WITH_CUDA
-  std::array<uint8_t, 128> id{};
-  const int status = jax_ep::cuda::nvshmem_unique_id(&id);
+  uint8_t id[jax_ep::cuda::kNvshmemUniqueIdBytes] = {};
+  const int status = jax_ep::cuda::nvshmem_unique_id(id);
   if (status != 0) {
-    throw std::runtime_error("nvshmemx_get_uniqueid failed with status " +
+    throw std::runtime_error("jax_ep: nvshmemx_get_uniqueid failed with status " +
                              std::to_string(status));
   }
-  return nb::bytes(reinterpret_cast<const char*>(id.data()), id.size());
+  return nb::bytes(reinterpret_cast<const char*>(id), sizeof(id));
 #else
   throw std::runtime_error(
-      "jax_ep was built without CUDA, so NVSHMEM is not available; rebuild with nvcc on PATH "
-      "(pip install -C cmake.define.JAX_EP_CUDA=ON .)");
+      "jax_ep: nvshmem_unique_id() needs the CUDA kernels, but this build of jax_ep has none "
+      "(it was built without nvcc, or with JAX_EP_CUDA=OFF). Rebuild with nvcc on PATH: "
+      "pip install -C cmake.define.JAX_EP_CUDA=ON .");
 #endif
 }
 
@@ -70,6 +72,9 @@ nb::dict BuildInfo() {
   info["nvshmem_version"] = std::to_string(jax_ep::cuda::nvshmem_version_major()) + "." +
                             std::to_string(jax_ep::cuda::nvshmem_version_minor()) + "." +
                             std::to_string(jax_ep::cuda::nvshmem_version_patch());
+#else
+  info["cuda_arch"] = nb::none();
+  info["nvshmem_version"] = nb::none();
 #endif
   return info;
 }
@@ -78,9 +83,16 @@ nb::dict BuildInfo() {
 
 NB_MODULE(_ext, m) {
   m.doc() = "jax_ep's XLA FFI handlers (CPU always, CUDA when built with it).";
-  m.def("registrations", &Registrations, "{platform: {FFI target name: handler capsule}}");
+  m.def("registrations",
+        &Registrations,
+        "{platform: {FFI target name: handler capsule}}; the 'CUDA' dict is empty without CUDA.");
   m.def("cuda_compiled", &CudaCompiled, "Whether the CUDA kernels were compiled in.");
-  m.def("nvshmem_unique_id", &NvshmemUniqueId,
-        "A fresh 128-byte NVSHMEM unique id (needs no GPU).");
-  m.def("build_info", &BuildInfo, "FFI API version, CUDA architecture and NVSHMEM version.");
+  m.def("nvshmem_unique_id",
+        &NvshmemUniqueId,
+        "A fresh 128-byte NVSHMEM unique id for rank 0 to share. Needs no GPU and initializes "
+        "nothing. Raises RuntimeError when jax_ep was built without CUDA.");
+  m.def("build_info",
+        &BuildInfo,
+        "{'ffi_api_version', 'cuda', 'cuda_arch', 'nvshmem_version'} of this build (the last two "
+        "are None without CUDA).");
 }

@@ -6,26 +6,69 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-from jax_ep.bench.suite import OPS
+import jax_ep
+from jax_ep.bench import OPS
+
+TIME_UNITS = {"us": 1e-6, "ms": 1e-3}
 
 
 def test_bench_runs_every_op(tmp_path):
     out = tmp_path / "bench.json"
+    # A fresh process: none of this process's device settings (conftest.py) carry over, and
+    # it imports the jax_ep under test.
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(jax_ep.__file__).parents[1]), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "jax_ep.bench",
+        "--tokens",
+        "16",
+        "--ll-tokens",
+        "8",
+        "--hidden",
+        "128",
+        "--experts",
+        "16",
+        "--top-k",
+        "4",
+        "--repeat",
+        "2",
+        "--warmup",
+        "1",
+        "--fp8",
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(
-        [sys.executable, "-m", "jax_ep.bench", "--tokens", "16", "--ll-tokens", "8",
-         "--hidden", "128", "--experts", "16", "--top-k", "4", "--repeat", "2", "--warmup",
-         "1", "--fp8", "--routing", "masked", "--json", str(out)],
-        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    table = proc.stdout
-    for op in OPS:
-        assert any(line.split()[:2] == [op, "xla"] for line in table.splitlines()), table
-    assert "[1/9]" in proc.stderr  # progress while running
+    assert f"[1/{len(OPS) * len(jax_ep.backends.BACKENDS)}]" in proc.stderr  # progress
+
+    # The table: every op on the xla backend, with a positive time.
+    times = {}
+    for line in proc.stdout.splitlines():
+        words = line.split()
+        if len(words) >= 4 and words[0] in OPS and words[1] == "xla":
+            times[words[0]] = float(words[2]) * TIME_UNITS[words[3]]
+    assert sorted(times) == sorted(OPS), proc.stdout
+    assert all(t > 0 for t in times.values()), proc.stdout
+
+    # The JSON: the same rows, with times and bytes moved.
     record = json.loads(out.read_text())
-    xla_rows = [r for r in record["rows"] if r["backend"] == "xla"]
-    assert sorted(r["op"] for r in xla_rows) == sorted(OPS)
-    assert all(r["time"]["median"] > 0 and r["bytes_per_rank"] > 0 for r in xla_rows)
     assert record["copy_bandwidth_Bps"] > 0
+    xla_rows = {r["op"]: r for r in record["rows"] if r["backend"] == "xla"}
+    assert sorted(xla_rows) == sorted(OPS)
+    for op, row in xla_rows.items():
+        assert row["status"] == "ok", row
+        assert row["time"]["median"] > 0 and len(row["time"]["all"]) == 2, row
+        assert row["bytes_per_rank"] > 0 and row["gbps"] > 0 and row["floor_s"] > 0, row
+        assert row["vs_xla"] == 1.0, op
+    assert {(r["op"], r["backend"]) for r in record["rows"]} == {
+        (op, backend) for op in OPS for backend in jax_ep.backends.BACKENDS
+    }

@@ -1,158 +1,351 @@
 """python -m jax_ep.bench: every op on every available backend, side by side, in one run.
 
-On a CPU-only machine it runs on 8 virtual devices with DeepEP's setups scaled to the machine;
-on GPUs it uses DeepEP's setups (4096 tokens, hidden 7168, top-8, 256 experts; 128 tokens for
-low-latency). Prints a table (median time, bytes moved per rank, GB/s, the copy floor, the
-ratio to the pure-XLA backend); --json PATH writes every number.
+On a CPU-only machine it runs on 8 virtual devices, with DeepEP's setups scaled down so that
+the default run takes well under two minutes on 2 cores; on a GPU machine it uses the GPUs and
+DeepEP's setups (4096 tokens per rank, hidden 7168, top-8 of 256 experts; 128 tokens per rank
+in low-latency mode). It prints progress on stderr, then a table on stdout: median time, bytes
+moved per rank (DeepEP's count), GB/s, the memory-copy floor, and the ratio to the pure-XLA
+backend. --json PATH writes every number.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
-import platform as host_platform
 import shlex
 import sys
+import textwrap
 import time
+import traceback
+from typing import Any
 
-CPU_DEFAULTS = {"tokens": 256, "ll_tokens": 32, "hidden": 1024, "repeat": 10}
+from jax_ep.bench import FP8_VARIANTS, OPS
+from jax_ep.bench.routings import KINDS
+
+CPU_DEFAULTS = {"ranks": 8, "tokens": 512, "ll_tokens": 32, "hidden": 2048, "repeat": 10}
 GPU_DEFAULTS = {"tokens": 4096, "ll_tokens": 128, "hidden": 7168, "repeat": 50}
+DTYPES = ("bfloat16", "float16", "float32")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jax_ep.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, help="EP ranks (default: 8 on CPU, all GPUs)")
-    p.add_argument("--tokens", type=int, help="tokens per rank, normal mode")
-    p.add_argument("--ll-tokens", type=int, help="tokens per rank, low-latency mode")
-    p.add_argument("--hidden", type=int, help="hidden size (a multiple of 128)")
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--routing", default="uniform",
-                   help="uniform | hot_expert | masked | empty_ranks | duplicates")
-    p.add_argument("--dtype", default="bfloat16", help="payload of normal mode")
-    p.add_argument("--fp8", action="store_true", help="also run the FP8 dispatches")
-    p.add_argument("--ops", nargs="+", help="subset of ops (default: all)")
-    p.add_argument("--backends", nargs="+", help="subset of backends (default: all)")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeat", type=int, help="timed calls per op (default 10 CPU, 50 GPU)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH", help="write all numbers to PATH")
-    return p.parse_args(argv)
+    """The command line; the size flags left unset take the platform's defaults later."""
+    p = argparse.ArgumentParser(
+        prog="python -m jax_ep.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--ranks", type=int, help="EP ranks R (default: 8 on CPU, every GPU)")
+    p.add_argument("--tokens", type=int, help="tokens per rank, normal mode (CPU 512, GPU 4096)")
+    p.add_argument("--ll-tokens", type=int, help="tokens per rank, low-latency (CPU 32, GPU 128)")
+    p.add_argument("--hidden", type=int, help="hidden size, a multiple of 128 (CPU 2048, GPU 7168)")
+    p.add_argument("--top-k", type=int, default=8, help="experts per token (default 8)")
+    p.add_argument("--experts", type=int, default=256, help="experts E (default 256)")
+    p.add_argument("--routing", default="uniform", choices=KINDS, help="routing generator")
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=DTYPES,
+        help="normal-mode payload (low-latency is always bfloat16)",
+    )
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="also run the FP8 variants (dispatch_fp8, ll_dispatch_fp8)",
+    )
+    p.add_argument(
+        "--ops",
+        nargs="+",
+        choices=OPS,
+        metavar="OP",
+        help=f"ops to time (default: all but the FP8 ones): {', '.join(OPS)}",
+    )
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        metavar="NAME",
+        help="backends to time (default: all of jax_ep.backends.BACKENDS)",
+    )
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls after the compiling one")
+    p.add_argument("--repeat", type=int, help="timed calls per op (default 10 on CPU, 50 on GPU)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the routing and the tokens")
+    p.add_argument("--json", metavar="PATH", help="write every number to PATH")
+    args = p.parse_args(argv)
+    if (args.repeat is not None and args.repeat < 1) or args.warmup < 0:
+        p.error("--repeat must be at least 1 and --warmup at least 0")
+    return args
 
 
-def gpu_present() -> bool:
-    """Whether a CUDA plugin is installed (decided before jax starts its backends)."""
-    import importlib.util
+def selected_ops(args: argparse.Namespace) -> list[str]:
+    """--ops (default: every op but the FP8 ones), plus each one's FP8 variant with --fp8."""
+    ops = set(args.ops or [op for op in OPS if op not in FP8_VARIANTS.values()])
+    if args.fp8:
+        ops |= {FP8_VARIANTS[op] for op in ops if op in FP8_VARIANTS}
+    return [op for op in OPS if op in ops]
 
-    return any(importlib.util.find_spec(name) for name in ("jax_cuda13_plugin",
-                                                           "jax_cuda12_plugin"))
+
+def rerun_command(args: argparse.Namespace, settings: dict[str, Any]) -> str:
+    """The command line that reruns this configuration, every size spelled out."""
+    words = ["python", "-m", "jax_ep.bench"]
+    for name, value in settings.items():
+        words += [f"--{name.replace('_', '-')}", str(value)]
+    # Left at their defaults, these select the same ops and backends again.
+    if args.fp8:
+        words.append("--fp8")
+    if args.ops:
+        words += ["--ops", *args.ops]
+    if args.backends:
+        words += ["--backends", *args.backends]
+    if args.json:
+        words += ["--json", args.json]
+    return shlex.join(words)
 
 
 def fmt_time(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
 
 
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    on_gpu = gpu_present() and os.environ.get("JAX_PLATFORMS", "") in ("", "cuda", "gpu")
-    defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
-    if not on_gpu:  # virtual devices must be requested before jax starts
-        ranks = args.ranks or 8
-        flag = f"--xla_force_host_platform_device_count={ranks}"
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
 
-    import jax
 
-    from jax_ep import backends
+def run_case(
+    op: str, backend: str, inputs: Any, warmup: int, repeat: int, unavailable: str | None
+) -> dict[str, Any]:
+    """Times one (op, backend) and returns its row, with status "ok", "n/a" or "error".
+
+    n/a: the backend cannot run at all (`unavailable` says why) or does not implement the op.
+    error: anything else went wrong; the traceback goes to stderr and the run goes on (the
+    exit status will be 1).
+    """
     from jax_ep.bench import suite, timing
 
-    devices = jax.devices()
-    ranks = args.ranks or len(devices)
+    row: dict[str, Any] = {"op": op, "backend": backend, "status": "ok"}
+    if unavailable is not None:
+        return {**row, "status": "n/a", "reason": f"backend unavailable: {unavailable}"}
+    try:
+        case = suite.build_case(op, inputs, backend)
+        t = timing.time_calls(case.fn, case.args, warmup=warmup, repeat=repeat)
+    except NotImplementedError as error:
+        return {**row, "status": "n/a", "reason": str(error)}
+    except Exception as error:  # report it, time the rest, fail at the end
+        traceback.print_exc(file=sys.stderr)
+        return {**row, "status": "error", "reason": f"{type(error).__name__}: {error}"}
+    return {
+        **row,
+        "time": dataclasses.asdict(t),
+        "bytes_per_rank": case.bytes_per_rank,
+        "gbps": case.bytes_per_rank / t.median / 1e9,
+    }
+
+
+def add_ratios(rows: list[dict[str, Any]], bandwidth: float, shared_memory_ranks: int) -> None:
+    """Adds floor_s, of_floor and vs_xla to the timed rows (vs_xla None where not timed).
+
+    Args:
+      rows: the rows of `run_case`.
+      bandwidth: copy bandwidth in bytes/s, read + write.
+      shared_memory_ranks: ranks whose bytes one memory moves (R on CPU, 1 per GPU).
+    """
+    xla = {r["op"]: r["time"]["median"] for r in rows if r["backend"] == "xla" and "time" in r}
+    for r in rows:
+        r["vs_xla"] = None
+        if r["status"] != "ok":
+            continue
+        median = r["time"]["median"]
+        r["floor_s"] = 2 * r["bytes_per_rank"] * shared_memory_ranks / bandwidth
+        r["of_floor"] = r["floor_s"] / median
+        if r["op"] in xla:
+            r["vs_xla"] = median / xla[r["op"]]
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """One line per (op, backend); rows not timed show their status ("n/a", "error")."""
+    header = (
+        f"{'op':<17} {'backend':<8} {'time':>10} {'bytes/rank':>11} {'GB/s':>8} "
+        f"{'floor':>10} {'of floor':>9} {'vs xla':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        line = f"{r['op']:<17} {r['backend']:<8} "
+        if r["status"] != "ok":
+            print(line + f"{r['status']:>10}")
+            continue
+        vs_xla = f"{r['vs_xla']:.2f}" if r["vs_xla"] is not None else "-"
+        print(
+            line + f"{fmt_time(r['time']['median']):>10} {fmt_bytes(r['bytes_per_rank']):>11} "
+            f"{r['gbps']:>8.3g} {fmt_time(r['floor_s']):>10} {r['of_floor']:>9.3g} "
+            f"{vs_xla:>7}"
+        )
+
+
+def footnote(bandwidth: float, on_cpu: bool, backends: list[str]) -> list[str]:
+    """Paragraphs explaining the table's columns."""
+    scope = "all R ranks' bytes: the virtual ranks share one memory" if on_cpu else "per GPU"
+    lines = [
+        "time: median wall time of one call of the jitted shard_map program over all R ranks, "
+        "waited for with block_until_ready (the first call compiles and is not timed).",
+        "bytes/rank: bytes moved per rank, DeepEP's count averaged over the ranks. Normal mode: "
+        "rows received (the rank's own included) x H x bytes per element (FP8: x (H + H/128 x 4 "
+        "bytes of scales)); combine the same rows; dispatch+combine both. Low-latency: one "
+        "message per (token, expert) selection, x H x 2 (FP8: x (H + H/128 x 4)); combine the "
+        "same; round trip both. layout: topk_idx read + outputs written.",
+        "GB/s: bytes/rank / time.",
+        f"floor: time to read and write those bytes once at this machine's copy bandwidth "
+        f"({bandwidth / 1e9:.1f} GB/s counting read + write; {scope}); of floor = floor / time "
+        f"(1.0 = at the floor).",
+        "vs xla: time / the xla backend's time for the same op (below 1 = faster than xla).",
+        'Timed with on_overflow="drop", on_invalid="mask": the default checks ("error") add a '
+        "host callback to every call. The default capacity never drops a row.",
+    ]
+    if on_cpu and "cuda" in backends:
+        lines.append("On CPU the cuda backend's custom calls run the extension's CPU handlers.")
+    return lines
+
+
+def notes_for(rows: list[dict[str, Any]], unavailable: dict[str, str]) -> list[str]:
+    """Why rows were not timed: per unavailable backend, per backend's missing ops, per error."""
+    notes = [f"n/a, {name} (every op): {why}" for name, why in unavailable.items()]
+    for name in dict.fromkeys(r["backend"] for r in rows):
+        missing = [r["op"] for r in rows if r["backend"] == name and r["status"] == "n/a"]
+        if missing and name not in unavailable:
+            notes.append(
+                f"n/a, {name}: {', '.join(missing)}: not implemented by this backend "
+                f"yet (NotImplementedError)."
+            )
+    notes += [
+        f"error, {r['op']} {r['backend']}: {r['reason']}" for r in rows if r["status"] == "error"
+    ]
+    return notes
+
+
+def make_setup(args: argparse.Namespace, num_devices: int, on_cpu: bool) -> tuple[Any, int]:
+    """The run's Setup and repeat count: the flags given, else the platform's defaults.
+
+    Exits with a message when the flags describe a run the ops would reject.
+    """
+    from jax_ep.bench import suite
+
+    defaults = CPU_DEFAULTS if on_cpu else GPU_DEFAULTS
+
+    def pick(value: int | None, name: str) -> int:
+        return defaults[name] if value is None else value
+
+    ranks = num_devices if args.ranks is None else args.ranks  # on CPU: the count asked for
+    if ranks > num_devices:
+        sys.exit(f"--ranks {ranks}: only {num_devices} devices are available.")
     setup = suite.Setup(
         ranks=ranks,
-        tokens=args.tokens or defaults["tokens"],
-        ll_tokens=args.ll_tokens or defaults["ll_tokens"],
-        hidden=args.hidden or defaults["hidden"],
+        tokens=pick(args.tokens, "tokens"),
+        ll_tokens=pick(args.ll_tokens, "ll_tokens"),
+        hidden=pick(args.hidden, "hidden"),
         top_k=args.top_k,
         experts=args.experts,
         routing=args.routing,
         dtype=args.dtype,
         seed=args.seed,
     )
-    repeat = args.repeat or defaults["repeat"]
-    ops = args.ops or [op for op in suite.OPS if args.fp8 or op not in suite.FP8_OPS]
-    names = args.backends or list(backends.BACKENDS)
-    mesh = suite.make_mesh(ranks)
-    device = f"{devices[0].device_kind} x{ranks}" + (" (virtual)" if not on_gpu else "")
-    command = "python -m jax_ep.bench " + shlex.join(argv)
-    print(f"jax_ep.bench on {device}, jax {jax.__version__}: R={ranks} T={setup.tokens} "
-          f"T_ll={setup.ll_tokens} H={setup.hidden} K={setup.top_k} E={setup.experts} "
-          f"routing={setup.routing} dtype={setup.dtype} repeat={repeat}", file=sys.stderr)
+    try:
+        setup.check()
+    except ValueError as error:
+        sys.exit(f"python -m jax_ep.bench: {error}")
+    return setup, pick(args.repeat, "repeat")
 
-    bandwidth = timing.copy_bandwidth(devices[0].platform)
-    rows, skipped, started = [], [], time.time()
-    for name in names:
-        print(f"[{name}] compiling {len(ops)} programs ...", file=sys.stderr, flush=True)
-        cases = suite.build_cases(setup, mesh, ops, name)
-        for i, case in enumerate(cases, 1):
-            if isinstance(case, str):
-                skipped.append(f"{name} {case}")
-                continue
-            t = timing.time_calls(case.fn, case.args, warmup=args.warmup, repeat=repeat)
-            # All ranks share one memory on CPU; each GPU has its own.
-            moved = case.bytes_per_rank * (ranks if not on_gpu else 1)
-            floor = 2 * moved / bandwidth
-            rows.append({"op": case.op, "backend": name, "time": t,
-                         "bytes_per_rank": case.bytes_per_rank,
-                         "gbps": case.bytes_per_rank / t["median"] / 1e9,
-                         "floor_s": floor, "of_floor": floor / t["median"]})
-            print(f"[{i}/{len(cases)}] {case.op:<17} {name:<5} {fmt_time(t['median'])}",
-                  file=sys.stderr, flush=True)
 
-    xla = {r["op"]: r["time"]["median"] for r in rows if r["backend"] == "xla"}
-    print(f"\n{device}, jax {jax.__version__}; R={ranks}, T={setup.tokens} "
-          f"(low-latency {setup.ll_tokens}), H={setup.hidden}, K={setup.top_k}, "
-          f"E={setup.experts}, routing {setup.routing}, {setup.dtype}; median of {repeat}")
-    print(f"rerun: {command}")
-    header = f"{'op':<17} {'backend':<8} {'time':>10} {'MB/rank':>9} {'GB/s':>7} " \
-             f"{'floor':>10} {'of floor':>9} {'vs xla':>7}"
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        vs = xla.get(r["op"])
-        print(f"{r['op']:<17} {r['backend']:<8} {fmt_time(r['time']['median']):>10} "
-              f"{r['bytes_per_rank'] / 1e6:>9.3f} {r['gbps']:>7.2f} {fmt_time(r['floor_s']):>10} "
-              f"{r['of_floor']:>9.3f} {vs / r['time']['median'] if vs else float('nan'):>6.2f}x")
-    for name in names:
-        missing = [line.split(":")[0] for line in skipped if line.startswith(f"{name} ")]
-        if missing:
-            reasons = {line.split(": ", 1)[1] for line in skipped if line.startswith(f"{name} ")}
-            print(f"n/a on {name}: {', '.join(m.split(' ', 1)[1] for m in missing)} "
-                  f"({'; '.join(sorted(reasons))})")
-    print(f"\ntime: median wall time of one call of the jitted shard_map program (all ranks).\n"
-          f"MB/rank, GB/s: bytes each rank receives (DeepEP's count: rows incl. its own x H x "
-          f"bytes; low-latency: one message per token and expert) over that time.\n"
-          f"floor: those bytes read and written once at the copy bandwidth measured here "
-          f"({bandwidth / 1e9:.1f} GB/s"
-          f"{', shared by all virtual ranks' if not on_gpu else ''}); of floor = floor / time.\n"
-          f"vs xla: the xla backend's time over this row's (higher is faster).\n"
-          f"Timed with on_overflow='drop', on_invalid='mask' (the default checks add a host "
-          f"callback per call). Total {time.time() - started:.0f} s.")
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    # Virtual CPU devices must be asked for before jax starts a backend: XLA reads XLA_FLAGS
+    # then (importing the jax_ep package imports jax, which starts none). The flag shapes only
+    # the host platform: where jax finds GPUs it uses them, and the flag changes nothing.
+    count = args.ranks or CPU_DEFAULTS["ranks"]
+    os.environ["XLA_FLAGS"] = (
+        f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
+    ).strip()
+
+    import jax
+
+    import jax_ep
+    from jax_ep.bench import suite, timing
+
+    devices = jax.devices()
+    platform = devices[0].platform
+    on_cpu = platform == "cpu"
+    setup, repeat = make_setup(args, len(devices), on_cpu)
+    ops = selected_ops(args)
+    names = args.backends or list(jax_ep.backends.BACKENDS)
+    unknown = [n for n in names if n not in jax_ep.backends.BACKENDS]
+    if unknown:
+        sys.exit(f"--backends: unknown {unknown}; choose from {list(jax_ep.backends.BACKENDS)}.")
+    settings = {**dataclasses.asdict(setup), "warmup": args.warmup, "repeat": repeat}
+    command = rerun_command(args, settings)
+    device = f"{devices[0].device_kind} x{setup.ranks}"
+    if on_cpu:
+        device += f" (virtual devices on {os.cpu_count()} cores)"
+
+    started = time.perf_counter()
+    print(f"jax_ep.bench on {device}: measuring the copy bandwidth ...", file=sys.stderr)
+    bandwidth = timing.copy_bandwidth(devices[0])
+    inputs = suite.make_inputs(setup, suite.make_mesh(setup.ranks))
+    # A backend that cannot run at all (no compiled extension) is skipped with a note.
+    unavailable = {n: why for n in names if (why := suite.backend_unavailable(n, platform))}
+    rows: list[dict[str, Any]] = []
+    total = len(ops) * len(names)
+    for op in ops:
+        for name in names:
+            counter = f"[{len(rows) + 1}/{total}]"
+            progress = f"{counter:>{2 * len(str(total)) + 3}} {op:<17} {name:<5} ..."
+            print(progress, end=" ", file=sys.stderr, flush=True)
+            row = run_case(op, name, inputs, args.warmup, repeat, unavailable.get(name))
+            done = fmt_time(row["time"]["median"]) if row["status"] == "ok" else row["status"]
+            print(done, file=sys.stderr, flush=True)
+            rows.append(row)
+    add_ratios(rows, bandwidth, setup.ranks if on_cpu else 1)
+    notes = notes_for(rows, unavailable)
+    elapsed = time.perf_counter() - started
+
+    print(f"\njax_ep.bench on {device}, jax {jax.__version__}, jax_ep {jax_ep.__version__}")
+    print(
+        f"R={setup.ranks}; normal: T={setup.tokens}/rank, H={setup.hidden}, {setup.dtype}; "
+        f"low-latency: T={setup.ll_tokens}/rank, bfloat16; top-{setup.top_k} of "
+        f"E={setup.experts}; routing {setup.routing}; median of {repeat} calls after "
+        f"{args.warmup} warm-up"
+    )
+    print(f"rerun: {command}\n")
+    print_table(rows)
+    print()
+    ran = [n for n in names if n not in unavailable]
+    for paragraph in footnote(bandwidth, on_cpu, ran) + notes:
+        print(textwrap.fill(paragraph, width=100, subsequent_indent="  "))
+    print(f"Total {elapsed:.0f} s.")
 
     if args.json:
         record = {
-            "command": command, "device": device, "platform": devices[0].platform,
-            "jax": jax.__version__, "host": host_platform.node(), "setup": vars(setup),
-            "repeat": repeat, "copy_bandwidth_Bps": bandwidth, "rows": rows,
-            "skipped": skipped,
+            "command": command,
+            "device": {
+                "kind": devices[0].device_kind,
+                "platform": platform,
+                "ranks": setup.ranks,
+                "virtual": on_cpu,
+                "cpu_cores": os.cpu_count(),
+            },
+            "jax": jax.__version__,
+            "jax_ep": jax_ep.__version__,
+            "config": {**settings, "ops": ops, "backends": names, **suite.UNCHECKED},
+            "copy_bandwidth_Bps": bandwidth,
+            "rows": rows,
+            "notes": notes,
+            "total_s": elapsed,
         }
         with open(args.json, "w") as f:
             json.dump(record, f, indent=2)
+            f.write("\n")
         print(f"wrote {args.json}")
-    return 0
+    return 1 if any(r["status"] == "error" for r in rows) else 0
 
 
 if __name__ == "__main__":

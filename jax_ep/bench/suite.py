@@ -1,8 +1,13 @@
 """The benchmark's cases: inputs, one jitted shard_map program per (op, backend), bytes moved.
 
-Every program takes rank-stacked inputs ([R, ...], rank d's shard is `a[d]`) and runs the op
-per shard over the mesh axis "ep", with `on_overflow="drop", on_invalid="mask"`: the default
-checks add a host callback to every call, which is not what a tuned training step pays.
+Every program takes rank-stacked inputs (`[R, ...]`, rank d's block `a[d]` placed on device d)
+and runs one op per shard over the mesh axis "ep". The ops get
+`on_overflow="drop", on_invalid="mask"`: the default checks ("error") add a host callback to
+every call, which a tuned training step does not pay. The default capacity never overflows, so
+nothing is dropped.
+
+Bytes moved per rank follow DeepEP's convention, averaged over the ranks. They are counted from
+the routing with NumPy, and the counts are checked against the op's own on the first call.
 """
 
 from __future__ import annotations
@@ -13,31 +18,35 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import jax_ep
-from jax_ep.bench.routings import make_routing
+from jax_ep.bench import OPS
+from jax_ep.bench.routings import KINDS, make_routing
 
 AXIS = "ep"
-OPS = (
-    "layout",
-    "dispatch",
-    "combine",
-    "dispatch+combine",
-    "dispatch_fp8",
-    "ll_dispatch",
-    "ll_dispatch_fp8",
-    "ll_combine",
-    "ll_round_trip",
-)
-FP8_OPS = ("dispatch_fp8", "ll_dispatch_fp8")
 UNCHECKED = {"on_overflow": "drop", "on_invalid": "mask"}
+BLOCK = 128  # channels per FP8 scale
+SCALE_BYTES = 4  # one float32 scale per block
 
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
+    """Shapes and routing of one run (notation of docs/contract.md).
+
+    Attributes:
+      ranks: R, devices on the "ep" axis.
+      tokens: T per rank, normal mode.
+      ll_tokens: T per rank, low-latency mode.
+      hidden: H, a multiple of 128.
+      top_k: K.
+      experts: E, a multiple of R.
+      routing: a `routings.KINDS` name.
+      dtype: payload dtype of normal mode (low-latency sends bfloat16 or FP8).
+      seed: seed of the routing and the payload.
+    """
+
     ranks: int
     tokens: int
     ll_tokens: int
@@ -48,39 +57,63 @@ class Setup:
     dtype: str
     seed: int
 
+    def check(self) -> None:
+        """Raises ValueError naming the first setting the ops would reject."""
+        for name in ("ranks", "tokens", "ll_tokens", "hidden", "top_k", "experts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive; got {getattr(self, name)}.")
+        if self.hidden % BLOCK:
+            raise ValueError(f"hidden must be a multiple of {BLOCK}; got {self.hidden}.")
+        if self.experts % self.ranks:
+            raise ValueError(
+                f"experts ({self.experts}) must be a multiple of ranks ({self.ranks})."
+            )
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k ({self.top_k}) must be at most experts ({self.experts}).")
+        if self.routing not in KINDS:
+            raise ValueError(f"routing must be one of {list(KINDS)}; got {self.routing!r}.")
 
-@dataclasses.dataclass
-class Case:
-    """One timed program: `fn(*args)`, and the bytes it moves per rank."""
 
-    op: str
-    backend: str
-    fn: Callable[..., Any]
-    args: tuple
-    bytes_per_rank: float
+# ---------------------------------------------------------------------------------------------
+# Mesh and rank-stacked programs (also used by the tests, through tests/harness.py)
 
 
 def make_mesh(num_ranks: int, explicit: bool = True) -> Mesh:
-    """A 1-D "ep" mesh of the first `num_ranks` devices. An Auto (not explicit) mesh lets
-    shard_map reshard its inputs implicitly, for functions called under other transforms."""
+    """A 1-D "ep" mesh of the first `num_ranks` devices.
+
+    Args:
+      num_ranks: R.
+      explicit: an Explicit axis (the default); an Auto axis lets shard_map reshard its inputs
+        implicitly, for functions called under other transforms.
+    """
     devices = np.array(jax.devices()[:num_ranks])
     axis_type = AxisType.Explicit if explicit else AxisType.Auto
     return Mesh(devices, (AXIS,), axis_types=(axis_type,))
 
 
 def stacked(fn: Callable[..., Any], mesh: Mesh, jit: bool = True) -> Callable[..., Any]:
-    """`fn` (per shard) as a function of rank-stacked arrays: [R, ...] -> [R, ...]."""
+    """`fn` (per shard) as a function of rank-stacked arrays: `[R, ...] -> [R, ...]`.
 
-    def per_shard(*args):
+    Args:
+      fn: a per-shard function of arrays (pytrees allowed), run inside shard_map over "ep".
+      mesh: the mesh from `make_mesh`.
+      jit: compile the shard_map program (the benchmark always does).
+
+    Returns:
+      A function of the stacked arguments that runs under `jax.set_mesh(mesh)`.
+    """
+
+    def per_shard(*args: Any) -> Any:
         out = fn(*jax.tree.map(lambda a: a[0], args))
         return jax.tree.map(lambda a: jnp.asarray(a)[None], out)
 
-    mapped = jax.shard_map(per_shard, mesh=mesh, in_specs=PartitionSpec(AXIS),
-                           out_specs=PartitionSpec(AXIS))
+    mapped = jax.shard_map(
+        per_shard, mesh=mesh, in_specs=PartitionSpec(AXIS), out_specs=PartitionSpec(AXIS)
+    )
     if jit:
         mapped = jax.jit(mapped)
 
-    def run(*args):
+    def run(*args: Any) -> Any:
         with jax.set_mesh(mesh):
             return mapped(*args)
 
@@ -89,99 +122,315 @@ def stacked(fn: Callable[..., Any], mesh: Mesh, jit: bool = True) -> Callable[..
 
 def put(mesh: Mesh, tree: Any) -> Any:
     """Places rank-stacked arrays with rank d's block on device d."""
-    return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, PartitionSpec(AXIS))),
-                        tree)
+    sharding = NamedSharding(mesh, PartitionSpec(AXIS))
+    return jax.tree.map(lambda a: jax.device_put(a, sharding), tree)
 
 
-def _unique_choices(idx: np.ndarray, num_experts: int) -> int:
-    """Valid (token, expert) pairs, a token's repeated expert counted once."""
-    return sum(len({int(e) for e in row if 0 <= e < num_experts}) for row in idx.reshape(
-        -1, idx.shape[-1]))
+# ---------------------------------------------------------------------------------------------
+# What the routing moves (NumPy, independent of the ops)
 
 
-def _rows_received(idx: np.ndarray, num_experts: int, num_ranks: int) -> int:
-    """Rows all ranks receive in normal dispatch: (token, destination rank) pairs."""
-    per_rank = num_experts // num_ranks
-    valid = (idx >= 0) & (idx < num_experts)
-    dest = np.where(valid, idx // per_rank, -1)
-    return int(sum((dest == d).any(-1).sum() for d in range(num_ranks)))
+def received_rows(topk_idx: np.ndarray, num_experts: int) -> np.ndarray:
+    """Rows each rank receives in normal dispatch (its own tokens included).
+
+    Args:
+      topk_idx: int [R, T, K], every rank's routing.
+      num_experts: E.
+
+    Returns:
+      int64 [R]: for each rank d, the tokens (of all ranks) with a valid choice on d.
+    """
+    num_ranks = topk_idx.shape[0]
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    dest = np.where(valid, topk_idx // (num_experts // num_ranks), -1)  # [R, T, K]
+    goes = (dest[..., None] == np.arange(num_ranks)).any(axis=2)  # [R, T, R(dest)]
+    return goes.sum(axis=(0, 1))
 
 
-def build_cases(setup: Setup, mesh: Mesh, ops: list[str], backend: str) -> list[Case | str]:
-    """Cases of `ops` for `backend`; an op the backend cannot run becomes its reason (str)."""
+def ll_messages(topk_idx: np.ndarray, num_experts: int) -> int:
+    """Low-latency messages of all ranks: valid (token, expert) pairs, duplicates once."""
+    ids = np.sort(np.where((topk_idx >= 0) & (topk_idx < num_experts), topk_idx, -1), axis=-1)
+    first = np.ones_like(ids[..., :1], dtype=bool)
+    new = np.concatenate([first, ids[..., 1:] != ids[..., :-1]], axis=-1)
+    return int(((ids >= 0) & new).sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs shared by every case
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """The rank-stacked inputs on their devices, and what the routings move.
+
+    Attributes:
+      setup: the run's shapes.
+      mesh: the "ep" mesh.
+      x: [R, T, H] normal-mode tokens in `setup.dtype`.
+      idx: int32 [R, T, K]; `w` float32 [R, T, K].
+      ll_x: bfloat16 [R, T_ll, H] low-latency tokens.
+      ll_idx: int32 [R, T_ll, K]; `ll_w` float32 [R, T_ll, K].
+      rows: rows received by all ranks together in normal dispatch.
+      messages: low-latency messages sent by all ranks together.
+    """
+
+    setup: Setup
+    mesh: Mesh
+    x: jax.Array
+    idx: jax.Array
+    w: jax.Array
+    ll_x: jax.Array
+    ll_idx: jax.Array
+    ll_w: jax.Array
+    rows: int
+    messages: int
+
+
+def make_inputs(setup: Setup, mesh: Mesh) -> Inputs:
+    """Draws the routings (`setup.routing`) and standard-normal tokens, and places them."""
     rng = np.random.default_rng(setup.seed)
-    r, e, k, h = setup.ranks, setup.experts, setup.top_k, setup.hidden
-    dtype = ml_dtypes.bfloat16 if setup.dtype == "bfloat16" else np.dtype(setup.dtype)
-    item = np.dtype(dtype).itemsize
-    idx, w = make_routing(rng, num_ranks=r, num_tokens=setup.tokens, top_k=k, num_experts=e,
-                          kind=setup.routing)
-    x = rng.standard_normal((r, setup.tokens, h)).astype(dtype)
-    ll_idx, ll_w = make_routing(rng, num_ranks=r, num_tokens=setup.ll_tokens, top_k=k,
-                                num_experts=e, kind=setup.routing)
-    ll_x = rng.standard_normal((r, setup.ll_tokens, h)).astype(ml_dtypes.bfloat16)
-    rows = _rows_received(idx, e, r) / r
-    messages = _unique_choices(ll_idx, e) / r
-    fp8_row = h + h // 128 * 4
-    kw = {"num_experts": e, "backend": backend}
-    dev = put(mesh, {"x": x, "idx": idx, "w": w, "ll_x": ll_x, "ll_idx": ll_idx, "ll_w": ll_w})
+    r, k, e, h = setup.ranks, setup.top_k, setup.experts, setup.hidden
 
-    def dispatch(x, idx, w):
-        return jax_ep.dispatch(x, idx, w, **kw, **UNCHECKED)
+    def draw(num_tokens: int, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        idx, w = make_routing(
+            rng, num_ranks=r, num_tokens=num_tokens, top_k=k, num_experts=e, kind=setup.routing
+        )
+        x = rng.standard_normal((r, num_tokens, h), dtype=np.float32).astype(jnp.dtype(dtype))
+        return x, idx, w
 
-    def ll_dispatch(x, idx, use_fp8=False):
-        return jax_ep.low_latency_dispatch(x, idx, use_fp8=use_fp8, on_invalid="mask", **kw)
+    x, idx, w = draw(setup.tokens, setup.dtype)
+    ll_x, ll_idx, ll_w = draw(setup.ll_tokens, "bfloat16")
+    return Inputs(
+        setup,
+        mesh,
+        *put(mesh, (x, idx, w, ll_x, ll_idx, ll_w)),
+        rows=int(received_rows(idx, e).sum()),
+        messages=ll_messages(ll_idx, e),
+    )
 
-    cases: list[Case | str] = []
-    for op in ops:
-        try:
-            if op == "layout":
-                fn = stacked(lambda i: jax_ep.get_dispatch_layout(i, **kw), mesh)
-                args = (dev["idx"],)
-                nbytes = setup.tokens * (k * 4 + r) + (r + e + 1) * 4
-            elif op == "dispatch":
-                fn = stacked(lambda x, i, w: dispatch(x, i, w)[0], mesh)
-                args, nbytes = (dev["x"], dev["idx"], dev["w"]), rows * h * item
-            elif op == "dispatch_fp8":
-                q, s = jax.jit(jax_ep.fp8.quantize)(jnp.asarray(x.astype(np.float32)))
-                fn = stacked(lambda q, s, i, w: dispatch((q, s), i, w)[0], mesh)
-                args = (*put(mesh, (np.asarray(q), np.asarray(s))), dev["idx"], dev["w"])
-                nbytes = rows * fp8_row
-            elif op == "combine":
-                recv, handle = stacked(dispatch, mesh)(dev["x"], dev["idx"], dev["w"])
-                fn = stacked(lambda y, hd: jax_ep.combine(y, hd, backend=backend), mesh)
-                args, nbytes = (recv.x, handle), rows * h * item
-            elif op == "dispatch+combine":
 
-                def round_trip(x, i, w):
-                    recv, handle = dispatch(x, i, w)
-                    return jax_ep.combine(recv.x, handle, backend=backend)
+# ---------------------------------------------------------------------------------------------
+# The cases: one program per op
 
-                fn = stacked(round_trip, mesh)
-                args, nbytes = (dev["x"], dev["idx"], dev["w"]), 2 * rows * h * item
-            elif op in ("ll_dispatch", "ll_dispatch_fp8"):
-                use_fp8 = op == "ll_dispatch_fp8"
-                fn = stacked(lambda x, i, fp8=use_fp8: ll_dispatch(x, i, fp8)[0], mesh)
-                args = (dev["ll_x"], dev["ll_idx"])
-                nbytes = messages * (fp8_row if use_fp8 else 2 * h)
-            elif op == "ll_combine":
-                recv, handle = stacked(ll_dispatch, mesh)(dev["ll_x"], dev["ll_idx"])
-                fn = stacked(lambda y, i, w, hd: jax_ep.low_latency_combine(
-                    y, i, w, hd, backend=backend), mesh)
-                args = (recv.x, dev["ll_idx"], dev["ll_w"], handle)
-                nbytes = messages * 2 * h
-            elif op == "ll_round_trip":
 
-                def ll_round_trip(x, i, w):
-                    recv, handle = ll_dispatch(x, i)
-                    return jax_ep.low_latency_combine(recv.x, i, w, handle, backend=backend)
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One timed program `fn(*args)` and the bytes it moves per rank.
 
-                fn = stacked(ll_round_trip, mesh)
-                args = (dev["ll_x"], dev["ll_idx"], dev["ll_w"])
-                nbytes = 2 * messages * 2 * h
-            else:
-                raise ValueError(f"unknown op {op!r}; choose from {list(OPS)}")
-            jax.block_until_ready(fn(*args))  # compiles, and proves the backend runs the op
-            cases.append(Case(op, backend, fn, args, float(nbytes)))
-        except (NotImplementedError, RuntimeError) as error:
-            cases.append(f"{op}: {str(error).splitlines()[0]}")
-    return cases
+    Attributes:
+      fn: the jitted shard_map program over rank-stacked arguments.
+      args: its arguments, on their devices.
+      bytes_per_rank: DeepEP's count of the bytes moved, averaged over the ranks.
+      check: called with the first call's outputs; raises RuntimeError when the op's own
+        counts disagree with the routing's.
+    """
+
+    fn: Callable[..., Any]
+    args: tuple
+    bytes_per_rank: float
+    check: Callable[[Any], None] | None = None
+
+
+def _expect(what: str, got: Any, want: int) -> None:
+    """Raises RuntimeError unless the op's count `got` (summed over ranks) is `want`."""
+    if int(np.sum(got)) != want:
+        raise RuntimeError(f"{what}: the op reports {int(np.sum(got))}, the routing gives {want}.")
+
+
+def _check_received(op: str, inp: Inputs) -> Callable[[Any], None]:
+    """Check of a normal dispatch's first outputs: every routed row received, none dropped."""
+
+    def check(out: Any) -> None:
+        _expect(f"{op} rows received", out[0].num_tokens, inp.rows)
+        _expect(f"{op} rows dropped", out[0].num_dropped, 0)
+
+    return check
+
+
+def _rows_bytes(inp: Inputs, fp8: bool = False) -> float:
+    """Normal mode: received rows per rank x bytes per row (FP8: + the row's scales)."""
+    h = inp.setup.hidden
+    row = h + h // BLOCK * SCALE_BYTES if fp8 else h * jnp.dtype(inp.setup.dtype).itemsize
+    return inp.rows / inp.setup.ranks * row
+
+
+def _messages_bytes(inp: Inputs, fp8: bool = False) -> float:
+    """Low-latency: messages per rank x bytes per message (bf16, or FP8 with its scales)."""
+    h = inp.setup.hidden
+    message = h + h // BLOCK * SCALE_BYTES if fp8 else h * 2
+    return inp.messages / inp.setup.ranks * message
+
+
+def _dispatch_fn(inp: Inputs, backend: str) -> Callable[..., Any]:
+    """Per shard: dispatch(x, topk_idx, topk_weights) -> (Received, DispatchHandle)."""
+
+    def dispatch(x: Any, idx: jax.Array, w: jax.Array) -> Any:
+        return jax_ep.dispatch(
+            x,
+            idx,
+            w,
+            num_experts=inp.setup.experts,
+            axis_name=AXIS,
+            backend=backend,
+            **UNCHECKED,
+        )
+
+    return dispatch
+
+
+def _ll_dispatch_fn(inp: Inputs, backend: str, use_fp8: bool) -> Callable[..., Any]:
+    """Per shard: low_latency_dispatch(x, topk_idx) -> (LowLatencyReceived, LowLatencyHandle)."""
+
+    def ll_dispatch(x: jax.Array, idx: jax.Array) -> Any:
+        return jax_ep.low_latency_dispatch(
+            x,
+            idx,
+            num_experts=inp.setup.experts,
+            axis_name=AXIS,
+            use_fp8=use_fp8,
+            on_invalid="mask",
+            backend=backend,
+        )
+
+    return ll_dispatch
+
+
+def layout_case(inp: Inputs, backend: str) -> Case:
+    """get_dispatch_layout; bytes: topk_idx read plus the outputs written."""
+    s = inp.setup
+    fn = stacked(
+        lambda idx: jax_ep.get_dispatch_layout(
+            idx, num_experts=s.experts, axis_name=AXIS, backend=backend
+        ),
+        inp.mesh,
+    )
+    read = s.tokens * s.top_k * 4
+    written = (s.ranks + s.experts + 1) * 4 + s.tokens * s.ranks  # int32 counts, bool [T, R]
+    return Case(
+        fn,
+        (inp.idx,),
+        read + written,
+        check=lambda out: _expect("layout rows to send", out.num_tokens_per_rank, inp.rows),
+    )
+
+
+def dispatch_case(inp: Inputs, backend: str) -> Case:
+    """Normal dispatch of `setup.dtype` rows, returning the received rows and the handle."""
+    fn = stacked(_dispatch_fn(inp, backend), inp.mesh)
+    return Case(
+        fn,
+        (inp.x, inp.idx, inp.w),
+        _rows_bytes(inp),
+        check=_check_received("dispatch", inp),
+    )
+
+
+def dispatch_fp8_case(inp: Inputs, backend: str) -> Case:
+    """Normal dispatch of the FP8 pair (x_fp8, scales), quantized once beforehand."""
+    x_fp8, scales = stacked(jax_ep.fp8.quantize, inp.mesh)(inp.x)
+    dispatch = _dispatch_fn(inp, backend)
+    fn = stacked(lambda q, s, idx, w: dispatch((q, s), idx, w), inp.mesh)
+    return Case(
+        fn,
+        (x_fp8, scales, inp.idx, inp.w),
+        _rows_bytes(inp, fp8=True),
+        check=_check_received("dispatch_fp8", inp),
+    )
+
+
+def combine_case(inp: Inputs, backend: str) -> Case:
+    """combine of the received rows of a dispatch (run once, untimed), with its handle."""
+    received, handle = stacked(_dispatch_fn(inp, backend), inp.mesh)(inp.x, inp.idx, inp.w)
+    fn = stacked(lambda y, hd: jax_ep.combine(y, hd, backend=backend), inp.mesh)
+    return Case(fn, (received.x, handle), _rows_bytes(inp))
+
+
+def round_trip_case(inp: Inputs, backend: str) -> Case:
+    """dispatch then combine of the received rows, in one program."""
+    dispatch = _dispatch_fn(inp, backend)
+
+    def round_trip(x: jax.Array, idx: jax.Array, w: jax.Array) -> jax.Array:
+        received, handle = dispatch(x, idx, w)
+        return jax_ep.combine(received.x, handle, backend=backend)
+
+    return Case(stacked(round_trip, inp.mesh), (inp.x, inp.idx, inp.w), 2 * _rows_bytes(inp))
+
+
+def ll_dispatch_case(inp: Inputs, backend: str, use_fp8: bool = False) -> Case:
+    """low_latency_dispatch (bf16, or FP8 quantized inside the op), with its handle."""
+    fn = stacked(_ll_dispatch_fn(inp, backend, use_fp8), inp.mesh)
+    return Case(
+        fn,
+        (inp.ll_x, inp.ll_idx),
+        _messages_bytes(inp, fp8=use_fp8),
+        check=lambda out: _expect("low-latency messages", out[0].count, inp.messages),
+    )
+
+
+def ll_combine_case(inp: Inputs, backend: str) -> Case:
+    """low_latency_combine of the slots of a bf16 low-latency dispatch (run once, untimed)."""
+    received, handle = stacked(_ll_dispatch_fn(inp, backend, False), inp.mesh)(inp.ll_x, inp.ll_idx)
+    fn = stacked(
+        lambda y, idx, w, hd: jax_ep.low_latency_combine(y, idx, w, hd, backend=backend),
+        inp.mesh,
+    )
+    return Case(fn, (received.x, inp.ll_idx, inp.ll_w, handle), _messages_bytes(inp))
+
+
+def ll_round_trip_case(inp: Inputs, backend: str) -> Case:
+    """bf16 low_latency_dispatch then low_latency_combine of the slots, in one program."""
+    ll_dispatch = _ll_dispatch_fn(inp, backend, False)
+
+    def ll_round_trip(x: jax.Array, idx: jax.Array, w: jax.Array) -> jax.Array:
+        received, handle = ll_dispatch(x, idx)
+        return jax_ep.low_latency_combine(received.x, idx, w, handle, backend=backend)
+
+    fn = stacked(ll_round_trip, inp.mesh)
+    return Case(fn, (inp.ll_x, inp.ll_idx, inp.ll_w), 2 * _messages_bytes(inp))
+
+
+CASES: dict[str, Callable[[Inputs, str], Case]] = {
+    "layout": layout_case,
+    "dispatch": dispatch_case,
+    "dispatch_fp8": dispatch_fp8_case,
+    "combine": combine_case,
+    "dispatch+combine": round_trip_case,
+    "ll_dispatch": ll_dispatch_case,
+    "ll_dispatch_fp8": lambda inp, backend: ll_dispatch_case(inp, backend, use_fp8=True),
+    "ll_combine": ll_combine_case,
+    "ll_round_trip": ll_round_trip_case,
+}
+assert tuple(CASES) == OPS
+
+
+def build_case(op: str, inp: Inputs, backend: str) -> Case:
+    """The case of `op` on `backend`, compiled and run once (its counts checked).
+
+    Raises:
+      NotImplementedError: the backend does not implement the op (raised while tracing).
+      RuntimeError: the op's counts disagree with the routing's.
+    """
+    case = CASES[op](inp, backend)
+    out = jax.block_until_ready(case.fn(*case.args))
+    if case.check is not None:
+        case.check(out)
+    return case
+
+
+def backend_unavailable(backend: str, platform: str) -> str | None:
+    """Why `backend` cannot run at all on `platform` ("cpu" or "gpu"), or None if it can.
+
+    The "cuda" backend needs the compiled extension (jax_ep._ext) and its FFI targets; on CPU
+    its custom calls run the extension's CPU handlers, on a GPU its CUDA kernels.
+    """
+    if backend != "cuda":
+        return None
+    try:
+        from jax_ep import _ffi
+
+        _ffi.register()
+    except Exception as error:  # a missing or broken extension: say why, run the others
+        return f"{type(error).__name__}: {error}"
+    if platform != "cpu" and not _ffi.cuda_kernels_compiled():
+        return "the extension was built without the CUDA kernels"
+    return None
