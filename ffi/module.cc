@@ -7,7 +7,9 @@
 #include <stdexcept>
 #include <string>
 
+#include "ffi/exchange.h"
 #include "ffi/layout.h"
+#include "ffi/runtime.h"
 #include "xla/ffi/api/c_api.h"
 
 #ifdef JAX_EP_WITH_CUDA
@@ -27,9 +29,21 @@ nb::capsule Capsule(XLA_FFI_Error* (*handler)(XLA_FFI_CallFrame*)) {
 nb::dict Registrations() {
   nb::dict cpu;
   cpu["jax_ep_dispatch_layout"] = Capsule(jax_ep::ffi::LayoutCpu);
+  cpu[jax_ep::ffi::kDispatchOp] = Capsule(jax_ep::ffi::DispatchCpu);
+  cpu[jax_ep::ffi::kCombineOp] = Capsule(jax_ep::ffi::CombineCpu);
+  cpu[jax_ep::ffi::kLowLatencyDispatchSendOp] = Capsule(jax_ep::ffi::LowLatencyDispatchSendCpu);
+  cpu[jax_ep::ffi::kLowLatencyDispatchRecvOp] = Capsule(jax_ep::ffi::LowLatencyDispatchRecvCpu);
+  cpu[jax_ep::ffi::kLowLatencyCombineSendOp] = Capsule(jax_ep::ffi::LowLatencyCombineSendCpu);
+  cpu[jax_ep::ffi::kLowLatencyCombineRecvOp] = Capsule(jax_ep::ffi::LowLatencyCombineRecvCpu);
   nb::dict cuda;
 #ifdef JAX_EP_WITH_CUDA
   cuda["jax_ep_dispatch_layout"] = Capsule(jax_ep::ffi::LayoutCuda);
+  cuda[jax_ep::ffi::kDispatchOp] = Capsule(jax_ep::ffi::DispatchCuda);
+  cuda[jax_ep::ffi::kCombineOp] = Capsule(jax_ep::ffi::CombineCuda);
+  cuda[jax_ep::ffi::kLowLatencyDispatchSendOp] = Capsule(jax_ep::ffi::LowLatencyDispatchSendCuda);
+  cuda[jax_ep::ffi::kLowLatencyDispatchRecvOp] = Capsule(jax_ep::ffi::LowLatencyDispatchRecvCuda);
+  cuda[jax_ep::ffi::kLowLatencyCombineSendOp] = Capsule(jax_ep::ffi::LowLatencyCombineSendCuda);
+  cuda[jax_ep::ffi::kLowLatencyCombineRecvOp] = Capsule(jax_ep::ffi::LowLatencyCombineRecvCuda);
 #endif
   nb::dict out;
   out["cpu"] = cpu;
@@ -95,4 +109,5 @@ NB_MODULE(_ext, m) {
         &BuildInfo,
         "{'ffi_api_version', 'cuda', 'cuda_arch', 'nvshmem_version'} of this build (the last two "
         "are None without CUDA).");
+  jax_ep::ffi::BindRuntime(m);
 }

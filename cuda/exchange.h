@@ -1,0 +1,597 @@
+// Bodies of the dispatch and combine kernels, written once for host and device.
+//
+// Each op is a short sequence of *phases*; a phase is a function of (rank, item) with no
+// dependency between items, so any grid can run it, and the next phase starts only after the
+// previous one finished on every rank (a kernel boundary on one GPU, a loop on the CPU). The
+// CUDA kernels (cuda/exchange.cu) run the items in parallel, the CPU handlers
+// (ffi/exchange_cpu.cc) in a loop, so CI checks the exact kernel logic bit for bit against the
+// NumPy reference without a GPU. Items move rows with `copy_row(dst, src, bytes, lane, lanes)`:
+// a warp on the GPU (32 lanes), one lane on the CPU.
+//
+// Peers. Every buffer that one rank writes for another is reached through a `Peers` view:
+// `peers.at(base, stride, rank)` is rank's copy of the buffer. With virtual ranks (all R ranks
+// of the group inside one call, inputs and outputs stacked [R, ...]) that is base + rank *
+// stride. Every write has exactly one writer and every output element is written once, so no
+// buffer needs clearing and results do not depend on scheduling.
+//
+// Ordering rules (docs/contract.md): rank-major rows are ordered by source rank, then token;
+// expert-major entries by local expert, then rank-major row, then choice; low-latency slots of
+// an expert by source rank, then token. Positions come from counts that every rank publishes
+// in a first phase (`counts`, [R][R + E]: tokens of source s for each destination rank, then
+// valid choices of s for each expert) and from per-token offsets computed in the same phase.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/numerics.h"
+#include "cuda/routing.h"
+
+namespace jax_ep {
+
+// Virtual ranks: rank r's copy of a stacked buffer.
+struct VirtualPeers {
+  template <typename T>
+  JAX_EP_HOST_DEVICE T* at(T* base, int64_t stride, int rank) const {
+    return base + stride * rank;
+  }
+};
+
+// Copies `bytes` from src to dst with `lanes` cooperating lanes (16-byte words when both
+// pointers and the size allow, else single bytes).
+JAX_EP_HOST_DEVICE void copy_row(void* dst, const void* src, int64_t bytes, int lane, int lanes) {
+  struct alignas(16) Word {
+    uint32_t v[4];
+  };
+  const bool aligned = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
+                         static_cast<uintptr_t>(bytes)) &
+                        15u) == 0;
+  if (aligned) {
+    Word* d = static_cast<Word*>(dst);
+    const Word* s = static_cast<const Word*>(src);
+    for (int64_t i = lane; i < bytes / 16; i += lanes) d[i] = s[i];
+  } else {
+    char* d = static_cast<char*>(dst);
+    const char* s = static_cast<const char*>(src);
+    for (int64_t i = lane; i < bytes; i += lanes) d[i] = s[i];
+  }
+}
+
+JAX_EP_HOST_DEVICE void zero_row(void* dst, int64_t bytes, int lane, int lanes) {
+  char* d = static_cast<char*>(dst);
+  if (((reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(bytes)) & 15u) == 0) {
+    struct alignas(16) Word {
+      uint32_t v[4];
+    };
+    Word* w = reinterpret_cast<Word*>(d);
+    for (int64_t i = lane; i < bytes / 16; i += lanes) w[i] = Word{{0, 0, 0, 0}};
+  } else {
+    for (int64_t i = lane; i < bytes; i += lanes) d[i] = 0;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Normal dispatch
+
+struct DispatchArgs {
+  int num_ranks;    // R
+  int num_tokens;   // T per rank
+  int top_k;        // K
+  int num_experts;  // E
+  int capacity;     // rows (rank-major) or entries (expert-major) per receiver
+  bool expert_major;
+  int64_t row_bytes;   // bytes of one token row of x
+  int64_t scale_cols;  // float32 scales per row (0 without FP8)
+
+  // Inputs, stacked per source rank: [R, T, ...].
+  const char* x;
+  const float* scales;
+  const int32_t* topk_idx;
+  const float* topk_weights;
+
+  // Per-source results and workspace: [R, ...].
+  int32_t* clean_idx;     // [R, T, K] routing with invalid ids replaced by -1
+  int32_t* num_invalid;   // [R]
+  int32_t* counts;        // [R, R + E] (see the header comment)
+  int32_t* token_offset;  // [R, T, R] rank of token t among the tokens of s that go to d
+  int32_t* entry_offset;  // [R, T, K] rank of entry (t, k) among the entries of s for its expert
+  int32_t* row_base;      // [R, R]: first rank-major row of source s on rank d
+  int32_t* entry_base;    // [R, E]: first entry position of source s for expert e (expert-major)
+
+  // Per-receiver results, reached through Peers: [R, ...].
+  char* recv_x;               // [R, capacity, row_bytes]
+  float* recv_scales;         // [R, capacity, scale_cols]
+  int32_t* recv_idx;          // [R, capacity, K] (rank-major) or [R, capacity]
+  float* recv_weights;        // same shape as recv_idx
+  int32_t* recv_src;          // [R, rows]; rows = capacity (rank-major) or R*T (expert-major)
+  int32_t* src_row;           // [R, R*T]
+  int32_t* entry_row;         // [R, capacity] (expert-major)
+  int32_t* entry_choice;      // [R, capacity] (expert-major)
+  int32_t* row_entries;       // [R, R*T, K] (expert-major)
+  int32_t* num_received;      // [R] rows (entries) kept
+  int32_t* tokens_per_expert; // [R, E/R]
+  int32_t* num_dropped;       // [R]
+  int32_t* num_needed;        // [R] rows (entries) needed before the capacity cut
+
+  JAX_EP_HOST_DEVICE int experts_per_rank() const { return num_experts / num_ranks; }
+  JAX_EP_HOST_DEVICE int num_counters() const { return num_ranks + num_experts; }
+  // Rank-major rows of a receiver: capped at the capacity unless entries are what is capped.
+  JAX_EP_HOST_DEVICE int rows() const {
+    return expert_major ? num_ranks * num_tokens : capacity;
+  }
+  JAX_EP_HOST_DEVICE int idx_cols() const { return expert_major ? 1 : top_k; }
+  JAX_EP_HOST_DEVICE const int32_t* route(int s, int t) const {
+    return clean_idx + (static_cast<int64_t>(s) * num_tokens + t) * top_k;
+  }
+};
+
+// Phase 1, items (s, c) for c in [0, R + E]: counter c of source s. c < R: tokens going to
+// rank c (and each one's offset among them); c < R + E: entries of expert c - R (offsets
+// likewise); c == R + E: cleans the routing and counts invalid ids.
+JAX_EP_HOST_DEVICE void dispatch_count(const DispatchArgs& a, int s, int c) {
+  const int T = a.num_tokens, K = a.top_k, R = a.num_ranks, E = a.num_experts;
+  const int32_t* raw = a.topk_idx + static_cast<int64_t>(s) * T * K;
+  if (c == R + E) {
+    int32_t invalid = 0;
+    int32_t* clean = a.clean_idx + static_cast<int64_t>(s) * T * K;
+    for (int64_t i = 0; i < static_cast<int64_t>(T) * K; ++i) {
+      const int32_t id = raw[i];
+      invalid += is_invalid(id, E);
+      clean[i] = is_choice(id, E) ? id : -1;
+    }
+    a.num_invalid[s] = invalid;
+    return;
+  }
+  const int El = a.experts_per_rank();
+  int32_t running = 0;
+  if (c < R) {
+    int32_t* offset = a.token_offset + static_cast<int64_t>(s) * T * R;
+    for (int t = 0; t < T; ++t) {
+      const int32_t* ids = raw + static_cast<int64_t>(t) * K;
+      bool goes = false;
+      for (int k = 0; k < K; ++k) goes |= choice_rank(ids[k], E, El) == c;
+      if (goes) offset[static_cast<int64_t>(t) * R + c] = running++;
+    }
+  } else {
+    const int e = c - R;
+    int32_t* offset = a.entry_offset + static_cast<int64_t>(s) * T * K;
+    for (int64_t i = 0; i < static_cast<int64_t>(T) * K; ++i) {
+      if (raw[i] == e) offset[i] = running++;
+    }
+  }
+  a.counts[static_cast<int64_t>(s) * a.num_counters() + c] = running;
+}
+
+// Phase 2, items (s, c) for c in [0, R + E): where source s starts writing. c < R: its first
+// rank-major row on rank c. c >= R (expert-major only): its first entry position for expert
+// e = c - R on e's rank (entries of lower local experts of that rank first, then those of e
+// from lower source ranks).
+JAX_EP_HOST_DEVICE void dispatch_bases(const DispatchArgs& a, int s, int c) {
+  const int R = a.num_ranks, n = a.num_counters();
+  if (c < R) {
+    int32_t base = 0;
+    for (int q = 0; q < s; ++q) base += a.counts[static_cast<int64_t>(q) * n + c];
+    a.row_base[static_cast<int64_t>(s) * R + c] = base;
+    return;
+  }
+  if (!a.expert_major) return;
+  const int e = c - R, El = a.experts_per_rank();
+  int32_t base = 0;
+  for (int f = e - e % El; f < e; ++f) {
+    for (int q = 0; q < R; ++q) base += a.counts[static_cast<int64_t>(q) * n + R + f];
+  }
+  for (int q = 0; q < s; ++q) base += a.counts[static_cast<int64_t>(q) * n + c];
+  a.entry_base[static_cast<int64_t>(s) * a.num_experts + e] = base;
+}
+
+// Phase 3, items (s, t): source s writes token t into every receiver (rows, metadata and, for
+// receivers it does not go to, src_row = -1).
+template <typename Peers>
+JAX_EP_HOST_DEVICE void dispatch_send(const DispatchArgs& a, const Peers& peers, int s, int t,
+                                      int lane, int lanes) {
+  const int R = a.num_ranks, T = a.num_tokens, K = a.top_k, E = a.num_experts;
+  const int El = a.experts_per_rank(), cap = a.capacity, rows = a.rows();
+  const int64_t src = static_cast<int64_t>(s) * T + t;
+  const int32_t* ids = a.route(s, t);
+  const char* x_row = a.x + src * a.row_bytes;
+  const float* scale_row = a.scales + src * a.scale_cols;
+  const float* w_row = a.topk_weights + src * K;
+  for (int d = 0; d < R; ++d) {
+    int32_t* src_row = peers.at(a.src_row, static_cast<int64_t>(R) * T, d);
+    bool goes = false;
+    for (int k = 0; k < K; ++k) goes |= choice_rank(ids[k], E, El) == d;
+    const int32_t row = goes ? a.row_base[s * R + d] + a.token_offset[src * R + d] : -1;
+    if (!a.expert_major) {
+      const bool kept = goes && row < cap;
+      if (lane == 0) src_row[src] = kept ? row : -1;
+      if (!kept) continue;
+      copy_row(peers.at(a.recv_x, cap * a.row_bytes, d) + row * a.row_bytes, x_row,
+               a.row_bytes, lane, lanes);
+      copy_row(peers.at(a.recv_scales, cap * a.scale_cols, d) + row * a.scale_cols, scale_row,
+               a.scale_cols * 4, lane, lanes);
+      if (lane == 0) {
+        int32_t* idx = peers.at(a.recv_idx, static_cast<int64_t>(cap) * K, d) + row * K;
+        float* w = peers.at(a.recv_weights, static_cast<int64_t>(cap) * K, d) + row * K;
+        for (int k = 0; k < K; ++k) {
+          const bool here = choice_rank(ids[k], E, El) == d;
+          idx[k] = here ? ids[k] - d * El : -1;
+          w[k] = here ? w_row[k] : 0.0f;
+        }
+        peers.at(a.recv_src, static_cast<int64_t>(cap), d)[row] = static_cast<int32_t>(src);
+      }
+      continue;
+    }
+    // Expert-major: the rank-major row always exists; its entries are capped.
+    if (lane == 0) src_row[src] = row;
+    if (!goes) continue;
+    if (lane == 0) peers.at(a.recv_src, static_cast<int64_t>(rows), d)[row] = static_cast<int32_t>(src);
+    int32_t* row_entries =
+        peers.at(a.row_entries, static_cast<int64_t>(rows) * K, d) + static_cast<int64_t>(row) * K;
+    int num_here = 0;
+    for (int k = 0; k < K; ++k) {
+      const int32_t e = ids[k];
+      if (choice_rank(e, E, El) != d) continue;
+      ++num_here;
+      const int32_t pos = a.entry_base[static_cast<int64_t>(s) * E + e] + a.entry_offset[src * K + k];
+      const bool kept = pos < cap;
+      if (kept) {
+        copy_row(peers.at(a.recv_x, cap * a.row_bytes, d) + pos * a.row_bytes, x_row,
+                 a.row_bytes, lane, lanes);
+        copy_row(peers.at(a.recv_scales, cap * a.scale_cols, d) + pos * a.scale_cols,
+                 scale_row, a.scale_cols * 4, lane, lanes);
+      }
+      if (lane != 0) continue;
+      if (kept) {
+        peers.at(a.recv_idx, static_cast<int64_t>(cap), d)[pos] = e - d * El;
+        peers.at(a.recv_weights, static_cast<int64_t>(cap), d)[pos] = w_row[k];
+        peers.at(a.entry_row, static_cast<int64_t>(cap), d)[pos] = row;
+        peers.at(a.entry_choice, static_cast<int64_t>(cap), d)[pos] = k;
+      }
+      // Rank of (e, k) in the row's entries sorted by (expert, choice) = by position.
+      int rank = 0;
+      for (int q = 0; q < K; ++q) {
+        const int32_t f = ids[q];
+        rank += choice_rank(f, E, El) == d && (f < e || (f == e && q < k));
+      }
+      row_entries[rank] = kept ? pos : -1;
+    }
+    if (lane == 0) {
+      for (int q = num_here; q < K; ++q) row_entries[q] = -1;
+    }
+  }
+}
+
+// Totals of receiver d from the published counts: rows (entries) needed.
+JAX_EP_HOST_DEVICE int32_t dispatch_needed(const DispatchArgs& a, int d) {
+  const int R = a.num_ranks, El = a.experts_per_rank(), n = a.num_counters();
+  int32_t needed = 0;
+  for (int q = 0; q < R; ++q) {
+    if (a.expert_major) {
+      for (int j = 0; j < El; ++j) needed += a.counts[static_cast<int64_t>(q) * n + R + d * El + j];
+    } else {
+      needed += a.counts[static_cast<int64_t>(q) * n + d];
+    }
+  }
+  return needed;
+}
+
+// Phase 4, items (d, i) for i in [0, max(capacity, rows)): receiver d fills what no sender
+// wrote (rows past the count) and, for i < E/R, its per-expert totals; i == 0 writes the
+// scalar counts.
+template <typename Peers>
+JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peers, int d, int i,
+                                        int lane, int lanes) {
+  const int R = a.num_ranks, K = a.top_k, El = a.experts_per_rank(), cap = a.capacity;
+  const int rows = a.rows(), cols = a.idx_cols();
+  const int32_t needed = dispatch_needed(a, d);
+  const int32_t kept = needed < cap ? needed : cap;
+  if (i < cap && i >= kept) {
+    zero_row(peers.at(a.recv_x, cap * a.row_bytes, d) + i * a.row_bytes, a.row_bytes, lane,
+             lanes);
+    zero_row(peers.at(a.recv_scales, cap * a.scale_cols, d) + i * a.scale_cols,
+             a.scale_cols * 4, lane, lanes);
+    if (lane == 0) {
+      int32_t* idx = peers.at(a.recv_idx, static_cast<int64_t>(cap) * cols, d) + static_cast<int64_t>(i) * cols;
+      float* w = peers.at(a.recv_weights, static_cast<int64_t>(cap) * cols, d) + static_cast<int64_t>(i) * cols;
+      for (int k = 0; k < cols; ++k) {
+        idx[k] = -1;
+        w[k] = 0.0f;
+      }
+      if (a.expert_major) {
+        peers.at(a.entry_row, static_cast<int64_t>(cap), d)[i] = -1;
+        peers.at(a.entry_choice, static_cast<int64_t>(cap), d)[i] = -1;
+      }
+    }
+  }
+  if (lane != 0) return;
+  // Rank-major rows that no source wrote.
+  int32_t num_rows = kept;
+  if (a.expert_major) {
+    num_rows = 0;
+    for (int q = 0; q < R; ++q) num_rows += a.counts[static_cast<int64_t>(q) * a.num_counters() + d];
+  }
+  if (i < rows && i >= num_rows) {
+    peers.at(a.recv_src, static_cast<int64_t>(rows), d)[i] = -1;
+    if (a.expert_major) {
+      int32_t* row_entries = peers.at(a.row_entries, static_cast<int64_t>(rows) * K, d);
+      for (int k = 0; k < K; ++k) row_entries[static_cast<int64_t>(i) * K + k] = -1;
+    }
+  }
+  if (i < El) {
+    int32_t count = 0;
+    if (a.expert_major) {  // entries of expert i kept under the capacity
+      int32_t base = 0, total = 0;
+      for (int q = 0; q < R; ++q) {
+        const int32_t* row = a.counts + static_cast<int64_t>(q) * a.num_counters() + R + d * El;
+        for (int j = 0; j < i; ++j) base += row[j];
+        total += row[i];
+      }
+      const int32_t room = cap - base;
+      count = room <= 0 ? 0 : (room < total ? room : total);
+    } else {  // choices of expert i in the kept rows
+      const int32_t* idx = peers.at(a.recv_idx, static_cast<int64_t>(cap) * K, d);
+      for (int64_t r = 0; r < static_cast<int64_t>(kept) * K; ++r) count += idx[r] == i;
+    }
+    a.tokens_per_expert[static_cast<int64_t>(d) * El + i] = count;
+  }
+  if (i == 0) {
+    a.num_received[d] = kept;
+    a.num_dropped[d] = needed - kept;
+    a.num_needed[d] = needed;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Normal combine
+
+template <typename T>
+struct CombineArgs {
+  int num_ranks, num_tokens, top_k, hidden;
+  int capacity;  // rows of y per rank
+  bool expert_major;
+  const T* y;                 // [R, capacity, H]
+  const float* weights;       // [R, capacity] or nullptr
+  const int32_t* src_row;     // [R, R*T] (the handle's, per receiver)
+  const int32_t* row_entries; // [R, R*T, K] (expert-major)
+  T* partial;                 // [R, R*T, H] workspace (expert-major)
+  T* out;                     // [R, T, H]
+};
+
+// Expert-major step, items (d, i): rank-major row i of receiver d = the sum of its entries in
+// sorted order, each times its weight, in float32 from 0, stored in y's type.
+template <typename T>
+JAX_EP_HOST_DEVICE void combine_reduce_entries(const CombineArgs<T>& a, int d, int i, int lane,
+                                               int lanes) {
+  const int rows = a.num_ranks * a.num_tokens, K = a.top_k, H = a.hidden;
+  const int32_t* entries = a.row_entries + (static_cast<int64_t>(d) * rows + i) * K;
+  const T* y = a.y + static_cast<int64_t>(d) * a.capacity * H;
+  const float* w = a.weights ? a.weights + static_cast<int64_t>(d) * a.capacity : nullptr;
+  T* out = a.partial + (static_cast<int64_t>(d) * rows + i) * H;
+  for (int h = lane; h < H; h += lanes) {
+    float acc = 0.0f;
+    for (int k = 0; k < K; ++k) {
+      const int32_t e = entries[k];
+      if (e < 0) break;  // sorted: the -1 padding comes last
+      float v = to_float(y[static_cast<int64_t>(e) * H + h]);
+      if (w) v = mul_rn(v, w[e]);
+      acc = add_rn(acc, v);
+    }
+    out[h] = from_float<T>(acc);
+  }
+}
+
+// Items (s, t): home rank s sums token t's rows over the receivers in rank order. `rows` are
+// y (rank-major) or the partials (expert-major, unweighted).
+template <typename T, typename Peers>
+JAX_EP_HOST_DEVICE void combine_token(const CombineArgs<T>& a, const Peers& peers, int s, int t,
+                                      int lane, int lanes) {
+  const int R = a.num_ranks, Tn = a.num_tokens, H = a.hidden;
+  const int64_t src = static_cast<int64_t>(s) * Tn + t;
+  const bool em = a.expert_major;
+  const T* rows_base = em ? a.partial : a.y;
+  const int64_t rows_per_rank = em ? static_cast<int64_t>(R) * Tn : a.capacity;
+  const float* weights = em ? nullptr : a.weights;
+  T* out = a.out + src * H;
+  for (int h = lane; h < H; h += lanes) {
+    float acc = 0.0f;
+    for (int d = 0; d < R; ++d) {
+      const int32_t row = peers.at(a.src_row, static_cast<int64_t>(R) * Tn, d)[src];
+      if (row < 0) continue;  // adding +0.0 would change nothing
+      float v = to_float(peers.at(rows_base, rows_per_rank * H, d)[static_cast<int64_t>(row) * H + h]);
+      if (weights) v = mul_rn(v, peers.at(weights, rows_per_rank, d)[row]);
+      acc = add_rn(acc, v);
+    }
+    out[h] = from_float<T>(acc);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Low-latency dispatch and combine
+
+struct LowLatencyArgs {
+  int num_ranks, num_tokens, top_k, num_experts, hidden;
+  bool use_fp8;
+  const Bf16* x;             // [R, T, H]
+  const int32_t* topk_idx;   // [R, T, K]
+  int32_t* clean_idx;        // [R, T, K]
+  int32_t* num_invalid;      // [R]
+  int32_t* counts;           // [R, E] messages of source s to expert e
+  int32_t* slot_offset;      // [R, T, K] rank of token t among the tokens of s choosing e
+  void* recv_x;              // [R, E/R, R*T, H] bf16 or e4m3 bytes
+  float* recv_scales;        // [R, E/R, R*T, H/128] (FP8)
+  int32_t* src_row;          // [R(expert side), R(source), T, K]
+  int32_t* count;            // [R, E/R]
+
+  JAX_EP_HOST_DEVICE int experts_per_rank() const { return num_experts / num_ranks; }
+  JAX_EP_HOST_DEVICE int64_t slots() const { return static_cast<int64_t>(num_ranks) * num_tokens; }
+  JAX_EP_HOST_DEVICE int64_t row_bytes() const { return use_fp8 ? hidden : 2 * hidden; }
+};
+
+// True when choice k is the first choice of `ids` equal to ids[k] (duplicates send once).
+JAX_EP_HOST_DEVICE bool first_occurrence(const int32_t* ids, int k) {
+  for (int q = 0; q < k; ++q) {
+    if (ids[q] == ids[k]) return false;
+  }
+  return true;
+}
+
+// Phase 1, items (s, c) for c in [0, E]: c < E counts the messages of source s to expert c and
+// numbers them; c == E cleans the routing and counts invalid ids.
+JAX_EP_HOST_DEVICE void ll_count(const LowLatencyArgs& a, int s, int c) {
+  const int T = a.num_tokens, K = a.top_k, E = a.num_experts;
+  const int32_t* raw = a.topk_idx + static_cast<int64_t>(s) * T * K;
+  if (c == E) {
+    int32_t invalid = 0;
+    int32_t* clean = a.clean_idx + static_cast<int64_t>(s) * T * K;
+    for (int64_t i = 0; i < static_cast<int64_t>(T) * K; ++i) {
+      invalid += is_invalid(raw[i], E);
+      clean[i] = is_choice(raw[i], E) ? raw[i] : -1;
+    }
+    a.num_invalid[s] = invalid;
+    return;
+  }
+  int32_t running = 0;
+  int32_t* offset = a.slot_offset + static_cast<int64_t>(s) * T * K;
+  for (int t = 0; t < T; ++t) {
+    const int32_t* ids = raw + static_cast<int64_t>(t) * K;
+    for (int k = 0; k < K; ++k) {
+      if (ids[k] == c && first_occurrence(ids, k)) offset[static_cast<int64_t>(t) * K + k] = running++;
+    }
+  }
+  a.counts[static_cast<int64_t>(s) * E + c] = running;
+}
+
+// Slot of source s's message to expert e numbered `offset`: after the messages of lower ranks.
+JAX_EP_HOST_DEVICE int32_t ll_slot(const LowLatencyArgs& a, int s, int e, int32_t offset) {
+  for (int q = 0; q < s; ++q) offset += a.counts[static_cast<int64_t>(q) * a.num_experts + e];
+  return offset;
+}
+
+// Writes one row: a bf16 copy, or the FP8 cast of the contract with its scales.
+JAX_EP_HOST_DEVICE void ll_write_row(const LowLatencyArgs& a, const Bf16* x, void* dst,
+                                     float* dst_scales, int lane, int lanes) {
+  if (!a.use_fp8) {
+    copy_row(dst, x, 2 * static_cast<int64_t>(a.hidden), lane, lanes);
+    return;
+  }
+  uint8_t* q = static_cast<uint8_t*>(dst);
+  for (int b = lane; b < a.hidden / kFp8Block; b += lanes) {
+    const Bf16* block = x + static_cast<int64_t>(b) * kFp8Block;
+    float amax = 0.0f;
+    for (int i = 0; i < kFp8Block; ++i) {
+      const float v = to_float(block[i]);
+      const float m = v < 0.0f ? -v : v;
+      amax = m > amax ? m : amax;
+    }
+    const float scale = fp8_scale(amax);
+    const float inv = reciprocal_rn(scale);
+    for (int i = 0; i < kFp8Block; ++i) {
+      q[static_cast<int64_t>(b) * kFp8Block + i] = to_e4m3(mul_rn(to_float(block[i]), inv));
+    }
+    dst_scales[b] = scale;
+  }
+}
+
+// Phase 2 (the send), items (s, t): token t of source s goes once to each expert it chose;
+// every expert rank learns, per choice, the row that holds it (src_row, -1 elsewhere).
+template <typename Peers>
+JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int s, int t,
+                                int lane, int lanes) {
+  const int R = a.num_ranks, T = a.num_tokens, K = a.top_k;
+  const int El = a.experts_per_rank(), S = a.hidden / kFp8Block;
+  const int64_t slots = a.slots(), src = static_cast<int64_t>(s) * T + t;
+  const int32_t* ids = a.clean_idx + src * K;
+  const int32_t* offsets = a.slot_offset + src * K;
+  const Bf16* x = a.x + src * a.hidden;
+  for (int k = 0; k < K; ++k) {
+    const int32_t e = ids[k];
+    if (e < 0 || !first_occurrence(ids, k)) continue;
+    const int d = e / El, j = e % El;
+    const int64_t row = static_cast<int64_t>(j) * slots + ll_slot(a, s, e, offsets[k]);
+    char* dst = peers.at(static_cast<char*>(a.recv_x), El * slots * a.row_bytes(), d);
+    float* dst_scales = peers.at(a.recv_scales, El * slots * S, d);
+    ll_write_row(a, x, dst + row * a.row_bytes(), dst_scales + row * S, lane, lanes);
+  }
+  if (lane != 0) return;
+  for (int d = 0; d < R; ++d) {
+    int32_t* rows = peers.at(a.src_row, slots * K, d) + src * K;
+    for (int k = 0; k < K; ++k) {
+      const int32_t e = ids[k];
+      int32_t row = -1;
+      if (e >= 0 && e / El == d) {
+        int first = 0;
+        while (ids[first] != e) ++first;
+        row = static_cast<int32_t>((e % El) * slots + ll_slot(a, s, e, offsets[first]));
+      }
+      rows[k] = row;
+    }
+  }
+}
+
+// Phase 3 (the receive), items (d, r) for r in [0, E/R * R*T): zero row r of receiver d when
+// it is past its expert's count; the first slot of each expert writes the count.
+template <typename Peers>
+JAX_EP_HOST_DEVICE void ll_finish(const LowLatencyArgs& a, const Peers& peers, int d, int64_t r,
+                                  int lane, int lanes) {
+  const int R = a.num_ranks, El = a.experts_per_rank(), S = a.hidden / kFp8Block;
+  const int64_t slots = a.slots();
+  const int j = static_cast<int>(r / slots);
+  const int64_t i = r % slots;
+  int32_t count = 0;
+  for (int q = 0; q < R; ++q) count += a.counts[static_cast<int64_t>(q) * a.num_experts + d * El + j];
+  if (i >= count) {
+    zero_row(peers.at(static_cast<char*>(a.recv_x), El * slots * a.row_bytes(), d) + r * a.row_bytes(),
+             a.row_bytes(), lane, lanes);
+    if (a.use_fp8) zero_row(peers.at(a.recv_scales, El * slots * S, d) + r * S, S * 4, lane, lanes);
+  }
+  if (i == 0 && lane == 0) a.count[static_cast<int64_t>(d) * El + j] = count;
+}
+
+struct LowLatencyCombineArgs {
+  int num_ranks, num_tokens, top_k, num_experts, hidden;
+  const Bf16* y;              // [R, E/R, R*T, H]
+  const int32_t* src_row;     // [R(expert side), R(source), T, K]
+  const int32_t* clean_idx;   // [R, T, K]
+  const float* topk_weights;  // [R, T, K]
+  Bf16* staging;              // [R(home), T, K, H]
+  Bf16* out;                  // [R, T, H]
+};
+
+// Combine send, items (d, s*T + t): expert rank d returns the rows of token t of source s,
+// one per choice it holds, to staging slot (t, k) of the home rank s.
+template <typename Peers>
+JAX_EP_HOST_DEVICE void ll_combine_send(const LowLatencyCombineArgs& a, const Peers& peers, int d,
+                                        int64_t src, int lane, int lanes) {
+  const int R = a.num_ranks, T = a.num_tokens, K = a.top_k, H = a.hidden;
+  const int El = a.num_experts / R;
+  const int64_t slots = static_cast<int64_t>(R) * T;
+  const int s = static_cast<int>(src / T);
+  const int64_t t = src % T;
+  const int32_t* rows = a.src_row + (static_cast<int64_t>(d) * slots + src) * K;
+  const Bf16* y = a.y + static_cast<int64_t>(d) * El * slots * H;
+  Bf16* staging = peers.at(a.staging, static_cast<int64_t>(T) * K * H, s);
+  for (int k = 0; k < K; ++k) {
+    if (rows[k] < 0) continue;
+    copy_row(staging + (t * K + k) * H, y + static_cast<int64_t>(rows[k]) * H, 2 * static_cast<int64_t>(H),
+             lane, lanes);
+  }
+}
+
+// Combine receive, items (s, t): the top-k weighted sum in k order, float32 from 0, to bf16.
+JAX_EP_HOST_DEVICE void ll_combine_token(const LowLatencyCombineArgs& a, int s, int t, int lane,
+                                         int lanes) {
+  const int T = a.num_tokens, K = a.top_k, H = a.hidden;
+  const int64_t src = static_cast<int64_t>(s) * T + t;
+  const int32_t* ids = a.clean_idx + src * K;
+  const float* w = a.topk_weights + src * K;
+  const Bf16* staging = a.staging + src * K * H;
+  for (int h = lane; h < H; h += lanes) {
+    float acc = 0.0f;
+    for (int k = 0; k < K; ++k) {
+      if (ids[k] < 0) continue;
+      acc = add_rn(acc, mul_rn(w[k], to_float(staging[static_cast<int64_t>(k) * H + h])));
+    }
+    a.out[src * H + h] = from_float<Bf16>(acc);
+  }
+}
+
+}  // namespace jax_ep

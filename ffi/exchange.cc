@@ -1,0 +1,356 @@
+// Parsers of the exchange targets (ffi/exchange.h): shapes, dtypes and the argument structs.
+#include "ffi/exchange.h"
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <string_view>
+
+namespace jax_ep::ffi {
+namespace {
+
+using xffi::AnyBuffer;
+using xffi::DataType;
+
+// Sentinel for "any dtype" in the checks below.
+constexpr DataType kAnyType = DataType::INVALID;
+
+std::string TypeName(DataType t) {
+  switch (t) {
+    case DataType::F32: return "float32";
+    case DataType::BF16: return "bfloat16";
+    case DataType::F16: return "float16";
+    case DataType::S32: return "int32";
+    case DataType::F8E4M3FN: return "float8_e4m3fn";
+    default: return "dtype #" + std::to_string(static_cast<int>(t));
+  }
+}
+
+// Checks one buffer (an operand or a result) and returns its data pointer.
+xffi::Error Check(std::string_view op, std::string_view name, const AnyBuffer& buffer,
+                  DataType dtype, std::initializer_list<int64_t> dims, void** data) {
+  if (dtype != kAnyType && buffer.element_type() != dtype) {
+    return xffi::Error::InvalidArgument(std::string(op) + ": " + std::string(name) + " must be " +
+                                        TypeName(dtype) + ", got " +
+                                        TypeName(buffer.element_type()));
+  }
+  JAX_EP_RETURN_IF_ERROR(CheckDims(op, name, buffer, dims));
+  *data = buffer.untyped_data();
+  return xffi::Error::Success();
+}
+
+// Index-checked access to the variadic operands and results.
+class Buffers {
+ public:
+  Buffers(std::string_view op, xffi::RemainingArgs args, xffi::RemainingRets rets)
+      : op_(op), args_(args), rets_(rets) {}
+
+  xffi::Error Count(size_t num_args, size_t num_rets) const {
+    if (args_.size() == num_args && rets_.size() == num_rets) return xffi::Error::Success();
+    return xffi::Error::InvalidArgument(
+        std::string(op_) + ": expected " + std::to_string(num_args) + " operands and " +
+        std::to_string(num_rets) + " results, got " + std::to_string(args_.size()) + " and " +
+        std::to_string(rets_.size()));
+  }
+  AnyBuffer Arg(size_t i) const { return *args_.get<AnyBuffer>(i); }
+  AnyBuffer Ret(size_t i) const { return **rets_.get<AnyBuffer>(i); }
+
+  template <typename T>
+  xffi::Error In(size_t i, std::string_view name, DataType dtype,
+                 std::initializer_list<int64_t> dims, const T** data) const {
+    void* p = nullptr;
+    JAX_EP_RETURN_IF_ERROR(Check(op_, name, Arg(i), dtype, dims, &p));
+    *data = static_cast<const T*>(p);
+    return xffi::Error::Success();
+  }
+  template <typename T>
+  xffi::Error Out(size_t i, std::string_view name, DataType dtype,
+                  std::initializer_list<int64_t> dims, T** data) const {
+    void* p = nullptr;
+    JAX_EP_RETURN_IF_ERROR(Check(op_, name, Ret(i), dtype, dims, &p));
+    *data = static_cast<T*>(p);
+    return xffi::Error::Success();
+  }
+
+ private:
+  std::string_view op_;
+  xffi::RemainingArgs args_;
+  xffi::RemainingRets rets_;
+};
+
+xffi::Error Invalid(std::string_view op, const std::string& what) {
+  return xffi::Error::InvalidArgument(std::string(op) + ": " + what);
+}
+
+// The kernels index with 32-bit rows and offsets.
+xffi::Error CheckInt32(std::string_view op, std::string_view name, int64_t value) {
+  if (value >= 0 && value <= INT32_MAX) return xffi::Error::Success();
+  return Invalid(op, std::string(name) + " = " + std::to_string(value) +
+                         " is outside [0, 2^31 - 1]");
+}
+
+xffi::Error CheckExperts(std::string_view op, int64_t num_experts, int64_t num_ranks) {
+  if (num_experts >= 1 && num_experts % num_ranks == 0 && num_experts <= INT32_MAX) {
+    return xffi::Error::Success();
+  }
+  return Invalid(op, "num_experts (" + std::to_string(num_experts) +
+                         ") must be a positive multiple of the number of ranks (" +
+                         std::to_string(num_ranks) + ")");
+}
+
+}  // namespace
+
+xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t num_experts,
+                          int64_t capacity, int64_t expert_major, DispatchArgs* a) {
+  const std::string_view op = kDispatchOp;
+  Buffers b(op, args, rets);
+  JAX_EP_RETURN_IF_ERROR(b.Count(4, 16));
+  const AnyBuffer idx = b.Arg(2);
+  JAX_EP_RETURN_IF_ERROR(CheckRank(op, "topk_idx", idx, 3));
+  const int64_t R = idx.dimensions()[0], T = idx.dimensions()[1], K = idx.dimensions()[2];
+  if (R < 1) return Invalid(op, "the number of ranks (topk_idx.shape[0]) must be >= 1");
+  JAX_EP_RETURN_IF_ERROR(CheckExperts(op, num_experts, R));
+  JAX_EP_RETURN_IF_ERROR(CheckInt32(op, "capacity", capacity));
+  JAX_EP_RETURN_IF_ERROR(CheckInt32(op, "R*T*K", R * T * K));
+  const AnyBuffer x = b.Arg(0);
+  JAX_EP_RETURN_IF_ERROR(CheckRank(op, "x", x, 3));
+  const int64_t H = x.dimensions()[2];
+  const int64_t S = b.Arg(1).dimensions().size() == 3 ? b.Arg(1).dimensions()[2] : 0;
+  const int64_t E = num_experts, El = E / R, cap = capacity;
+  const bool em = expert_major != 0;
+  const int64_t rows = em ? R * T : cap;
+
+  *a = DispatchArgs{};
+  a->num_ranks = static_cast<int>(R);
+  a->num_tokens = static_cast<int>(T);
+  a->top_k = static_cast<int>(K);
+  a->num_experts = static_cast<int>(E);
+  a->capacity = static_cast<int>(cap);
+  a->expert_major = em;
+  a->row_bytes = H * static_cast<int64_t>(xffi::ByteWidth(x.element_type()));
+  a->scale_cols = S;
+
+  JAX_EP_RETURN_IF_ERROR(b.In(0, "x", kAnyType, {R, T, H}, &a->x));
+  JAX_EP_RETURN_IF_ERROR(b.In(1, "scales", DataType::F32, {R, T, S}, &a->scales));
+  JAX_EP_RETURN_IF_ERROR(b.In(2, "topk_idx", DataType::S32, {R, T, K}, &a->topk_idx));
+  JAX_EP_RETURN_IF_ERROR(b.In(3, "topk_weights", DataType::F32, {R, T, K}, &a->topk_weights));
+
+  JAX_EP_RETURN_IF_ERROR(b.Out(0, "recv_x", x.element_type(), {R, cap, H}, &a->recv_x));
+  JAX_EP_RETURN_IF_ERROR(b.Out(1, "recv_scales", DataType::F32, {R, cap, S}, &a->recv_scales));
+  if (em) {
+    JAX_EP_RETURN_IF_ERROR(b.Out(2, "recv_idx", DataType::S32, {R, cap}, &a->recv_idx));
+    JAX_EP_RETURN_IF_ERROR(b.Out(3, "recv_weights", DataType::F32, {R, cap}, &a->recv_weights));
+  } else {
+    JAX_EP_RETURN_IF_ERROR(b.Out(2, "recv_idx", DataType::S32, {R, cap, K}, &a->recv_idx));
+    JAX_EP_RETURN_IF_ERROR(
+        b.Out(3, "recv_weights", DataType::F32, {R, cap, K}, &a->recv_weights));
+  }
+  JAX_EP_RETURN_IF_ERROR(b.Out(4, "num_received", DataType::S32, {R}, &a->num_received));
+  JAX_EP_RETURN_IF_ERROR(
+      b.Out(5, "tokens_per_expert", DataType::S32, {R, El}, &a->tokens_per_expert));
+  JAX_EP_RETURN_IF_ERROR(b.Out(6, "num_dropped", DataType::S32, {R}, &a->num_dropped));
+  JAX_EP_RETURN_IF_ERROR(b.Out(7, "num_invalid", DataType::S32, {R}, &a->num_invalid));
+  JAX_EP_RETURN_IF_ERROR(b.Out(8, "clean_idx", DataType::S32, {R, T, K}, &a->clean_idx));
+  JAX_EP_RETURN_IF_ERROR(b.Out(9, "recv_src", DataType::S32, {R, rows}, &a->recv_src));
+  JAX_EP_RETURN_IF_ERROR(b.Out(10, "src_row", DataType::S32, {R, R * T}, &a->src_row));
+  const int64_t em_cap = em ? cap : 0, em_rows = em ? R * T : 0;
+  JAX_EP_RETURN_IF_ERROR(b.Out(11, "entry_row", DataType::S32, {R, em_cap}, &a->entry_row));
+  JAX_EP_RETURN_IF_ERROR(
+      b.Out(12, "entry_choice", DataType::S32, {R, em_cap}, &a->entry_choice));
+  JAX_EP_RETURN_IF_ERROR(
+      b.Out(13, "row_entries", DataType::S32, {R, em_rows, K}, &a->row_entries));
+  JAX_EP_RETURN_IF_ERROR(b.Out(14, "num_needed", DataType::S32, {R}, &a->num_needed));
+  int32_t* work = nullptr;
+  const int64_t W = R * (R + E) + R * T * R + R * T * K + R * R + R * E;
+  JAX_EP_RETURN_IF_ERROR(b.Out(15, "workspace", DataType::S32, {W}, &work));
+  a->counts = work;
+  a->token_offset = a->counts + R * (R + E);
+  a->entry_offset = a->token_offset + R * T * R;
+  a->row_base = a->entry_offset + R * T * K;
+  a->entry_base = a->row_base + R * R;
+  return xffi::Error::Success();
+}
+
+xffi::Error ParseCombine(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t expert_major,
+                         RowType* type, CombineArgs<float>* a) {
+  const std::string_view op = kCombineOp;
+  Buffers b(op, args, rets);
+  JAX_EP_RETURN_IF_ERROR(b.Count(4, 2));
+  const AnyBuffer y = b.Arg(0);
+  JAX_EP_RETURN_IF_ERROR(CheckRank(op, "y", y, 3));
+  switch (y.element_type()) {
+    case DataType::F32: *type = RowType::kF32; break;
+    case DataType::BF16: *type = RowType::kBF16; break;
+    case DataType::F16: *type = RowType::kF16; break;
+    default:
+      return Invalid(op, "y must be float32, bfloat16 or float16, got " +
+                             TypeName(y.element_type()) + "; cast it, or use backend='xla'");
+  }
+  const int64_t R = y.dimensions()[0], cap = y.dimensions()[1], H = y.dimensions()[2];
+  const AnyBuffer entries = b.Arg(3);
+  JAX_EP_RETURN_IF_ERROR(CheckRank(op, "row_entries", entries, 3));
+  const int64_t K = entries.dimensions()[2];
+  const AnyBuffer src_row = b.Arg(2);
+  JAX_EP_RETURN_IF_ERROR(CheckRank(op, "src_row", src_row, 2));
+  if (R < 1 || src_row.dimensions()[1] % R != 0) {
+    return Invalid(op, "src_row must be [R, R*T] with R = y.shape[0]");
+  }
+  const int64_t T = src_row.dimensions()[1] / R;
+  const bool em = expert_major != 0;
+  const int64_t W = b.Arg(1).dimensions().size() == 2 ? b.Arg(1).dimensions()[1] : -2;
+  if (W != 0 && W != cap) return Invalid(op, "weights must be [R, capacity] or [R, 0]");
+  JAX_EP_RETURN_IF_ERROR(CheckInt32(op, "R*T*K", R * T * K));
+  JAX_EP_RETURN_IF_ERROR(CheckInt32(op, "capacity", cap));
+
+  *a = CombineArgs<float>{};
+  a->num_ranks = static_cast<int>(R);
+  a->num_tokens = static_cast<int>(T);
+  a->top_k = static_cast<int>(K);
+  a->hidden = static_cast<int>(H);
+  a->capacity = static_cast<int>(cap);
+  a->expert_major = em;
+  const DataType dtype = y.element_type();
+  JAX_EP_RETURN_IF_ERROR(b.In(0, "y", dtype, {R, cap, H}, &a->y));
+  JAX_EP_RETURN_IF_ERROR(b.In(1, "weights", DataType::F32, {R, W}, &a->weights));
+  if (W == 0) a->weights = nullptr;
+  JAX_EP_RETURN_IF_ERROR(b.In(2, "src_row", DataType::S32, {R, R * T}, &a->src_row));
+  JAX_EP_RETURN_IF_ERROR(
+      b.In(3, "row_entries", DataType::S32, {R, em ? R * T : 0, K}, &a->row_entries));
+  JAX_EP_RETURN_IF_ERROR(b.Out(0, "out", dtype, {R, T, H}, &a->out));
+  JAX_EP_RETURN_IF_ERROR(b.Out(1, "partial", dtype, {R, em ? R * T : 0, H}, &a->partial));
+  return xffi::Error::Success();
+}
+
+xffi::Error ParseLowLatencyDispatchSend(xffi::RemainingArgs args, xffi::RemainingRets rets,
+                                        int64_t num_experts, int64_t use_fp8,
+                                        LowLatencyArgs* a) {
+  const std::string_view op = kLowLatencyDispatchSendOp;
+  Buffers b(op, args, rets);
+  JAX_EP_RETURN_IF_ERROR(b.Count(2, 7));
+  const AnyBuffer idx = b.Arg(1);
+  JAX_EP_RETURN_IF_ERROR(CheckRank(op, "topk_idx", idx, 3));
+  const int64_t R = idx.dimensions()[0], T = idx.dimensions()[1], K = idx.dimensions()[2];
+  if (R < 1) return Invalid(op, "the number of ranks (topk_idx.shape[0]) must be >= 1");
+  JAX_EP_RETURN_IF_ERROR(CheckExperts(op, num_experts, R));
+  JAX_EP_RETURN_IF_ERROR(CheckRank(op, "x", b.Arg(0), 3));
+  const int64_t H = b.Arg(0).dimensions()[2];
+  if (H % kFp8Block != 0) {
+    return Invalid(op, "the hidden size (" + std::to_string(H) + ") must be a multiple of 128");
+  }
+  const int64_t E = num_experts, El = E / R, S = use_fp8 ? H / kFp8Block : 0;
+  JAX_EP_RETURN_IF_ERROR(CheckInt32(op, "E/R*R*T", El * R * T));
+  JAX_EP_RETURN_IF_ERROR(CheckInt32(op, "R*T*K", R * T * K));
+
+  *a = LowLatencyArgs{};
+  a->num_ranks = static_cast<int>(R);
+  a->num_tokens = static_cast<int>(T);
+  a->top_k = static_cast<int>(K);
+  a->num_experts = static_cast<int>(E);
+  a->hidden = static_cast<int>(H);
+  a->use_fp8 = use_fp8 != 0;
+  JAX_EP_RETURN_IF_ERROR(b.In(0, "x", DataType::BF16, {R, T, H}, &a->x));
+  JAX_EP_RETURN_IF_ERROR(b.In(1, "topk_idx", DataType::S32, {R, T, K}, &a->topk_idx));
+  const DataType recv_type = use_fp8 ? DataType::F8E4M3FN : DataType::BF16;
+  JAX_EP_RETURN_IF_ERROR(b.Out(0, "recv_x", recv_type, {R, El, R * T, H}, &a->recv_x));
+  JAX_EP_RETURN_IF_ERROR(
+      b.Out(1, "recv_scales", DataType::F32, {R, El, R * T, S}, &a->recv_scales));
+  JAX_EP_RETURN_IF_ERROR(b.Out(2, "src_row", DataType::S32, {R, R, T, K}, &a->src_row));
+  JAX_EP_RETURN_IF_ERROR(b.Out(3, "clean_idx", DataType::S32, {R, T, K}, &a->clean_idx));
+  JAX_EP_RETURN_IF_ERROR(b.Out(4, "num_invalid", DataType::S32, {R}, &a->num_invalid));
+  JAX_EP_RETURN_IF_ERROR(b.Out(5, "counts", DataType::S32, {R, E}, &a->counts));
+  JAX_EP_RETURN_IF_ERROR(b.Out(6, "slot_offset", DataType::S32, {R, T, K}, &a->slot_offset));
+  return xffi::Error::Success();
+}
+
+xffi::Error ParseLowLatencyDispatchRecv(xffi::RemainingArgs args, xffi::RemainingRets rets,
+                                        int64_t num_experts, LowLatencyArgs* a) {
+  const std::string_view op = kLowLatencyDispatchRecvOp;
+  Buffers b(op, args, rets);
+  JAX_EP_RETURN_IF_ERROR(b.Count(3, 3));
+  const AnyBuffer x = b.Arg(0);
+  JAX_EP_RETURN_IF_ERROR(CheckRank(op, "recv_x", x, 4));
+  const int64_t R = x.dimensions()[0], El = x.dimensions()[1], H = x.dimensions()[3];
+  if (R < 1 || x.dimensions()[2] % R != 0 || El * R != num_experts) {
+    return Invalid(op, "recv_x must be [R, E/R, R*T, H] with E = num_experts");
+  }
+  const int64_t T = x.dimensions()[2] / R;
+  const bool fp8 = x.element_type() == DataType::F8E4M3FN;
+  const int64_t S = fp8 ? H / kFp8Block : 0;
+
+  *a = LowLatencyArgs{};
+  a->num_ranks = static_cast<int>(R);
+  a->num_tokens = static_cast<int>(T);
+  a->num_experts = static_cast<int>(num_experts);
+  a->hidden = static_cast<int>(H);
+  a->use_fp8 = fp8;
+  const void* in_x = nullptr;
+  const float* in_scales = nullptr;
+  const int32_t* counts = nullptr;
+  JAX_EP_RETURN_IF_ERROR(b.In(0, "recv_x", fp8 ? DataType::F8E4M3FN : DataType::BF16,
+                              {R, El, R * T, H}, &in_x));
+  JAX_EP_RETURN_IF_ERROR(b.In(1, "recv_scales", DataType::F32, {R, El, R * T, S}, &in_scales));
+  JAX_EP_RETURN_IF_ERROR(b.In(2, "counts", DataType::S32, {R, num_experts}, &counts));
+  JAX_EP_RETURN_IF_ERROR(b.Out(0, "recv_x", x.element_type(), {R, El, R * T, H}, &a->recv_x));
+  JAX_EP_RETURN_IF_ERROR(
+      b.Out(1, "recv_scales", DataType::F32, {R, El, R * T, S}, &a->recv_scales));
+  JAX_EP_RETURN_IF_ERROR(b.Out(2, "count", DataType::S32, {R, El}, &a->count));
+  // The results alias the operands (input_output_aliases); anything else is a wiring error.
+  if (a->recv_x != in_x || a->recv_scales != in_scales) {
+    return xffi::Error::Internal(std::string(op) + ": recv_x and recv_scales must alias the "
+                                                   "operands (input_output_aliases {0: 0, 1: 1})");
+  }
+  a->counts = const_cast<int32_t*>(counts);  // read only in this phase
+  return xffi::Error::Success();
+}
+
+xffi::Error ParseLowLatencyCombineSend(xffi::RemainingArgs args, xffi::RemainingRets rets,
+                                       int64_t num_experts, LowLatencyCombineArgs* a) {
+  const std::string_view op = kLowLatencyCombineSendOp;
+  Buffers b(op, args, rets);
+  JAX_EP_RETURN_IF_ERROR(b.Count(2, 1));
+  const AnyBuffer src_row = b.Arg(1);
+  JAX_EP_RETURN_IF_ERROR(CheckRank(op, "src_row", src_row, 4));
+  const int64_t R = src_row.dimensions()[0], T = src_row.dimensions()[2];
+  const int64_t K = src_row.dimensions()[3];
+  if (R < 1) return Invalid(op, "src_row must be [R, R, T, K] with R >= 1");
+  JAX_EP_RETURN_IF_ERROR(CheckExperts(op, num_experts, R));
+  JAX_EP_RETURN_IF_ERROR(CheckRank(op, "y", b.Arg(0), 4));
+  const int64_t El = num_experts / R, H = b.Arg(0).dimensions()[3];
+
+  *a = LowLatencyCombineArgs{};
+  a->num_ranks = static_cast<int>(R);
+  a->num_tokens = static_cast<int>(T);
+  a->top_k = static_cast<int>(K);
+  a->num_experts = static_cast<int>(num_experts);
+  a->hidden = static_cast<int>(H);
+  JAX_EP_RETURN_IF_ERROR(b.In(0, "y", DataType::BF16, {R, El, R * T, H}, &a->y));
+  JAX_EP_RETURN_IF_ERROR(b.In(1, "src_row", DataType::S32, {R, R, T, K}, &a->src_row));
+  JAX_EP_RETURN_IF_ERROR(b.Out(0, "staging", DataType::BF16, {R, T, K, H}, &a->staging));
+  return xffi::Error::Success();
+}
+
+xffi::Error ParseLowLatencyCombineRecv(xffi::RemainingArgs args, xffi::RemainingRets rets,
+                                       LowLatencyCombineArgs* a) {
+  const std::string_view op = kLowLatencyCombineRecvOp;
+  Buffers b(op, args, rets);
+  JAX_EP_RETURN_IF_ERROR(b.Count(3, 1));
+  const AnyBuffer staging = b.Arg(0);
+  JAX_EP_RETURN_IF_ERROR(CheckRank(op, "staging", staging, 4));
+  const int64_t R = staging.dimensions()[0], T = staging.dimensions()[1];
+  const int64_t K = staging.dimensions()[2], H = staging.dimensions()[3];
+
+  *a = LowLatencyCombineArgs{};
+  a->num_ranks = static_cast<int>(R);
+  a->num_tokens = static_cast<int>(T);
+  a->top_k = static_cast<int>(K);
+  a->hidden = static_cast<int>(H);
+  const Bf16* in = nullptr;
+  JAX_EP_RETURN_IF_ERROR(b.In(0, "staging", DataType::BF16, {R, T, K, H}, &in));
+  a->staging = const_cast<Bf16*>(in);  // read only in this phase
+  JAX_EP_RETURN_IF_ERROR(b.In(1, "clean_idx", DataType::S32, {R, T, K}, &a->clean_idx));
+  JAX_EP_RETURN_IF_ERROR(b.In(2, "topk_weights", DataType::F32, {R, T, K}, &a->topk_weights));
+  JAX_EP_RETURN_IF_ERROR(b.Out(0, "out", DataType::BF16, {R, T, H}, &a->out));
+  return xffi::Error::Success();
+}
+
+}  // namespace jax_ep::ffi

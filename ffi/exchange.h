@@ -1,0 +1,101 @@
+// FFI targets of the dispatch and combine ops with virtual ranks (all R ranks of the group in
+// one call, every operand and result stacked [R, ...]); the bodies are in cuda/exchange.h.
+//
+// Each target takes its operands and results as variadic lists (the order is documented at
+// the parser below and mirrored by jax_ep/_virtual_ffi.py) and a few int64 attributes. The
+// parsers check every shape and dtype and fill the argument struct of the bodies; the CPU
+// handlers (exchange_cpu.cc) then run the phases in loops, the CUDA handlers
+// (exchange_cuda.cc) launch them as kernels.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/exchange.h"
+#include "ffi/ffi_helpers.h"
+
+namespace jax_ep::ffi {
+
+inline constexpr const char kDispatchOp[] = "jax_ep_dispatch";
+inline constexpr const char kCombineOp[] = "jax_ep_combine";
+inline constexpr const char kLowLatencyDispatchSendOp[] = "jax_ep_ll_dispatch_send";
+inline constexpr const char kLowLatencyDispatchRecvOp[] = "jax_ep_ll_dispatch_recv";
+inline constexpr const char kLowLatencyCombineSendOp[] = "jax_ep_ll_combine_send";
+inline constexpr const char kLowLatencyCombineRecvOp[] = "jax_ep_ll_combine_recv";
+
+// Element type of combine's rows.
+enum class RowType { kF32, kBF16, kF16 };
+
+// Operands x [R,T,H], scales f32 [R,T,S], topk_idx s32 [R,T,K], topk_weights f32 [R,T,K].
+// Results: recv_x [R,cap,H], recv_scales [R,cap,S], recv_idx s32 and recv_weights f32
+// ([R,cap,K] rank-major, [R,cap] expert-major), num_received [R], tokens_per_expert [R,E/R],
+// num_dropped [R], num_invalid [R], clean_idx [R,T,K], recv_src [R,rows], src_row [R,R*T],
+// entry_row [R,cap'], entry_choice [R,cap'], row_entries [R,rows',K] (cap' = cap and
+// rows' = R*T when expert-major, else 0), num_needed [R], workspace s32 [W]
+// (W = R*(R+E) + R*T*R + R*T*K + R*R + R*E).
+xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t num_experts,
+                          int64_t capacity, int64_t expert_major, DispatchArgs* out);
+
+// Operands y [R,cap,H] (f32, bf16 or f16), weights f32 [R,cap] or [R,0], src_row s32
+// [R,R*T], row_entries s32 [R,R*T,K] (expert-major) or [R,0,K]. Results: out [R,T,H] and the
+// workspace partial [R,R*T,H] (expert-major) or [R,0,H], both in y's type.
+xffi::Error ParseCombine(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t expert_major,
+                         RowType* type, CombineArgs<float>* out);
+
+// The parsed arguments with the rows' real element type.
+template <typename T>
+CombineArgs<T> Retype(const CombineArgs<float>& a) {
+  CombineArgs<T> out;
+  out.num_ranks = a.num_ranks;
+  out.num_tokens = a.num_tokens;
+  out.top_k = a.top_k;
+  out.hidden = a.hidden;
+  out.capacity = a.capacity;
+  out.expert_major = a.expert_major;
+  out.y = reinterpret_cast<const T*>(a.y);
+  out.weights = a.weights;
+  out.src_row = a.src_row;
+  out.row_entries = a.row_entries;
+  out.partial = reinterpret_cast<T*>(a.partial);
+  out.out = reinterpret_cast<T*>(a.out);
+  return out;
+}
+
+// Operands x bf16 [R,T,H], topk_idx s32 [R,T,K]. Results: recv_x [R,E/R,R*T,H] (bf16, or
+// float8_e4m3fn with use_fp8), recv_scales f32 [R,E/R,R*T,H/128] (or [R,E/R,R*T,0]), src_row
+// s32 [R,R,T,K], clean_idx s32 [R,T,K], num_invalid s32 [R], counts s32 [R,E], slot_offset s32
+// [R,T,K] (workspace).
+xffi::Error ParseLowLatencyDispatchSend(xffi::RemainingArgs args, xffi::RemainingRets rets,
+                                        int64_t num_experts, int64_t use_fp8,
+                                        LowLatencyArgs* out);
+
+// Operands recv_x, recv_scales, counts as returned by the send. Results: recv_x and
+// recv_scales (aliasing the operands) and count s32 [R,E/R].
+xffi::Error ParseLowLatencyDispatchRecv(xffi::RemainingArgs args, xffi::RemainingRets rets,
+                                        int64_t num_experts, LowLatencyArgs* out);
+
+// Operands y bf16 [R,E/R,R*T,H], src_row s32 [R,R,T,K]. Result: staging bf16 [R,T,K,H].
+xffi::Error ParseLowLatencyCombineSend(xffi::RemainingArgs args, xffi::RemainingRets rets,
+                                       int64_t num_experts, LowLatencyCombineArgs* out);
+
+// Operands staging bf16 [R,T,K,H], clean_idx s32 [R,T,K], topk_weights f32 [R,T,K].
+// Result: out bf16 [R,T,H].
+xffi::Error ParseLowLatencyCombineRecv(xffi::RemainingArgs args, xffi::RemainingRets rets,
+                                       LowLatencyCombineArgs* out);
+
+// Handlers (C symbols, wrapped in capsules by module.cc).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(DispatchCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(CombineCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchSendCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchRecvCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyCombineSendCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyCombineRecvCpu);
+#ifdef JAX_EP_WITH_CUDA
+XLA_FFI_DECLARE_HANDLER_SYMBOL(DispatchCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(CombineCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchSendCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchRecvCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyCombineSendCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyCombineRecvCuda);
+#endif
+
+}  // namespace jax_ep::ffi

@@ -1,0 +1,122 @@
+// CUDA handlers of the exchange targets: the parsers of exchange.cc, then the kernels of
+// cuda/exchange.cu on XLA's stream. They launch kernels only (no allocation, no waiting), so
+// XLA may capture them into CUDA graphs.
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "cuda/kernels.h"
+#include "ffi/exchange.h"
+
+namespace jax_ep::ffi {
+namespace {
+
+using Stream = xffi::PlatformStream<cudaStream_t>;
+
+xffi::Error Launched(const char* op, cudaError_t status) {
+  if (status == cudaSuccess) return xffi::Error::Success();
+  return xffi::Error::Internal(std::string("CUDA error in ") + op + ": " +
+                               cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
+}
+
+xffi::Error DispatchCudaImpl(cudaStream_t stream, xffi::RemainingArgs args,
+                             xffi::RemainingRets rets, int64_t num_experts, int64_t capacity,
+                             int64_t expert_major) {
+  DispatchArgs a;
+  JAX_EP_RETURN_IF_ERROR(ParseDispatch(args, rets, num_experts, capacity, expert_major, &a));
+  return Launched(kDispatchOp, cuda::launch_dispatch(a, stream));
+}
+
+xffi::Error CombineCudaImpl(cudaStream_t stream, xffi::RemainingArgs args,
+                            xffi::RemainingRets rets, int64_t expert_major) {
+  CombineArgs<float> a;
+  RowType type;
+  JAX_EP_RETURN_IF_ERROR(ParseCombine(args, rets, expert_major, &type, &a));
+  cudaError_t status = cudaSuccess;
+  switch (type) {
+    case RowType::kF32: status = cuda::launch_combine(a, stream); break;
+    case RowType::kBF16: status = cuda::launch_combine(Retype<Bf16>(a), stream); break;
+    case RowType::kF16: status = cuda::launch_combine(Retype<F16>(a), stream); break;
+  }
+  return Launched(kCombineOp, status);
+}
+
+xffi::Error LowLatencyDispatchSendCudaImpl(cudaStream_t stream, xffi::RemainingArgs args,
+                                           xffi::RemainingRets rets, int64_t num_experts,
+                                           int64_t use_fp8) {
+  LowLatencyArgs a;
+  JAX_EP_RETURN_IF_ERROR(ParseLowLatencyDispatchSend(args, rets, num_experts, use_fp8, &a));
+  return Launched(kLowLatencyDispatchSendOp, cuda::launch_ll_dispatch_send(a, stream));
+}
+
+xffi::Error LowLatencyDispatchRecvCudaImpl(cudaStream_t stream, xffi::RemainingArgs args,
+                                           xffi::RemainingRets rets, int64_t num_experts) {
+  LowLatencyArgs a;
+  JAX_EP_RETURN_IF_ERROR(ParseLowLatencyDispatchRecv(args, rets, num_experts, &a));
+  return Launched(kLowLatencyDispatchRecvOp, cuda::launch_ll_dispatch_recv(a, stream));
+}
+
+xffi::Error LowLatencyCombineSendCudaImpl(cudaStream_t stream, xffi::RemainingArgs args,
+                                          xffi::RemainingRets rets, int64_t num_experts) {
+  LowLatencyCombineArgs a;
+  JAX_EP_RETURN_IF_ERROR(ParseLowLatencyCombineSend(args, rets, num_experts, &a));
+  return Launched(kLowLatencyCombineSendOp, cuda::launch_ll_combine_send(a, stream));
+}
+
+xffi::Error LowLatencyCombineRecvCudaImpl(cudaStream_t stream, xffi::RemainingArgs args,
+                                          xffi::RemainingRets rets) {
+  LowLatencyCombineArgs a;
+  JAX_EP_RETURN_IF_ERROR(ParseLowLatencyCombineRecv(args, rets, &a));
+  return Launched(kLowLatencyCombineRecvOp, cuda::launch_ll_combine_recv(a, stream));
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DispatchCuda, DispatchCudaImpl,
+                              xffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("capacity")
+                                  .Attr<int64_t>("expert_major"),
+                              {xffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineCuda, CombineCudaImpl,
+                              xffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("expert_major"),
+                              {xffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendCuda, LowLatencyDispatchSendCudaImpl,
+                              xffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("use_fp8"),
+                              {xffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecvCuda, LowLatencyDispatchRecvCudaImpl,
+                              xffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("num_experts"),
+                              {xffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendCuda, LowLatencyCombineSendCudaImpl,
+                              xffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("num_experts"),
+                              {xffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvCuda, LowLatencyCombineRecvCudaImpl,
+                              xffi::Ffi::Bind().Ctx<Stream>().RemainingArgs().RemainingRets(),
+                              {xffi::Traits::kCmdBufferCompatible});
+
+}  // namespace jax_ep::ffi

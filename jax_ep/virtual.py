@@ -1,0 +1,346 @@
+"""Virtual ranks: all R ranks of an EP group in one call on one device.
+
+Every argument and result carries a leading rank axis `[R, ...]` (the layout of
+`jax_ep.reference`), and one call does the whole group's exchange. This is how the kernels
+are checked and timed without R GPUs: with `backend="cuda"` the same kernel bodies that run
+between GPUs run between R slices of one device's memory (on a CPU, the C++ handlers run
+those bodies in loops); with `backend="xla"` the portable implementation runs under
+`jax.vmap` with a named axis. Results are bit for bit those of the per-shard ops
+(docs/contract.md).
+
+Counts are reported, not raised: check `num_dropped` and `num_invalid` of the results. The
+ops are not differentiable here; their backward passes are these same ops (combine of the
+cotangents, dispatch with the handle) and are differentiable through `jax_ep.dispatch` and
+`jax_ep.combine` inside `shard_map`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep import _checks, _ffi, fp8
+from jax_ep.backends import xla
+from jax_ep.structs import (
+    DispatchHandle,
+    DispatchLayout,
+    LowLatencyCombinePending,
+    LowLatencyDispatchPending,
+    LowLatencyHandle,
+    LowLatencyReceived,
+    Received,
+)
+
+AXIS = "virtual_ranks"
+BACKENDS = ("cuda", "xla")
+
+
+def _backend(op: str, backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: backend must be one of {list(BACKENDS)}; got {backend!r}.")
+    if backend == "cuda":
+        _ffi.register()
+    return backend
+
+
+def _check_routing(op: str, topk_idx, num_experts: int) -> tuple[int, int, int]:
+    _checks.check_array(op, "topk_idx", topk_idx, ndim=3, dtypes=(jnp.int32,),
+                        expect="int32 [R, T, K]")
+    num_ranks, num_tokens, top_k = topk_idx.shape
+    if num_ranks < 1:
+        raise ValueError(f"{op}: topk_idx must hold at least one rank; got shape "
+                         f"{list(topk_idx.shape)}.")
+    if not isinstance(num_experts, int) or num_experts < 1 or num_experts % num_ranks:
+        raise ValueError(
+            f"{op}: num_experts must be a positive multiple of the number of ranks "
+            f"R = topk_idx.shape[0] = {num_ranks}; got {num_experts!r}."
+        )
+    _checks.check_top_k(op, top_k, num_experts)
+    return num_ranks, num_tokens, top_k
+
+
+def _i64(value) -> np.int64:
+    return np.int64(int(value))
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout
+
+
+def get_dispatch_layout(topk_idx, *, num_experts: int, backend: str = "cuda") -> DispatchLayout:
+    """`jax_ep.get_dispatch_layout` of every rank: leaves stacked [R, ...]."""
+    op = "jax_ep.virtual.get_dispatch_layout"
+    num_ranks, _, _ = _check_routing(op, topk_idx, num_experts)
+    module = _module(op, backend)
+    return jax.vmap(
+        lambda idx: module.get_dispatch_layout(idx, num_experts=num_experts, num_ranks=num_ranks)
+    )(topk_idx)
+
+
+def _module(op: str, backend: str):
+    if _backend(op, backend) == "cuda":
+        from jax_ep.backends import cuda
+
+        return cuda
+    return xla
+
+
+# ---------------------------------------------------------------------------------------------
+# Normal dispatch / combine
+
+
+def dispatch(
+    x,
+    topk_idx,
+    topk_weights,
+    *,
+    num_experts: int,
+    capacity: int | None = None,
+    expert_major: bool = False,
+    backend: str = "cuda",
+) -> tuple[Received, DispatchHandle]:
+    """`jax_ep.dispatch` of every rank at once.
+
+    Args:
+      x: [R, T, H] (any float dtype), or the FP8 pair `(x_fp8 [R, T, H], scales [R, T, H/128])`.
+      topk_idx: int32 [R, T, K]; topk_weights: float32 [R, T, K].
+      num_experts, capacity, expert_major: as in `jax_ep.dispatch`.
+      backend: "cuda" (our kernels) or "xla" (the portable implementation under vmap).
+
+    Returns:
+      (Received, DispatchHandle) with every leaf stacked [R, ...]; pass the handle to
+      `jax_ep.virtual.combine`.
+    """
+    op = "jax_ep.virtual.dispatch"
+    num_ranks, num_tokens, top_k = _check_routing(op, topk_idx, num_experts)
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise ValueError(f"{op}: x must be an array or the pair (x_fp8, scales).")
+        data, scales = x
+        fp8.check_pair(op, "x[0] (x_fp8)", data, scales)
+    else:
+        data, scales = x, None
+        _checks.check_float(op, "x", x, ndim=3, expect="[R, T, H]")
+    if data.ndim != 3 or data.shape[:2] != (num_ranks, num_tokens):
+        raise ValueError(f"{op}: x must be [R, T, H] = [{num_ranks}, {num_tokens}, H] like "
+                         f"topk_idx; got {_checks.describe(data)}.")
+    _checks.check_array(op, "topk_weights", topk_weights, dtypes=(jnp.float32,),
+                        shape=(num_ranks, num_tokens, top_k), ndim=3,
+                        expect=f"float32 [R, T, K] = [{num_ranks}, {num_tokens}, {top_k}]")
+    _checks.check_positive_int(op, "capacity", capacity, allow_none=True)
+    if capacity is None:
+        capacity = num_ranks * num_tokens
+        if expert_major:
+            capacity *= min(top_k, num_experts // num_ranks)
+    if _backend(op, backend) == "xla":
+        def run(xs, ss, idx, w):
+            received, handle, _ = xla.dispatch(
+                xs, ss, idx, w, num_experts=num_experts, axis_name=AXIS, capacity=capacity,
+                expert_major=expert_major)
+            return received, handle
+
+        return jax.vmap(run, axis_name=AXIS, axis_size=num_ranks)(data, scales, topk_idx,
+                                                                  topk_weights)
+    return _dispatch_ffi(data, scales, topk_idx, topk_weights, num_experts=num_experts,
+                         capacity=capacity, expert_major=expert_major)
+
+
+def _dispatch_ffi(data, scales, topk_idx, topk_weights, *, num_experts, capacity, expert_major):
+    R, T, K = topk_idx.shape
+    H = data.shape[2]
+    E, El, cap = num_experts, num_experts // R, capacity
+    if scales is None:
+        scales = jnp.zeros((R, T, 0), jnp.float32)
+    S = scales.shape[2]
+    rows = R * T if expert_major else cap
+    per_entry = (R, cap) if expert_major else (R, cap, K)
+    em_cap, em_rows = (cap, R * T) if expert_major else (0, 0)
+    workspace = R * (R + E) + R * T * R + R * T * K + R * R + R * E
+    i32, f32 = jnp.int32, jnp.float32
+    shapes = [
+        ((R, cap, H), data.dtype), ((R, cap, S), f32), (per_entry, i32), (per_entry, f32),
+        ((R,), i32), ((R, El), i32), ((R,), i32), ((R,), i32), ((R, T, K), i32),
+        ((R, rows), i32), ((R, R * T), i32), ((R, em_cap), i32), ((R, em_cap), i32),
+        ((R, em_rows, K), i32), ((R,), i32), ((workspace,), i32),
+    ]
+    outs = jax.ffi.ffi_call(
+        "jax_ep_dispatch", [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+    )(data, scales, topk_idx, topk_weights, num_experts=_i64(E), capacity=_i64(cap),
+      expert_major=_i64(expert_major))
+    (recv_x, recv_scales, recv_idx, recv_w, num_received, tokens_per_expert, num_dropped,
+     num_invalid, clean_idx, recv_src, src_row, entry_row, entry_choice, row_entries, _, _) = outs
+    received = Received(
+        x=recv_x,
+        scales=recv_scales if S else None,
+        topk_idx=recv_idx,
+        topk_weights=recv_w,
+        num_tokens=num_received,
+        tokens_per_expert=tokens_per_expert,
+        num_dropped=num_dropped,
+        num_invalid=num_invalid,
+        group_sizes=tokens_per_expert if expert_major else None,
+    )
+    handle = DispatchHandle(
+        topk_idx=clean_idx,
+        recv_src=recv_src,
+        src_row=src_row,
+        entry_row=entry_row if expert_major else None,
+        entry_choice=entry_choice if expert_major else None,
+        row_entries=row_entries if expert_major else None,
+        num_experts=E,
+        num_ranks=R,
+        capacity=cap,
+        expert_major=expert_major,
+        axis_name=AXIS,
+    )
+    return received, handle
+
+
+def combine(y, handle: DispatchHandle, *, topk_weights=None, backend: str = "cuda"):
+    """`jax_ep.combine` of every rank at once: y [R, capacity, H] -> [R, T, H] in y.dtype."""
+    op = "jax_ep.virtual.combine"
+    if not isinstance(handle, DispatchHandle) or handle.axis_name != AXIS:
+        raise TypeError(f"{op}: handle must be the DispatchHandle of jax_ep.virtual.dispatch.")
+    R, cap = handle.num_ranks, handle.capacity
+    _checks.check_float(op, "y", y, ndim=3, expect=f"[R, capacity, H] = [{R}, {cap}, H]")
+    if y.shape[:2] != (R, cap):
+        raise ValueError(f"{op}: y must be [R, capacity, H] = [{R}, {cap}, H]; got "
+                         f"{_checks.describe(y)}.")
+    if topk_weights is not None:
+        _checks.check_array(op, "topk_weights", topk_weights, ndim=2, dtypes=(jnp.float32,),
+                            shape=(R, cap), expect=f"float32 [R, capacity] = [{R}, {cap}]")
+    if _backend(op, backend) == "xla":
+        return jax.vmap(xla.combine, axis_name=AXIS, axis_size=R)(y, topk_weights, handle)
+    if y.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ValueError(f"{op}: the cuda backend combines float32, bfloat16 or float16 rows; "
+                         f"got {y.dtype}. Cast y, or use backend='xla'.")
+    _, T, K = handle.topk_idx.shape  # stacked: [R, T, K]
+    H = y.shape[2]
+    em = handle.expert_major
+    weights = topk_weights if topk_weights is not None else jnp.zeros((R, 0), jnp.float32)
+    row_entries = handle.row_entries if em else jnp.zeros((R, 0, K), jnp.int32)
+    out, _ = jax.ffi.ffi_call(
+        "jax_ep_combine",
+        (jax.ShapeDtypeStruct((R, T, H), y.dtype),
+         jax.ShapeDtypeStruct((R, R * T if em else 0, H), y.dtype)),
+    )(y, weights, handle.src_row, row_entries, expert_major=_i64(em))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Low-latency dispatch / combine
+
+
+def low_latency_dispatch_send(x, topk_idx, *, num_experts: int, use_fp8: bool = False,
+                              backend: str = "cuda") -> LowLatencyDispatchPending:
+    """Issues `jax_ep.low_latency_dispatch` for every rank; complete with `..._recv`."""
+    op = "jax_ep.virtual.low_latency_dispatch"
+    R, T, K = _check_routing(op, topk_idx, num_experts)
+    _checks.check_array(op, "x", x, ndim=3, dtypes=(jnp.bfloat16,), shape=(R, T, None),
+                        expect=f"bfloat16 [R, T, H] = [{R}, {T}, H]")
+    fp8.check_hidden(op, "x", x.shape[2])
+    name = _backend(op, backend)
+    if name == "xla":
+        data = jax.vmap(
+            lambda xs, idx: xla.low_latency_dispatch_send(
+                xs, idx, num_experts=num_experts, axis_name=AXIS, use_fp8=use_fp8),
+            axis_name=AXIS, axis_size=R)(x, topk_idx)
+    else:
+        H, El = x.shape[2], num_experts // R
+        S = H // fp8.BLOCK if use_fp8 else 0
+        i32 = jnp.int32
+        shapes = [
+            ((R, El, R * T, H), fp8.FP8_DTYPE if use_fp8 else jnp.bfloat16),
+            ((R, El, R * T, S), jnp.float32), ((R, R, T, K), i32), ((R, T, K), i32),
+            ((R,), i32), ((R, num_experts), i32), ((R, T, K), i32),
+        ]
+        recv_x, recv_scales, src_row, clean_idx, num_invalid, counts, _ = jax.ffi.ffi_call(
+            "jax_ep_ll_dispatch_send", [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+        )(x, topk_idx, num_experts=_i64(num_experts), use_fp8=_i64(use_fp8))
+        data = {"recv_x": recv_x, "recv_scales": recv_scales, "src_row": src_row,
+                "clean_idx": clean_idx, "num_invalid": num_invalid, "counts": counts}
+    return LowLatencyDispatchPending(data=data, num_experts=num_experts, axis_name=AXIS,
+                                     backend=name)
+
+
+def low_latency_dispatch_recv(pending: LowLatencyDispatchPending):
+    """Completes `low_latency_dispatch_send`: (LowLatencyReceived, LowLatencyHandle), stacked."""
+    if not isinstance(pending, LowLatencyDispatchPending) or pending.axis_name != AXIS:
+        raise TypeError("jax_ep.virtual.low_latency_dispatch_recv: pending must be the value "
+                        "of jax_ep.virtual.low_latency_dispatch_send.")
+    E, data = pending.num_experts, pending.data
+    if pending.backend == "xla":
+        return jax.vmap(
+            lambda sent: xla.low_latency_dispatch_recv(sent, num_experts=E, axis_name=AXIS),
+            axis_name=AXIS)(data)
+    recv_x, recv_scales = data["recv_x"], data["recv_scales"]
+    R, El = recv_x.shape[:2]
+    recv_x, recv_scales, count = jax.ffi.ffi_call(
+        "jax_ep_ll_dispatch_recv",
+        (jax.ShapeDtypeStruct(recv_x.shape, recv_x.dtype),
+         jax.ShapeDtypeStruct(recv_scales.shape, recv_scales.dtype),
+         jax.ShapeDtypeStruct((R, El), jnp.int32)),
+        input_output_aliases={0: 0, 1: 1},
+    )(recv_x, recv_scales, data["counts"], num_experts=_i64(E))
+    received = LowLatencyReceived(
+        x=recv_x, scales=recv_scales if recv_scales.shape[3] else None, count=count,
+        num_invalid=data["num_invalid"])
+    handle = LowLatencyHandle(topk_idx=data["clean_idx"], src_row=data["src_row"],
+                              num_experts=E, num_ranks=R, axis_name=AXIS)
+    return received, handle
+
+
+def low_latency_dispatch(x, topk_idx, *, num_experts: int, use_fp8: bool = False,
+                         backend: str = "cuda"):
+    """`jax_ep.low_latency_dispatch` of every rank: x bf16 [R, T, H] -> x [R, E/R, R*T, H]."""
+    return low_latency_dispatch_recv(low_latency_dispatch_send(
+        x, topk_idx, num_experts=num_experts, use_fp8=use_fp8, backend=backend))
+
+
+def low_latency_combine_send(y, topk_idx, topk_weights, handle: LowLatencyHandle, *,
+                             backend: str = "cuda") -> LowLatencyCombinePending:
+    """Issues `jax_ep.low_latency_combine` for every rank; complete with `..._recv`."""
+    op = "jax_ep.virtual.low_latency_combine"
+    if not isinstance(handle, LowLatencyHandle) or handle.axis_name != AXIS:
+        raise TypeError(f"{op}: handle must be the LowLatencyHandle of "
+                        f"jax_ep.virtual.low_latency_dispatch.")
+    R, T, K = handle.topk_idx.shape
+    El = handle.num_experts // R
+    _checks.check_array(op, "y", y, ndim=4, dtypes=(jnp.bfloat16,), shape=(R, El, R * T, None),
+                        expect=f"bfloat16 [R, E/R, R*T, H] = [{R}, {El}, {R * T}, H]")
+    for name, a, dtype in (("topk_idx", topk_idx, jnp.int32),
+                           ("topk_weights", topk_weights, jnp.float32)):
+        _checks.check_array(op, name, a, ndim=3, dtypes=(dtype,), shape=(R, T, K),
+                            expect=f"{jnp.dtype(dtype).name} [R, T, K] = [{R}, {T}, {K}]")
+    name = _backend(op, backend)
+    if name == "xla":
+        data = jax.vmap(xla.low_latency_combine_send, axis_name=AXIS, axis_size=R)(y, handle)
+    else:
+        data = jax.ffi.ffi_call(
+            "jax_ep_ll_combine_send", jax.ShapeDtypeStruct((R, T, K, y.shape[3]), jnp.bfloat16)
+        )(y, handle.src_row, num_experts=_i64(handle.num_experts))
+    return LowLatencyCombinePending(data=data, topk_weights=topk_weights, handle=handle,
+                                    backend=name)
+
+
+def low_latency_combine_recv(pending: LowLatencyCombinePending):
+    """Completes `low_latency_combine_send`: bfloat16 [R, T, H]."""
+    if not isinstance(pending, LowLatencyCombinePending) or pending.handle.axis_name != AXIS:
+        raise TypeError("jax_ep.virtual.low_latency_combine_recv: pending must be the value "
+                        "of jax_ep.virtual.low_latency_combine_send.")
+    handle = pending.handle
+    if pending.backend == "xla":
+        return jax.vmap(xla.low_latency_combine_recv, axis_name=AXIS)(
+            pending.data, pending.topk_weights, handle)
+    R, T, _, H = pending.data.shape
+    return jax.ffi.ffi_call(
+        "jax_ep_ll_combine_recv", jax.ShapeDtypeStruct((R, T, H), jnp.bfloat16)
+    )(pending.data, handle.topk_idx, pending.topk_weights)
+
+
+def low_latency_combine(y, topk_idx, topk_weights, handle: LowLatencyHandle, *,
+                        backend: str = "cuda"):
+    """`jax_ep.low_latency_combine` of every rank: bfloat16 [R, T, H]."""
+    return low_latency_combine_recv(
+        low_latency_combine_send(y, topk_idx, topk_weights, handle, backend=backend))

@@ -1,0 +1,197 @@
+"""Virtual ranks (jax_ep.virtual): the kernel bodies of cuda/exchange.h, run by the CPU
+handlers, and the portable backend under vmap, against the NumPy reference, bit for bit.
+
+On a CPU the "cuda" backend runs the exact phase functions that the CUDA kernels run (one
+lane instead of a warp), so these tests check the kernels' addressing and arithmetic without
+a GPU. Covers every routing kind, invalid ids, R in {1, 2, 3, 4, 8}, both layouts, capacity
+cuts, FP8 pairs, float32/bfloat16/float16 rows, and the split low-latency forms.
+"""
+
+from __future__ import annotations
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jax_ep import _ffi, reference, virtual
+from jax_ep.bench.routings import KINDS, make_routing
+
+BACKENDS = ["cuda", "xla"]
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+needs_extension = pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
+
+
+def assert_bitwise(got, want, what):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    size = got.dtype.itemsize
+    g, w = got.view(f"u{size}" if size > 1 else np.uint8), want.view(
+        f"u{size}" if size > 1 else np.uint8)
+    bad = np.argwhere(g != w)
+    assert bad.size == 0, f"{what}: {len(bad)} elements differ, first at {bad[0].tolist()}"
+
+
+def routing(rng, R, T, K, E, kind, invalid=False):
+    idx, w = make_routing(rng, num_ranks=R, num_tokens=T, top_k=K, num_experts=E, kind=kind)
+    idx = idx.astype(np.int32)
+    if invalid:  # ids outside [-1, E): counted, never used as addresses
+        bad = rng.random(idx.shape) < 0.1
+        idx = np.where(bad, rng.choice([E, E + 7, -2, -1000], size=idx.shape), idx)
+        idx = idx.astype(np.int32)
+    return idx, w.astype(np.float32)
+
+
+CASES = [
+    # R, T, K, E, H, kind
+    (1, 9, 2, 4, 16, "uniform"),
+    (2, 13, 3, 6, 24, "masked"),
+    (3, 7, 4, 9, 8, "duplicates"),
+    (4, 11, 4, 8, 32, "empty_ranks"),
+    (4, 10, 3, 12, 16, "hot_expert"),
+    (8, 5, 4, 16, 8, "uniform"),
+]
+
+
+@needs_extension
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("expert_major", [False, True])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"R{c[0]}-{c[5]}")
+def test_dispatch_combine(backend, expert_major, case):
+    R, T, K, E, H, kind = case
+    rng = np.random.default_rng()
+    dtype = DTYPES[rng.choice(list(DTYPES))]
+    idx, w = routing(rng, R, T, K, E, kind, invalid=bool(rng.integers(2)))
+    x = rng.standard_normal((R, T, H)).astype(dtype)
+    # Sometimes a capacity that cuts rows (entries), exercising drops.
+    capacity = None if rng.random() < 0.5 else int(rng.integers(1, R * T + 1))
+    want = reference.dispatch(x, idx, w, num_experts=E, capacity=capacity,
+                              expert_major=expert_major)
+    recv, handle = virtual.dispatch(x, idx, w, num_experts=E, capacity=capacity,
+                                    expert_major=expert_major, backend=backend)
+    for key in ("x", "topk_idx", "topk_weights", "tokens_per_expert", "num_dropped",
+                "num_invalid"):
+        assert_bitwise(getattr(recv, key), want[key], f"dispatch {key}")
+    assert_bitwise(recv.num_tokens, want["num_tokens"], "dispatch num_tokens")
+    if expert_major:
+        assert_bitwise(recv.group_sizes, want["group_sizes"], "group_sizes")
+
+    cap = want["x"].shape[1]
+    y = rng.standard_normal((R, cap, H)).astype(dtype)
+    yw = rng.random((R, cap)).astype(np.float32)
+    kw = dict(num_experts=E, capacity=capacity, expert_major=expert_major)
+    assert_bitwise(virtual.combine(y, handle, backend=backend),
+                   reference.combine(y, idx, **kw), "combine")
+    assert_bitwise(virtual.combine(y, handle, topk_weights=yw, backend=backend),
+                   reference.combine(y, idx, weights=yw, **kw), "weighted combine")
+
+
+@needs_extension
+@pytest.mark.parametrize("expert_major", [False, True])
+def test_handles_match_portable_backend(expert_major):
+    """The kernels build the same handle (recv_src, src_row, entries) as the portable ops."""
+    rng = np.random.default_rng()
+    R, T, K, E, H = 4, 17, 4, 12, 8
+    idx, w = routing(rng, R, T, K, E, "duplicates", invalid=True)
+    x = rng.standard_normal((R, T, H)).astype(np.float32)
+    capacity = int(rng.integers(R * T // 2, R * T))
+    handles = [virtual.dispatch(x, idx, w, num_experts=E, capacity=capacity,
+                                expert_major=expert_major, backend=b)[1] for b in BACKENDS]
+    for field in ("topk_idx", "recv_src", "src_row", "entry_row", "entry_choice",
+                  "row_entries"):
+        got, want = (getattr(h, field) for h in handles)
+        if want is None:
+            assert got is None, field
+        else:
+            assert_bitwise(got, want, f"handle.{field}")
+
+
+@needs_extension
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("expert_major", [False, True])
+def test_dispatch_fp8_pair(backend, expert_major):
+    rng = np.random.default_rng()
+    R, T, K, E, H = 4, 9, 3, 8, 256
+    idx, w = routing(rng, R, T, K, E, "masked")
+    x_fp8, scales = reference.quantize(rng.standard_normal((R, T, H)).astype(np.float32))
+    want = reference.dispatch((x_fp8, scales), idx, w, num_experts=E, expert_major=expert_major)
+    recv, _ = virtual.dispatch((x_fp8, scales), idx, w, num_experts=E,
+                               expert_major=expert_major, backend=backend)
+    assert_bitwise(recv.x, want["x"], "x_fp8")
+    assert_bitwise(recv.scales, want["scales"], "scales")
+
+
+LL_CASES = [
+    # R, T, K, E, H, kind
+    (1, 5, 2, 4, 128, "uniform"),
+    (2, 7, 4, 6, 256, "duplicates"),
+    (3, 6, 3, 9, 128, "masked"),
+    (4, 9, 4, 8, 128, "empty_ranks"),
+    (8, 4, 3, 16, 128, "hot_expert"),
+]
+
+
+@needs_extension
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("use_fp8", [False, True])
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("case", LL_CASES, ids=lambda c: f"R{c[0]}-{c[5]}")
+def test_low_latency(backend, use_fp8, split, case):
+    R, T, K, E, H, kind = case
+    rng = np.random.default_rng()
+    idx, w = routing(rng, R, T, K, E, kind, invalid=bool(rng.integers(2)))
+    # Varied magnitudes per block, so that FP8 scales differ between blocks and rows.
+    x = (rng.standard_normal((R, T, H)) * rng.choice([1e-3, 1.0, 300.0], size=(R, T, 1)))
+    x = x.astype(ml_dtypes.bfloat16)
+    want = reference.low_latency_dispatch(x, idx, num_experts=E, use_fp8=use_fp8)
+    if split:
+        pending = virtual.low_latency_dispatch_send(x, idx, num_experts=E, use_fp8=use_fp8,
+                                                    backend=backend)
+        recv, handle = virtual.low_latency_dispatch_recv(pending)
+    else:
+        recv, handle = virtual.low_latency_dispatch(x, idx, num_experts=E, use_fp8=use_fp8,
+                                                    backend=backend)
+    for key in ("x", "count", "num_invalid"):
+        assert_bitwise(getattr(recv, key), want[key], f"ll dispatch {key}")
+    if use_fp8:
+        assert_bitwise(recv.scales, want["scales"], "ll dispatch scales")
+
+    y = rng.standard_normal(want["x"].shape).astype(ml_dtypes.bfloat16)
+    if split:
+        out = virtual.low_latency_combine_recv(
+            virtual.low_latency_combine_send(y, idx, w, handle, backend=backend))
+    else:
+        out = virtual.low_latency_combine(y, idx, w, handle, backend=backend)
+    assert_bitwise(out, reference.low_latency_combine(y, idx, w, num_experts=E), "ll combine")
+
+
+@needs_extension
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layout(backend):
+    rng = np.random.default_rng()
+    R, T, K, E = 3, 14, 4, 9
+    idx, _ = routing(rng, R, T, K, E, "duplicates", invalid=True)
+    got = virtual.get_dispatch_layout(idx, num_experts=E, backend=backend)
+    want = reference.dispatch_layout(idx, num_experts=E)
+    for key, value in want.items():
+        assert_bitwise(getattr(got, key), value, key)
+
+
+@needs_extension
+def test_jit_and_errors():
+    rng = np.random.default_rng()
+    idx, w = routing(rng, 2, 4, 2, 4, "uniform")
+    x = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    jitted = jax.jit(lambda x, i, w: virtual.dispatch(x, i, w, num_experts=4)[0].x)
+    assert_bitwise(jitted(x, idx, w), reference.dispatch(x, idx, w, num_experts=4)["x"], "jit")
+    with pytest.raises(ValueError, match="num_experts"):
+        virtual.dispatch(x, idx, w, num_experts=5)
+    with pytest.raises(ValueError, match="backend"):
+        virtual.dispatch(x, idx, w, num_experts=4, backend="nccl")
+    with pytest.raises(ValueError, match=r"x must be \[R, T, H\]"):
+        virtual.dispatch(x[:, :3], idx, w, num_experts=4)
+    _, handle = virtual.dispatch(x, idx, w, num_experts=4)
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        virtual.combine(np.zeros((2, 8, 8), np.float64), handle)
