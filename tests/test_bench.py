@@ -14,6 +14,38 @@ from jax_ep.bench import OPS
 TIME_UNITS = {"us": 1e-6, "ms": 1e-3}
 
 
+SMALL = ["--tokens", "16", "--ll-tokens", "8", "--hidden", "128", "--experts", "16",
+         "--top-k", "4", "--repeat", "2", "--warmup", "1", "--fp8"]
+
+
+def _run_bench(tmp_path, *extra):
+    """python -m jax_ep.bench on small shapes in a fresh process; (process, JSON record)."""
+    out = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(jax_ep.__file__).parents[1]), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    command = [sys.executable, "-m", "jax_ep.bench", *SMALL, *extra, "--json", str(out)]
+    proc = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, json.loads(out.read_text())
+
+
+def test_bench_virtual_ranks_times_both_backends(tmp_path):
+    """--virtual: all R ranks on one device; the kernels (CPU handlers here) and xla."""
+    proc, record = _run_bench(tmp_path, "--virtual", "--ranks", "4")
+    assert "with 4 virtual ranks" in proc.stdout
+    assert record["device"]["virtual_ranks"] is True
+    rows = {(r["op"], r["backend"]): r for r in record["rows"]}
+    assert set(rows) == {(op, b) for op in OPS for b in ("xla", "cuda")}
+    for key, row in rows.items():
+        assert row["status"] == "ok", (key, row)
+        # The same op moves the same bytes whichever backend runs it.
+        assert row["bytes_per_rank"] == rows[(key[0], "xla")]["bytes_per_rank"], key
+
+
 def test_bench_runs_every_op(tmp_path):
     out = tmp_path / "bench.json"
     # A fresh process: none of this process's device settings (conftest.py) carry over, and

@@ -195,3 +195,49 @@ def test_jit_and_errors():
     _, handle = virtual.dispatch(x, idx, w, num_experts=4)
     with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
         virtual.combine(np.zeros((2, 8, 8), np.float64), handle)
+
+
+# --- the CUDA lowering of every op, on this CPU-only jaxlib -----------------------------------
+
+TARGETS = ("jax_ep_dispatch", "jax_ep_combine", "jax_ep_ll_dispatch_send",
+           "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send", "jax_ep_ll_combine_recv")
+
+
+@needs_extension
+def test_every_target_has_handlers():
+    registrations = _ffi.EXT.registrations()
+    assert set(TARGETS) <= set(registrations["cpu"])
+    if _ffi.cuda_kernels_compiled():
+        assert set(TARGETS) <= set(registrations["CUDA"])
+
+
+def _lower_for_cuda(fn, *args):
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    return lowered.as_text(dialect="hlo")
+
+
+@needs_extension
+@pytest.mark.parametrize("expert_major", [False, True])
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_lowers_for_cuda(expert_major, use_fp8):
+    R, T, K, E, H = 4, 6, 3, 8, 256
+    i32, f32, bf16 = np.int32, np.float32, jax.numpy.bfloat16
+    spec = jax.ShapeDtypeStruct
+
+    def normal(x, idx, w):
+        recv, handle = virtual.dispatch(x, idx, w, num_experts=E, expert_major=expert_major)
+        return virtual.combine(recv.x, handle, topk_weights=recv.topk_weights.reshape(R, -1)
+                               if expert_major else None)
+
+    def low_latency(x, idx, w):
+        recv, handle = virtual.low_latency_dispatch(x, idx, num_experts=E, use_fp8=use_fp8)
+        y = recv.x.astype(bf16) if use_fp8 else recv.x
+        return virtual.low_latency_combine(y, idx, w, handle)
+
+    args = (spec((R, T, H), bf16), spec((R, T, K), i32), spec((R, T, K), f32))
+    hlo = _lower_for_cuda(normal, *args) + _lower_for_cuda(low_latency, *args)
+    for target in TARGETS:
+        assert f'custom_call_target="{target}"' in hlo, target
+    assert "api_version=API_VERSION_TYPED_FFI" in hlo
+    # The receive half of low-latency dispatch updates the send's buffers in place.
+    assert "output_to_operand_aliasing" in hlo

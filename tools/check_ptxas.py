@@ -31,7 +31,7 @@ NVCC_FLAGS = [
     "-v",
 ]
 # Kernels on the per-step path of a model: any spill or stack frame there fails the check.
-HOT_KERNELS = frozenset({"dispatch_layout"})
+HOT_KERNELS = frozenset({"dispatch_layout", "per_thread_kernel", "per_warp_kernel"})
 
 ENTRY = re.compile(r"Compiling entry function '(\S+)' for")
 OWNER = re.compile(r"Function properties for (\S+)")
@@ -88,7 +88,14 @@ def demangle(symbol: str) -> str:
     except (OSError, subprocess.CalledProcessError):
         return symbol
     readable = out.stdout.strip().replace("(anonymous namespace)::", "")
-    return readable.split("(")[0].split("::")[-1].split("<")[0]
+    depth = 0
+    for i, char in enumerate(readable):  # cut the parameter list, outside template arguments
+        depth += {"<": 1, ">": -1}.get(char, 0)
+        if char == "(" and depth == 0:
+            readable = readable[:i]
+            break
+    readable = readable.removeprefix("void ")
+    return re.sub(r"\b\w+::", "", readable)  # without namespaces: per_warp_kernel<DispatchSend>
 
 
 def compile_report(nvcc: str, path: str, include: str) -> tuple[int, str]:
@@ -145,8 +152,9 @@ def main(argv: list[str]) -> int:
             continue
         rows += parse_kernels(os.path.basename(path), report)
 
+    width = max([len("kernel"), *(len(k.name) for k in rows)])
     print(
-        f"{'file':<12} {'kernel':<26} {'hot':>3} {'regs':>5} {'spill st':>9} {'spill ld':>9} "
+        f"{'file':<12} {'kernel':<{width}} {'hot':>3} {'regs':>5} {'spill st':>9} {'spill ld':>9} "
         f"{'stack':>6}"
     )
     for k in rows:
@@ -155,7 +163,7 @@ def main(argv: list[str]) -> int:
             flag = "  <- local memory in a hot kernel" if k.hot else "  (local memory)"
             failed |= k.hot
         print(
-            f"{k.file:<12} {k.name:<26} {'yes' if k.hot else '':>3} {k.registers:>5} "
+            f"{k.file:<12} {k.name:<{width}} {'yes' if k.hot else '':>3} {k.registers:>5} "
             f"{k.spill_stores:>9} {k.spill_loads:>9} {k.stack:>6}{flag}"
         )
     missing = [h for h in sorted(HOT_KERNELS) if not any(h in k.name for k in rows)]

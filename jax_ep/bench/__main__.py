@@ -3,7 +3,8 @@
 On a CPU-only machine it runs on 8 virtual devices, with DeepEP's setups scaled down so that
 the default run takes well under two minutes on 2 cores; on a GPU machine it uses the GPUs and
 DeepEP's setups (4096 tokens per rank, hidden 7168, top-8 of 256 experts; 128 tokens per rank
-in low-latency mode). It prints progress on stderr, then a table on stdout: median time, bytes
+in low-latency mode). --virtual runs all R ranks on one device through jax_ep.virtual (the
+way to time the kernels' exchange between R ranks on a single GPU). It prints progress on stderr, then a table on stdout: median time, bytes
 moved per rank (DeepEP's count), GB/s, the memory-copy floor, and the ratio to the pure-XLA
 backend. --json PATH writes every number.
 """
@@ -67,6 +68,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="NAME",
         help="backends to time (default: all of jax_ep.backends.BACKENDS)",
     )
+    p.add_argument(
+        "--virtual",
+        action="store_true",
+        help="all R ranks on one device (jax_ep.virtual; default R = 8)",
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed calls after the compiling one")
     p.add_argument("--repeat", type=int, help="timed calls per op (default 10 on CPU, 50 on GPU)")
     p.add_argument("--seed", type=int, default=0, help="seed of the routing and the tokens")
@@ -93,6 +99,8 @@ def rerun_command(args: argparse.Namespace, settings: dict[str, Any]) -> str:
     # Left at their defaults, these select the same ops and backends again.
     if args.fp8:
         words.append("--fp8")
+    if args.virtual:
+        words.append("--virtual")
     if args.ops:
         words += ["--ops", *args.ops]
     if args.backends:
@@ -114,7 +122,13 @@ def fmt_bytes(n: float) -> str:
 
 
 def run_case(
-    op: str, backend: str, inputs: Any, warmup: int, repeat: int, unavailable: str | None
+    op: str,
+    backend: str,
+    inputs: Any,
+    warmup: int,
+    repeat: int,
+    unavailable: str | None,
+    virtual: bool = False,
 ) -> dict[str, Any]:
     """Times one (op, backend) and returns its row, with status "ok", "n/a" or "error".
 
@@ -128,7 +142,7 @@ def run_case(
     if unavailable is not None:
         return {**row, "status": "n/a", "reason": f"backend unavailable: {unavailable}"}
     try:
-        case = suite.build_case(op, inputs, backend)
+        case = suite.build_case(op, inputs, backend, virtual=virtual)
         t = timing.time_calls(case.fn, case.args, warmup=warmup, repeat=repeat)
     except NotImplementedError as error:
         return {**row, "status": "n/a", "reason": str(error)}
@@ -184,11 +198,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         )
 
 
-def footnote(bandwidth: float, on_cpu: bool, backends: list[str]) -> list[str]:
+def footnote(bandwidth: float, shared: bool, backends: list[str], on_cpu: bool) -> list[str]:
     """Paragraphs explaining the table's columns."""
-    scope = "all R ranks' bytes: the virtual ranks share one memory" if on_cpu else "per GPU"
+    scope = "all R ranks' bytes: the ranks share one memory" if shared else "per GPU"
     lines = [
-        "time: median wall time of one call of the jitted shard_map program over all R ranks, "
+        "time: median wall time of one call of the jitted program over all R ranks, "
         "waited for with block_until_ready (the first call compiles and is not timed).",
         "bytes/rank: bytes moved per rank, DeepEP's count averaged over the ranks. Normal mode: "
         "rows received (the rank's own included) x H x bytes per element (FP8: x (H + H/128 x 4 "
@@ -237,7 +251,9 @@ def make_setup(args: argparse.Namespace, num_devices: int, on_cpu: bool) -> tupl
         return defaults[name] if value is None else value
 
     ranks = num_devices if args.ranks is None else args.ranks  # on CPU: the count asked for
-    if ranks > num_devices:
+    if args.virtual and args.ranks is None:
+        ranks = CPU_DEFAULTS["ranks"]
+    if ranks > num_devices and not args.virtual:
         sys.exit(f"--ranks {ranks}: only {num_devices} devices are available.")
     setup = suite.Setup(
         ranks=ranks,
@@ -284,13 +300,15 @@ def main(argv: list[str]) -> int:
     settings = {**dataclasses.asdict(setup), "warmup": args.warmup, "repeat": repeat}
     command = rerun_command(args, settings)
     device = f"{devices[0].device_kind} x{setup.ranks}"
-    if on_cpu:
+    if args.virtual:
+        device = f"{devices[0].device_kind} x1 with {setup.ranks} virtual ranks"
+    elif on_cpu:
         device += f" (virtual devices on {os.cpu_count()} cores)"
 
     started = time.perf_counter()
     print(f"jax_ep.bench on {device}: measuring the copy bandwidth ...", file=sys.stderr)
     bandwidth = timing.copy_bandwidth(devices[0])
-    inputs = suite.make_inputs(setup, suite.make_mesh(setup.ranks))
+    inputs = suite.make_inputs(setup, None if args.virtual else suite.make_mesh(setup.ranks))
     # A backend that cannot run at all (no compiled extension) is skipped with a note.
     unavailable = {n: why for n in names if (why := suite.backend_unavailable(n, platform))}
     rows: list[dict[str, Any]] = []
@@ -300,11 +318,14 @@ def main(argv: list[str]) -> int:
             counter = f"[{len(rows) + 1}/{total}]"
             progress = f"{counter:>{2 * len(str(total)) + 3}} {op:<17} {name:<5} ..."
             print(progress, end=" ", file=sys.stderr, flush=True)
-            row = run_case(op, name, inputs, args.warmup, repeat, unavailable.get(name))
+            row = run_case(
+                op, name, inputs, args.warmup, repeat, unavailable.get(name), args.virtual
+            )
             done = fmt_time(row["time"]["median"]) if row["status"] == "ok" else row["status"]
             print(done, file=sys.stderr, flush=True)
             rows.append(row)
-    add_ratios(rows, bandwidth, setup.ranks if on_cpu else 1)
+    shared = on_cpu or args.virtual  # one memory moves every rank's bytes
+    add_ratios(rows, bandwidth, setup.ranks if shared else 1)
     notes = notes_for(rows, unavailable)
     elapsed = time.perf_counter() - started
 
@@ -319,7 +340,7 @@ def main(argv: list[str]) -> int:
     print_table(rows)
     print()
     ran = [n for n in names if n not in unavailable]
-    for paragraph in footnote(bandwidth, on_cpu, ran) + notes:
+    for paragraph in footnote(bandwidth, shared, ran, on_cpu) + notes:
         print(textwrap.fill(paragraph, width=100, subsequent_indent="  "))
     print(f"Total {elapsed:.0f} s.")
 
@@ -331,6 +352,7 @@ def main(argv: list[str]) -> int:
                 "platform": platform,
                 "ranks": setup.ranks,
                 "virtual": on_cpu,
+                "virtual_ranks": args.virtual,
                 "cpu_cores": os.cpu_count(),
             },
             "jax": jax.__version__,

@@ -165,7 +165,7 @@ class Inputs:
 
     Attributes:
       setup: the run's shapes.
-      mesh: the "ep" mesh.
+      mesh: the "ep" mesh (None with virtual ranks).
       x: [R, T, H] normal-mode tokens in `setup.dtype`.
       idx: int32 [R, T, K]; `w` float32 [R, T, K].
       ll_x: bfloat16 [R, T_ll, H] low-latency tokens.
@@ -175,7 +175,7 @@ class Inputs:
     """
 
     setup: Setup
-    mesh: Mesh
+    mesh: Mesh | None
     x: jax.Array
     idx: jax.Array
     w: jax.Array
@@ -186,8 +186,9 @@ class Inputs:
     messages: int
 
 
-def make_inputs(setup: Setup, mesh: Mesh) -> Inputs:
-    """Draws the routings (`setup.routing`) and standard-normal tokens, and places them."""
+def make_inputs(setup: Setup, mesh: Mesh | None) -> Inputs:
+    """Draws the routings (`setup.routing`) and standard-normal tokens, and places them on
+    `mesh` (sharded over "ep"), or whole on the default device when `mesh` is None."""
     rng = np.random.default_rng(setup.seed)
     r, k, e, h = setup.ranks, setup.top_k, setup.experts, setup.hidden
 
@@ -200,10 +201,11 @@ def make_inputs(setup: Setup, mesh: Mesh) -> Inputs:
 
     x, idx, w = draw(setup.tokens, setup.dtype)
     ll_x, ll_idx, ll_w = draw(setup.ll_tokens, "bfloat16")
+    arrays = (x, idx, w, ll_x, ll_idx, ll_w)
     return Inputs(
         setup,
         mesh,
-        *put(mesh, (x, idx, w, ll_x, ll_idx, ll_w)),
+        *(put(mesh, arrays) if mesh is not None else jax.device_put(arrays)),
         rows=int(received_rows(idx, e).sum()),
         messages=ll_messages(ll_idx, e),
     )
@@ -403,14 +405,21 @@ CASES: dict[str, Callable[[Inputs, str], Case]] = {
 assert tuple(CASES) == OPS
 
 
-def build_case(op: str, inp: Inputs, backend: str) -> Case:
+def build_case(op: str, inp: Inputs, backend: str, virtual: bool = False) -> Case:
     """The case of `op` on `backend`, compiled and run once (its counts checked).
+
+    With `virtual`, the case of `virtual_cases` (all ranks on one device).
 
     Raises:
       NotImplementedError: the backend does not implement the op (raised while tracing).
       RuntimeError: the op's counts disagree with the routing's.
     """
-    case = CASES[op](inp, backend)
+    if virtual:
+        from jax_ep.bench import virtual_cases
+
+        case = virtual_cases.CASES[op](inp, backend)
+    else:
+        case = CASES[op](inp, backend)
     out = jax.block_until_ready(case.fn(*case.args))
     if case.check is not None:
         case.check(out)
