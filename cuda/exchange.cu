@@ -68,7 +68,9 @@ cudaError_t per_warp(const Phase& phase, int ranks, int64_t items, cudaStream_t 
 // The phases as function objects (kernel arguments, passed by value).
 struct DispatchCount {
   DispatchArgs a;
-  __device__ void operator()(int s, int64_t c) const { dispatch_count(a, s, static_cast<int>(c)); }
+  __device__ void operator()(int s, int64_t c) const {
+    dispatch_count(a, VirtualPeers{}, s, static_cast<int>(c));
+  }
 };
 struct DispatchBases {
   DispatchArgs a;
@@ -102,7 +104,9 @@ struct CombineToken {
 };
 struct LowLatencyCount {
   LowLatencyArgs a;
-  __device__ void operator()(int s, int64_t c) const { ll_count(a, s, static_cast<int>(c)); }
+  __device__ void operator()(int s, int64_t c) const {
+    ll_count(a, VirtualPeers{}, s, static_cast<int>(c));
+  }
 };
 struct LowLatencySend {
   LowLatencyArgs a;

@@ -91,7 +91,7 @@ struct DispatchArgs {
   // Per-source results and workspace: [R, ...].
   int32_t* clean_idx;     // [R, T, K] routing with invalid ids replaced by -1
   int32_t* num_invalid;   // [R]
-  int32_t* counts;        // [R, R + E] (see the header comment)
+  int32_t* counts;        // [R, R + E] (see the header comment); every rank has a copy (Peers)
   int32_t* token_offset;  // [R, T, R] rank of token t among the tokens of s that go to d
   int32_t* entry_offset;  // [R, T, K] rank of entry (t, k) among the entries of s for its expert
   int32_t* row_base;      // [R, R]: first rank-major row of source s on rank d
@@ -112,6 +112,12 @@ struct DispatchArgs {
   int32_t* num_dropped;       // [R]
   int32_t* num_needed;        // [R] rows (entries) needed before the capacity cut
 
+  // Rank whose data sits at index 0 of the per-rank arrays that are not reached through Peers
+  // (inputs, workspace, summaries): 0 with virtual ranks (all ranks here), this rank's own
+  // number between GPUs (one rank here).
+  int first_rank;
+  JAX_EP_HOST_DEVICE int64_t local(int rank) const { return rank - first_rank; }
+
   JAX_EP_HOST_DEVICE int experts_per_rank() const { return num_experts / num_ranks; }
   JAX_EP_HOST_DEVICE int num_counters() const { return num_ranks + num_experts; }
   // Rank-major rows of a receiver: capped at the capacity unless entries are what is capped.
@@ -120,31 +126,32 @@ struct DispatchArgs {
   }
   JAX_EP_HOST_DEVICE int idx_cols() const { return expert_major ? 1 : top_k; }
   JAX_EP_HOST_DEVICE const int32_t* route(int s, int t) const {
-    return clean_idx + (static_cast<int64_t>(s) * num_tokens + t) * top_k;
+    return clean_idx + (local(s) * num_tokens + t) * top_k;
   }
 };
 
 // Phase 1, items (s, c) for c in [0, R + E]: counter c of source s. c < R: tokens going to
 // rank c (and each one's offset among them); c < R + E: entries of expert c - R (offsets
 // likewise); c == R + E: cleans the routing and counts invalid ids.
-JAX_EP_HOST_DEVICE void dispatch_count(const DispatchArgs& a, int s, int c) {
+template <typename Peers>
+JAX_EP_HOST_DEVICE void dispatch_count(const DispatchArgs& a, const Peers& peers, int s, int c) {
   const int T = a.num_tokens, K = a.top_k, R = a.num_ranks, E = a.num_experts;
-  const int32_t* raw = a.topk_idx + static_cast<int64_t>(s) * T * K;
+  const int32_t* raw = a.topk_idx + a.local(s) * T * K;
   if (c == R + E) {
     int32_t invalid = 0;
-    int32_t* clean = a.clean_idx + static_cast<int64_t>(s) * T * K;
+    int32_t* clean = a.clean_idx + a.local(s) * T * K;
     for (int64_t i = 0; i < static_cast<int64_t>(T) * K; ++i) {
       const int32_t id = raw[i];
       invalid += is_invalid(id, E);
       clean[i] = is_choice(id, E) ? id : -1;
     }
-    a.num_invalid[s] = invalid;
+    a.num_invalid[a.local(s)] = invalid;
     return;
   }
   const int El = a.experts_per_rank();
   int32_t running = 0;
   if (c < R) {
-    int32_t* offset = a.token_offset + static_cast<int64_t>(s) * T * R;
+    int32_t* offset = a.token_offset + a.local(s) * T * R;
     for (int t = 0; t < T; ++t) {
       const int32_t* ids = raw + static_cast<int64_t>(t) * K;
       bool goes = false;
@@ -153,12 +160,13 @@ JAX_EP_HOST_DEVICE void dispatch_count(const DispatchArgs& a, int s, int c) {
     }
   } else {
     const int e = c - R;
-    int32_t* offset = a.entry_offset + static_cast<int64_t>(s) * T * K;
+    int32_t* offset = a.entry_offset + a.local(s) * T * K;
     for (int64_t i = 0; i < static_cast<int64_t>(T) * K; ++i) {
       if (raw[i] == e) offset[i] = running++;
     }
   }
-  a.counts[static_cast<int64_t>(s) * a.num_counters() + c] = running;
+  // Published to every rank's copy of the counts (one shared copy with virtual ranks).
+  for (int d = 0; d < R; ++d) peers.at(a.counts, 0, d)[static_cast<int64_t>(s) * a.num_counters() + c] = running;
 }
 
 // Phase 2, items (s, c) for c in [0, R + E): where source s starts writing. c < R: its first
@@ -170,7 +178,7 @@ JAX_EP_HOST_DEVICE void dispatch_bases(const DispatchArgs& a, int s, int c) {
   if (c < R) {
     int32_t base = 0;
     for (int q = 0; q < s; ++q) base += a.counts[static_cast<int64_t>(q) * n + c];
-    a.row_base[static_cast<int64_t>(s) * R + c] = base;
+    a.row_base[a.local(s) * R + c] = base;
     return;
   }
   if (!a.expert_major) return;
@@ -180,7 +188,7 @@ JAX_EP_HOST_DEVICE void dispatch_bases(const DispatchArgs& a, int s, int c) {
     for (int q = 0; q < R; ++q) base += a.counts[static_cast<int64_t>(q) * n + R + f];
   }
   for (int q = 0; q < s; ++q) base += a.counts[static_cast<int64_t>(q) * n + c];
-  a.entry_base[static_cast<int64_t>(s) * a.num_experts + e] = base;
+  a.entry_base[a.local(s) * a.num_experts + e] = base;
 }
 
 // Phase 3, items (s, t): source s writes token t into every receiver (rows, metadata and, for
@@ -190,16 +198,17 @@ JAX_EP_HOST_DEVICE void dispatch_send(const DispatchArgs& a, const Peers& peers,
                                       int lane, int lanes) {
   const int R = a.num_ranks, T = a.num_tokens, K = a.top_k, E = a.num_experts;
   const int El = a.experts_per_rank(), cap = a.capacity, rows = a.rows();
-  const int64_t src = static_cast<int64_t>(s) * T + t;
+  const int64_t src = static_cast<int64_t>(s) * T + t;  // the token's id on every rank
+  const int64_t here = a.local(s) * T + t;              // its index in this rank's inputs
   const int32_t* ids = a.route(s, t);
-  const char* x_row = a.x + src * a.row_bytes;
-  const float* scale_row = a.scales + src * a.scale_cols;
-  const float* w_row = a.topk_weights + src * K;
+  const char* x_row = a.x + here * a.row_bytes;
+  const float* scale_row = a.scales + here * a.scale_cols;
+  const float* w_row = a.topk_weights + here * K;
   for (int d = 0; d < R; ++d) {
     int32_t* src_row = peers.at(a.src_row, static_cast<int64_t>(R) * T, d);
     bool goes = false;
     for (int k = 0; k < K; ++k) goes |= choice_rank(ids[k], E, El) == d;
-    const int32_t row = goes ? a.row_base[s * R + d] + a.token_offset[src * R + d] : -1;
+    const int32_t row = goes ? a.row_base[a.local(s) * R + d] + a.token_offset[here * R + d] : -1;
     if (!a.expert_major) {
       const bool kept = goes && row < cap;
       if (lane == 0) src_row[src] = kept ? row : -1;
@@ -231,7 +240,7 @@ JAX_EP_HOST_DEVICE void dispatch_send(const DispatchArgs& a, const Peers& peers,
       const int32_t e = ids[k];
       if (choice_rank(e, E, El) != d) continue;
       ++num_here;
-      const int32_t pos = a.entry_base[static_cast<int64_t>(s) * E + e] + a.entry_offset[src * K + k];
+      const int32_t pos = a.entry_base[a.local(s) * E + e] + a.entry_offset[here * K + k];
       const bool kept = pos < cap;
       if (kept) {
         copy_row(peers.at(a.recv_x, cap * a.row_bytes, d) + pos * a.row_bytes, x_row,
@@ -331,12 +340,12 @@ JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peer
       const int32_t* idx = peers.at(a.recv_idx, static_cast<int64_t>(cap) * K, d);
       for (int64_t r = 0; r < static_cast<int64_t>(kept) * K; ++r) count += idx[r] == i;
     }
-    a.tokens_per_expert[static_cast<int64_t>(d) * El + i] = count;
+    a.tokens_per_expert[a.local(d) * El + i] = count;
   }
   if (i == 0) {
-    a.num_received[d] = kept;
-    a.num_dropped[d] = needed - kept;
-    a.num_needed[d] = needed;
+    a.num_received[a.local(d)] = kept;
+    a.num_dropped[a.local(d)] = needed - kept;
+    a.num_needed[a.local(d)] = needed;
   }
 }
 
@@ -354,6 +363,11 @@ struct CombineArgs {
   const int32_t* row_entries; // [R, R*T, K] (expert-major)
   T* partial;                 // [R, R*T, H] workspace (expert-major)
   T* out;                     // [R, T, H]
+  // Rank whose data sits at index 0 of the per-rank arrays that are not reached through Peers
+  // (inputs, workspace, summaries): 0 with virtual ranks (all ranks here), this rank's own
+  // number between GPUs (one rank here).
+  int first_rank;
+  JAX_EP_HOST_DEVICE int64_t local(int rank) const { return rank - first_rank; }
 };
 
 // Expert-major step, items (d, i): rank-major row i of receiver d = the sum of its entries in
@@ -362,10 +376,10 @@ template <typename T>
 JAX_EP_HOST_DEVICE void combine_reduce_entries(const CombineArgs<T>& a, int d, int i, int lane,
                                                int lanes) {
   const int rows = a.num_ranks * a.num_tokens, K = a.top_k, H = a.hidden;
-  const int32_t* entries = a.row_entries + (static_cast<int64_t>(d) * rows + i) * K;
-  const T* y = a.y + static_cast<int64_t>(d) * a.capacity * H;
-  const float* w = a.weights ? a.weights + static_cast<int64_t>(d) * a.capacity : nullptr;
-  T* out = a.partial + (static_cast<int64_t>(d) * rows + i) * H;
+  const int32_t* entries = a.row_entries + (a.local(d) * rows + i) * K;
+  const T* y = a.y + a.local(d) * a.capacity * H;
+  const float* w = a.weights ? a.weights + a.local(d) * a.capacity : nullptr;
+  T* out = a.partial + (a.local(d) * rows + i) * H;
   for (int h = lane; h < H; h += lanes) {
     float acc = 0.0f;
     for (int k = 0; k < K; ++k) {
@@ -390,7 +404,7 @@ JAX_EP_HOST_DEVICE void combine_token(const CombineArgs<T>& a, const Peers& peer
   const T* rows_base = em ? a.partial : a.y;
   const int64_t rows_per_rank = em ? static_cast<int64_t>(R) * Tn : a.capacity;
   const float* weights = em ? nullptr : a.weights;
-  T* out = a.out + src * H;
+  T* out = a.out + (a.local(s) * Tn + t) * H;
   for (int h = lane; h < H; h += lanes) {
     float acc = 0.0f;
     for (int d = 0; d < R; ++d) {
@@ -420,6 +434,11 @@ struct LowLatencyArgs {
   float* recv_scales;        // [R, E/R, R*T, H/128] (FP8)
   int32_t* src_row;          // [R(expert side), R(source), T, K]
   int32_t* count;            // [R, E/R]
+  // Rank whose data sits at index 0 of the per-rank arrays that are not reached through Peers
+  // (inputs, workspace, summaries): 0 with virtual ranks (all ranks here), this rank's own
+  // number between GPUs (one rank here).
+  int first_rank;
+  JAX_EP_HOST_DEVICE int64_t local(int rank) const { return rank - first_rank; }
 
   JAX_EP_HOST_DEVICE int experts_per_rank() const { return num_experts / num_ranks; }
   JAX_EP_HOST_DEVICE int64_t slots() const { return static_cast<int64_t>(num_ranks) * num_tokens; }
@@ -436,28 +455,29 @@ JAX_EP_HOST_DEVICE bool first_occurrence(const int32_t* ids, int k) {
 
 // Phase 1, items (s, c) for c in [0, E]: c < E counts the messages of source s to expert c and
 // numbers them; c == E cleans the routing and counts invalid ids.
-JAX_EP_HOST_DEVICE void ll_count(const LowLatencyArgs& a, int s, int c) {
+template <typename Peers>
+JAX_EP_HOST_DEVICE void ll_count(const LowLatencyArgs& a, const Peers& peers, int s, int c) {
   const int T = a.num_tokens, K = a.top_k, E = a.num_experts;
-  const int32_t* raw = a.topk_idx + static_cast<int64_t>(s) * T * K;
+  const int32_t* raw = a.topk_idx + a.local(s) * T * K;
   if (c == E) {
     int32_t invalid = 0;
-    int32_t* clean = a.clean_idx + static_cast<int64_t>(s) * T * K;
+    int32_t* clean = a.clean_idx + a.local(s) * T * K;
     for (int64_t i = 0; i < static_cast<int64_t>(T) * K; ++i) {
       invalid += is_invalid(raw[i], E);
       clean[i] = is_choice(raw[i], E) ? raw[i] : -1;
     }
-    a.num_invalid[s] = invalid;
+    a.num_invalid[a.local(s)] = invalid;
     return;
   }
   int32_t running = 0;
-  int32_t* offset = a.slot_offset + static_cast<int64_t>(s) * T * K;
+  int32_t* offset = a.slot_offset + a.local(s) * T * K;
   for (int t = 0; t < T; ++t) {
     const int32_t* ids = raw + static_cast<int64_t>(t) * K;
     for (int k = 0; k < K; ++k) {
       if (ids[k] == c && first_occurrence(ids, k)) offset[static_cast<int64_t>(t) * K + k] = running++;
     }
   }
-  a.counts[static_cast<int64_t>(s) * E + c] = running;
+  for (int d = 0; d < a.num_ranks; ++d) peers.at(a.counts, 0, d)[static_cast<int64_t>(s) * E + c] = running;
 }
 
 // Slot of source s's message to expert e numbered `offset`: after the messages of lower ranks.
@@ -499,9 +519,10 @@ JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int
   const int R = a.num_ranks, T = a.num_tokens, K = a.top_k;
   const int El = a.experts_per_rank(), S = a.hidden / kFp8Block;
   const int64_t slots = a.slots(), src = static_cast<int64_t>(s) * T + t;
-  const int32_t* ids = a.clean_idx + src * K;
-  const int32_t* offsets = a.slot_offset + src * K;
-  const Bf16* x = a.x + src * a.hidden;
+  const int64_t here = a.local(s) * T + t;
+  const int32_t* ids = a.clean_idx + here * K;
+  const int32_t* offsets = a.slot_offset + here * K;
+  const Bf16* x = a.x + here * a.hidden;
   for (int k = 0; k < K; ++k) {
     const int32_t e = ids[k];
     if (e < 0 || !first_occurrence(ids, k)) continue;
@@ -543,7 +564,7 @@ JAX_EP_HOST_DEVICE void ll_finish(const LowLatencyArgs& a, const Peers& peers, i
              a.row_bytes(), lane, lanes);
     if (a.use_fp8) zero_row(peers.at(a.recv_scales, El * slots * S, d) + r * S, S * 4, lane, lanes);
   }
-  if (i == 0 && lane == 0) a.count[static_cast<int64_t>(d) * El + j] = count;
+  if (i == 0 && lane == 0) a.count[a.local(d) * El + j] = count;
 }
 
 struct LowLatencyCombineArgs {
@@ -554,6 +575,11 @@ struct LowLatencyCombineArgs {
   const float* topk_weights;  // [R, T, K]
   Bf16* staging;              // [R(home), T, K, H]
   Bf16* out;                  // [R, T, H]
+  // Rank whose data sits at index 0 of the per-rank arrays that are not reached through Peers
+  // (inputs, workspace, summaries): 0 with virtual ranks (all ranks here), this rank's own
+  // number between GPUs (one rank here).
+  int first_rank;
+  JAX_EP_HOST_DEVICE int64_t local(int rank) const { return rank - first_rank; }
 };
 
 // Combine send, items (d, s*T + t): expert rank d returns the rows of token t of source s,
@@ -566,8 +592,8 @@ JAX_EP_HOST_DEVICE void ll_combine_send(const LowLatencyCombineArgs& a, const Pe
   const int64_t slots = static_cast<int64_t>(R) * T;
   const int s = static_cast<int>(src / T);
   const int64_t t = src % T;
-  const int32_t* rows = a.src_row + (static_cast<int64_t>(d) * slots + src) * K;
-  const Bf16* y = a.y + static_cast<int64_t>(d) * El * slots * H;
+  const int32_t* rows = a.src_row + (a.local(d) * slots + src) * K;
+  const Bf16* y = a.y + a.local(d) * El * slots * H;
   Bf16* staging = peers.at(a.staging, static_cast<int64_t>(T) * K * H, s);
   for (int k = 0; k < K; ++k) {
     if (rows[k] < 0) continue;
@@ -580,7 +606,7 @@ JAX_EP_HOST_DEVICE void ll_combine_send(const LowLatencyCombineArgs& a, const Pe
 JAX_EP_HOST_DEVICE void ll_combine_token(const LowLatencyCombineArgs& a, int s, int t, int lane,
                                          int lanes) {
   const int T = a.num_tokens, K = a.top_k, H = a.hidden;
-  const int64_t src = static_cast<int64_t>(s) * T + t;
+  const int64_t src = a.local(s) * T + t;
   const int32_t* ids = a.clean_idx + src * K;
   const float* w = a.topk_weights + src * K;
   const Bf16* staging = a.staging + src * K * H;

@@ -98,17 +98,27 @@ xffi::Error CheckExperts(std::string_view op, int64_t num_experts, int64_t num_r
                          std::to_string(num_ranks) + ")");
 }
 
+// The operands stack V ranks: all R of them (virtual ranks) or this rank alone (V = 1).
+xffi::Error CheckStack(std::string_view op, int64_t stacked, int64_t num_ranks) {
+  if (num_ranks >= 1 && (stacked == num_ranks || stacked == 1)) return xffi::Error::Success();
+  return Invalid(op, "the operands stack " + std::to_string(stacked) +
+                         " ranks; expected num_ranks (" + std::to_string(num_ranks) +
+                         ", virtual ranks) or 1 (one rank per device)");
+}
+
 }  // namespace
 
-xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t num_experts,
-                          int64_t capacity, int64_t expert_major, DispatchArgs* a) {
+xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t num_ranks,
+                          int64_t num_experts, int64_t capacity, int64_t expert_major,
+                          DispatchArgs* a) {
   const std::string_view op = kDispatchOp;
   Buffers b(op, args, rets);
   JAX_EP_RETURN_IF_ERROR(b.Count(4, 16));
   const AnyBuffer idx = b.Arg(2);
   JAX_EP_RETURN_IF_ERROR(CheckRank(op, "topk_idx", idx, 3));
-  const int64_t R = idx.dimensions()[0], T = idx.dimensions()[1], K = idx.dimensions()[2];
-  if (R < 1) return Invalid(op, "the number of ranks (topk_idx.shape[0]) must be >= 1");
+  const int64_t V = idx.dimensions()[0], T = idx.dimensions()[1], K = idx.dimensions()[2];
+  const int64_t R = num_ranks;
+  JAX_EP_RETURN_IF_ERROR(CheckStack(op, V, R));
   JAX_EP_RETURN_IF_ERROR(CheckExperts(op, num_experts, R));
   JAX_EP_RETURN_IF_ERROR(CheckInt32(op, "capacity", capacity));
   JAX_EP_RETURN_IF_ERROR(CheckInt32(op, "R*T*K", R * T * K));
@@ -130,49 +140,49 @@ xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, in
   a->row_bytes = H * static_cast<int64_t>(xffi::ByteWidth(x.element_type()));
   a->scale_cols = S;
 
-  JAX_EP_RETURN_IF_ERROR(b.In(0, "x", kAnyType, {R, T, H}, &a->x));
-  JAX_EP_RETURN_IF_ERROR(b.In(1, "scales", DataType::F32, {R, T, S}, &a->scales));
-  JAX_EP_RETURN_IF_ERROR(b.In(2, "topk_idx", DataType::S32, {R, T, K}, &a->topk_idx));
-  JAX_EP_RETURN_IF_ERROR(b.In(3, "topk_weights", DataType::F32, {R, T, K}, &a->topk_weights));
+  JAX_EP_RETURN_IF_ERROR(b.In(0, "x", kAnyType, {V, T, H}, &a->x));
+  JAX_EP_RETURN_IF_ERROR(b.In(1, "scales", DataType::F32, {V, T, S}, &a->scales));
+  JAX_EP_RETURN_IF_ERROR(b.In(2, "topk_idx", DataType::S32, {V, T, K}, &a->topk_idx));
+  JAX_EP_RETURN_IF_ERROR(b.In(3, "topk_weights", DataType::F32, {V, T, K}, &a->topk_weights));
 
-  JAX_EP_RETURN_IF_ERROR(b.Out(0, "recv_x", x.element_type(), {R, cap, H}, &a->recv_x));
-  JAX_EP_RETURN_IF_ERROR(b.Out(1, "recv_scales", DataType::F32, {R, cap, S}, &a->recv_scales));
+  JAX_EP_RETURN_IF_ERROR(b.Out(0, "recv_x", x.element_type(), {V, cap, H}, &a->recv_x));
+  JAX_EP_RETURN_IF_ERROR(b.Out(1, "recv_scales", DataType::F32, {V, cap, S}, &a->recv_scales));
   if (em) {
-    JAX_EP_RETURN_IF_ERROR(b.Out(2, "recv_idx", DataType::S32, {R, cap}, &a->recv_idx));
-    JAX_EP_RETURN_IF_ERROR(b.Out(3, "recv_weights", DataType::F32, {R, cap}, &a->recv_weights));
+    JAX_EP_RETURN_IF_ERROR(b.Out(2, "recv_idx", DataType::S32, {V, cap}, &a->recv_idx));
+    JAX_EP_RETURN_IF_ERROR(b.Out(3, "recv_weights", DataType::F32, {V, cap}, &a->recv_weights));
   } else {
-    JAX_EP_RETURN_IF_ERROR(b.Out(2, "recv_idx", DataType::S32, {R, cap, K}, &a->recv_idx));
+    JAX_EP_RETURN_IF_ERROR(b.Out(2, "recv_idx", DataType::S32, {V, cap, K}, &a->recv_idx));
     JAX_EP_RETURN_IF_ERROR(
-        b.Out(3, "recv_weights", DataType::F32, {R, cap, K}, &a->recv_weights));
+        b.Out(3, "recv_weights", DataType::F32, {V, cap, K}, &a->recv_weights));
   }
-  JAX_EP_RETURN_IF_ERROR(b.Out(4, "num_received", DataType::S32, {R}, &a->num_received));
+  JAX_EP_RETURN_IF_ERROR(b.Out(4, "num_received", DataType::S32, {V}, &a->num_received));
   JAX_EP_RETURN_IF_ERROR(
-      b.Out(5, "tokens_per_expert", DataType::S32, {R, El}, &a->tokens_per_expert));
-  JAX_EP_RETURN_IF_ERROR(b.Out(6, "num_dropped", DataType::S32, {R}, &a->num_dropped));
-  JAX_EP_RETURN_IF_ERROR(b.Out(7, "num_invalid", DataType::S32, {R}, &a->num_invalid));
-  JAX_EP_RETURN_IF_ERROR(b.Out(8, "clean_idx", DataType::S32, {R, T, K}, &a->clean_idx));
-  JAX_EP_RETURN_IF_ERROR(b.Out(9, "recv_src", DataType::S32, {R, rows}, &a->recv_src));
-  JAX_EP_RETURN_IF_ERROR(b.Out(10, "src_row", DataType::S32, {R, R * T}, &a->src_row));
+      b.Out(5, "tokens_per_expert", DataType::S32, {V, El}, &a->tokens_per_expert));
+  JAX_EP_RETURN_IF_ERROR(b.Out(6, "num_dropped", DataType::S32, {V}, &a->num_dropped));
+  JAX_EP_RETURN_IF_ERROR(b.Out(7, "num_invalid", DataType::S32, {V}, &a->num_invalid));
+  JAX_EP_RETURN_IF_ERROR(b.Out(8, "clean_idx", DataType::S32, {V, T, K}, &a->clean_idx));
+  JAX_EP_RETURN_IF_ERROR(b.Out(9, "recv_src", DataType::S32, {V, rows}, &a->recv_src));
+  JAX_EP_RETURN_IF_ERROR(b.Out(10, "src_row", DataType::S32, {V, R * T}, &a->src_row));
   const int64_t em_cap = em ? cap : 0, em_rows = em ? R * T : 0;
-  JAX_EP_RETURN_IF_ERROR(b.Out(11, "entry_row", DataType::S32, {R, em_cap}, &a->entry_row));
+  JAX_EP_RETURN_IF_ERROR(b.Out(11, "entry_row", DataType::S32, {V, em_cap}, &a->entry_row));
   JAX_EP_RETURN_IF_ERROR(
-      b.Out(12, "entry_choice", DataType::S32, {R, em_cap}, &a->entry_choice));
+      b.Out(12, "entry_choice", DataType::S32, {V, em_cap}, &a->entry_choice));
   JAX_EP_RETURN_IF_ERROR(
-      b.Out(13, "row_entries", DataType::S32, {R, em_rows, K}, &a->row_entries));
-  JAX_EP_RETURN_IF_ERROR(b.Out(14, "num_needed", DataType::S32, {R}, &a->num_needed));
+      b.Out(13, "row_entries", DataType::S32, {V, em_rows, K}, &a->row_entries));
+  JAX_EP_RETURN_IF_ERROR(b.Out(14, "num_needed", DataType::S32, {V}, &a->num_needed));
   int32_t* work = nullptr;
-  const int64_t W = R * (R + E) + R * T * R + R * T * K + R * R + R * E;
+  const int64_t W = R * (R + E) + V * T * R + V * T * K + V * R + V * E;
   JAX_EP_RETURN_IF_ERROR(b.Out(15, "workspace", DataType::S32, {W}, &work));
   a->counts = work;
   a->token_offset = a->counts + R * (R + E);
-  a->entry_offset = a->token_offset + R * T * R;
-  a->row_base = a->entry_offset + R * T * K;
-  a->entry_base = a->row_base + R * R;
+  a->entry_offset = a->token_offset + V * T * R;
+  a->row_base = a->entry_offset + V * T * K;
+  a->entry_base = a->row_base + V * R;
   return xffi::Error::Success();
 }
 
-xffi::Error ParseCombine(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t expert_major,
-                         RowType* type, CombineArgs<float>* a) {
+xffi::Error ParseCombine(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t num_ranks,
+                         int64_t expert_major, RowType* type, CombineArgs<float>* a) {
   const std::string_view op = kCombineOp;
   Buffers b(op, args, rets);
   JAX_EP_RETURN_IF_ERROR(b.Count(4, 2));
@@ -186,19 +196,19 @@ xffi::Error ParseCombine(xffi::RemainingArgs args, xffi::RemainingRets rets, int
       return Invalid(op, "y must be float32, bfloat16 or float16, got " +
                              TypeName(y.element_type()) + "; cast it, or use backend='xla'");
   }
-  const int64_t R = y.dimensions()[0], cap = y.dimensions()[1], H = y.dimensions()[2];
+  const int64_t V = y.dimensions()[0], cap = y.dimensions()[1], H = y.dimensions()[2];
+  const int64_t R = num_ranks;
+  JAX_EP_RETURN_IF_ERROR(CheckStack(op, V, R));
   const AnyBuffer entries = b.Arg(3);
   JAX_EP_RETURN_IF_ERROR(CheckRank(op, "row_entries", entries, 3));
   const int64_t K = entries.dimensions()[2];
   const AnyBuffer src_row = b.Arg(2);
   JAX_EP_RETURN_IF_ERROR(CheckRank(op, "src_row", src_row, 2));
-  if (R < 1 || src_row.dimensions()[1] % R != 0) {
-    return Invalid(op, "src_row must be [R, R*T] with R = y.shape[0]");
-  }
+  if (src_row.dimensions()[1] % R != 0) return Invalid(op, "src_row must be [V, R*T]");
   const int64_t T = src_row.dimensions()[1] / R;
   const bool em = expert_major != 0;
   const int64_t W = b.Arg(1).dimensions().size() == 2 ? b.Arg(1).dimensions()[1] : -2;
-  if (W != 0 && W != cap) return Invalid(op, "weights must be [R, capacity] or [R, 0]");
+  if (W != 0 && W != cap) return Invalid(op, "weights must be [V, capacity] or [V, 0]");
   JAX_EP_RETURN_IF_ERROR(CheckInt32(op, "R*T*K", R * T * K));
   JAX_EP_RETURN_IF_ERROR(CheckInt32(op, "capacity", cap));
 
@@ -210,27 +220,28 @@ xffi::Error ParseCombine(xffi::RemainingArgs args, xffi::RemainingRets rets, int
   a->capacity = static_cast<int>(cap);
   a->expert_major = em;
   const DataType dtype = y.element_type();
-  JAX_EP_RETURN_IF_ERROR(b.In(0, "y", dtype, {R, cap, H}, &a->y));
-  JAX_EP_RETURN_IF_ERROR(b.In(1, "weights", DataType::F32, {R, W}, &a->weights));
+  JAX_EP_RETURN_IF_ERROR(b.In(0, "y", dtype, {V, cap, H}, &a->y));
+  JAX_EP_RETURN_IF_ERROR(b.In(1, "weights", DataType::F32, {V, W}, &a->weights));
   if (W == 0) a->weights = nullptr;
-  JAX_EP_RETURN_IF_ERROR(b.In(2, "src_row", DataType::S32, {R, R * T}, &a->src_row));
+  JAX_EP_RETURN_IF_ERROR(b.In(2, "src_row", DataType::S32, {V, R * T}, &a->src_row));
   JAX_EP_RETURN_IF_ERROR(
-      b.In(3, "row_entries", DataType::S32, {R, em ? R * T : 0, K}, &a->row_entries));
-  JAX_EP_RETURN_IF_ERROR(b.Out(0, "out", dtype, {R, T, H}, &a->out));
-  JAX_EP_RETURN_IF_ERROR(b.Out(1, "partial", dtype, {R, em ? R * T : 0, H}, &a->partial));
+      b.In(3, "row_entries", DataType::S32, {V, em ? R * T : 0, K}, &a->row_entries));
+  JAX_EP_RETURN_IF_ERROR(b.Out(0, "out", dtype, {V, T, H}, &a->out));
+  JAX_EP_RETURN_IF_ERROR(b.Out(1, "partial", dtype, {V, em ? R * T : 0, H}, &a->partial));
   return xffi::Error::Success();
 }
 
 xffi::Error ParseLowLatencyDispatchSend(xffi::RemainingArgs args, xffi::RemainingRets rets,
-                                        int64_t num_experts, int64_t use_fp8,
+                                        int64_t num_ranks, int64_t num_experts, int64_t use_fp8,
                                         LowLatencyArgs* a) {
   const std::string_view op = kLowLatencyDispatchSendOp;
   Buffers b(op, args, rets);
   JAX_EP_RETURN_IF_ERROR(b.Count(2, 7));
   const AnyBuffer idx = b.Arg(1);
   JAX_EP_RETURN_IF_ERROR(CheckRank(op, "topk_idx", idx, 3));
-  const int64_t R = idx.dimensions()[0], T = idx.dimensions()[1], K = idx.dimensions()[2];
-  if (R < 1) return Invalid(op, "the number of ranks (topk_idx.shape[0]) must be >= 1");
+  const int64_t V = idx.dimensions()[0], T = idx.dimensions()[1], K = idx.dimensions()[2];
+  const int64_t R = num_ranks;
+  JAX_EP_RETURN_IF_ERROR(CheckStack(op, V, R));
   JAX_EP_RETURN_IF_ERROR(CheckExperts(op, num_experts, R));
   JAX_EP_RETURN_IF_ERROR(CheckRank(op, "x", b.Arg(0), 3));
   const int64_t H = b.Arg(0).dimensions()[2];
@@ -248,71 +259,82 @@ xffi::Error ParseLowLatencyDispatchSend(xffi::RemainingArgs args, xffi::Remainin
   a->num_experts = static_cast<int>(E);
   a->hidden = static_cast<int>(H);
   a->use_fp8 = use_fp8 != 0;
-  JAX_EP_RETURN_IF_ERROR(b.In(0, "x", DataType::BF16, {R, T, H}, &a->x));
-  JAX_EP_RETURN_IF_ERROR(b.In(1, "topk_idx", DataType::S32, {R, T, K}, &a->topk_idx));
+  JAX_EP_RETURN_IF_ERROR(b.In(0, "x", DataType::BF16, {V, T, H}, &a->x));
+  JAX_EP_RETURN_IF_ERROR(b.In(1, "topk_idx", DataType::S32, {V, T, K}, &a->topk_idx));
   const DataType recv_type = use_fp8 ? DataType::F8E4M3FN : DataType::BF16;
-  JAX_EP_RETURN_IF_ERROR(b.Out(0, "recv_x", recv_type, {R, El, R * T, H}, &a->recv_x));
+  JAX_EP_RETURN_IF_ERROR(b.Out(0, "recv_x", recv_type, {V, El, R * T, H}, &a->recv_x));
   JAX_EP_RETURN_IF_ERROR(
-      b.Out(1, "recv_scales", DataType::F32, {R, El, R * T, S}, &a->recv_scales));
-  JAX_EP_RETURN_IF_ERROR(b.Out(2, "src_row", DataType::S32, {R, R, T, K}, &a->src_row));
-  JAX_EP_RETURN_IF_ERROR(b.Out(3, "clean_idx", DataType::S32, {R, T, K}, &a->clean_idx));
-  JAX_EP_RETURN_IF_ERROR(b.Out(4, "num_invalid", DataType::S32, {R}, &a->num_invalid));
+      b.Out(1, "recv_scales", DataType::F32, {V, El, R * T, S}, &a->recv_scales));
+  JAX_EP_RETURN_IF_ERROR(b.Out(2, "src_row", DataType::S32, {V, R, T, K}, &a->src_row));
+  JAX_EP_RETURN_IF_ERROR(b.Out(3, "clean_idx", DataType::S32, {V, T, K}, &a->clean_idx));
+  JAX_EP_RETURN_IF_ERROR(b.Out(4, "num_invalid", DataType::S32, {V}, &a->num_invalid));
   JAX_EP_RETURN_IF_ERROR(b.Out(5, "counts", DataType::S32, {R, E}, &a->counts));
-  JAX_EP_RETURN_IF_ERROR(b.Out(6, "slot_offset", DataType::S32, {R, T, K}, &a->slot_offset));
+  JAX_EP_RETURN_IF_ERROR(b.Out(6, "slot_offset", DataType::S32, {V, T, K}, &a->slot_offset));
   return xffi::Error::Success();
 }
 
 xffi::Error ParseLowLatencyDispatchRecv(xffi::RemainingArgs args, xffi::RemainingRets rets,
-                                        int64_t num_experts, LowLatencyArgs* a) {
+                                        int64_t num_ranks, int64_t num_experts,
+                                        LowLatencyArgs* a) {
   const std::string_view op = kLowLatencyDispatchRecvOp;
   Buffers b(op, args, rets);
-  JAX_EP_RETURN_IF_ERROR(b.Count(3, 3));
+  JAX_EP_RETURN_IF_ERROR(b.Count(4, 4));
   const AnyBuffer x = b.Arg(0);
   JAX_EP_RETURN_IF_ERROR(CheckRank(op, "recv_x", x, 4));
-  const int64_t R = x.dimensions()[0], El = x.dimensions()[1], H = x.dimensions()[3];
-  if (R < 1 || x.dimensions()[2] % R != 0 || El * R != num_experts) {
-    return Invalid(op, "recv_x must be [R, E/R, R*T, H] with E = num_experts");
+  const int64_t V = x.dimensions()[0], El = x.dimensions()[1], H = x.dimensions()[3];
+  const int64_t R = num_ranks;
+  JAX_EP_RETURN_IF_ERROR(CheckStack(op, V, R));
+  if (x.dimensions()[2] % R != 0 || El * R != num_experts) {
+    return Invalid(op, "recv_x must be [V, E/R, R*T, H] with E = num_experts");
   }
   const int64_t T = x.dimensions()[2] / R;
+  const AnyBuffer src_row = b.Arg(2);
+  JAX_EP_RETURN_IF_ERROR(CheckRank(op, "src_row", src_row, 4));
+  const int64_t K = src_row.dimensions()[3];
   const bool fp8 = x.element_type() == DataType::F8E4M3FN;
   const int64_t S = fp8 ? H / kFp8Block : 0;
 
   *a = LowLatencyArgs{};
   a->num_ranks = static_cast<int>(R);
   a->num_tokens = static_cast<int>(T);
+  a->top_k = static_cast<int>(K);
   a->num_experts = static_cast<int>(num_experts);
   a->hidden = static_cast<int>(H);
   a->use_fp8 = fp8;
   const void* in_x = nullptr;
   const float* in_scales = nullptr;
+  const int32_t* in_src_row = nullptr;
   const int32_t* counts = nullptr;
   JAX_EP_RETURN_IF_ERROR(b.In(0, "recv_x", fp8 ? DataType::F8E4M3FN : DataType::BF16,
-                              {R, El, R * T, H}, &in_x));
-  JAX_EP_RETURN_IF_ERROR(b.In(1, "recv_scales", DataType::F32, {R, El, R * T, S}, &in_scales));
-  JAX_EP_RETURN_IF_ERROR(b.In(2, "counts", DataType::S32, {R, num_experts}, &counts));
-  JAX_EP_RETURN_IF_ERROR(b.Out(0, "recv_x", x.element_type(), {R, El, R * T, H}, &a->recv_x));
+                              {V, El, R * T, H}, &in_x));
+  JAX_EP_RETURN_IF_ERROR(b.In(1, "recv_scales", DataType::F32, {V, El, R * T, S}, &in_scales));
+  JAX_EP_RETURN_IF_ERROR(b.In(2, "src_row", DataType::S32, {V, R, T, K}, &in_src_row));
+  JAX_EP_RETURN_IF_ERROR(b.In(3, "counts", DataType::S32, {R, num_experts}, &counts));
+  JAX_EP_RETURN_IF_ERROR(b.Out(0, "recv_x", x.element_type(), {V, El, R * T, H}, &a->recv_x));
   JAX_EP_RETURN_IF_ERROR(
-      b.Out(1, "recv_scales", DataType::F32, {R, El, R * T, S}, &a->recv_scales));
-  JAX_EP_RETURN_IF_ERROR(b.Out(2, "count", DataType::S32, {R, El}, &a->count));
+      b.Out(1, "recv_scales", DataType::F32, {V, El, R * T, S}, &a->recv_scales));
+  JAX_EP_RETURN_IF_ERROR(b.Out(2, "src_row", DataType::S32, {V, R, T, K}, &a->src_row));
+  JAX_EP_RETURN_IF_ERROR(b.Out(3, "count", DataType::S32, {V, El}, &a->count));
   // The results alias the operands (input_output_aliases); anything else is a wiring error.
-  if (a->recv_x != in_x || a->recv_scales != in_scales) {
-    return xffi::Error::Internal(std::string(op) + ": recv_x and recv_scales must alias the "
-                                                   "operands (input_output_aliases {0: 0, 1: 1})");
+  if (a->recv_x != in_x || a->recv_scales != in_scales || a->src_row != in_src_row) {
+    return xffi::Error::Internal(std::string(op) + ": recv_x, recv_scales and src_row must "
+                                 "alias the operands (input_output_aliases {0: 0, 1: 1, 2: 2})");
   }
   a->counts = const_cast<int32_t*>(counts);  // read only in this phase
   return xffi::Error::Success();
 }
 
 xffi::Error ParseLowLatencyCombineSend(xffi::RemainingArgs args, xffi::RemainingRets rets,
-                                       int64_t num_experts, LowLatencyCombineArgs* a) {
+                                       int64_t num_ranks, int64_t num_experts,
+                                       LowLatencyCombineArgs* a) {
   const std::string_view op = kLowLatencyCombineSendOp;
   Buffers b(op, args, rets);
   JAX_EP_RETURN_IF_ERROR(b.Count(2, 1));
   const AnyBuffer src_row = b.Arg(1);
   JAX_EP_RETURN_IF_ERROR(CheckRank(op, "src_row", src_row, 4));
-  const int64_t R = src_row.dimensions()[0], T = src_row.dimensions()[2];
-  const int64_t K = src_row.dimensions()[3];
-  if (R < 1) return Invalid(op, "src_row must be [R, R, T, K] with R >= 1");
+  const int64_t V = src_row.dimensions()[0], T = src_row.dimensions()[2];
+  const int64_t K = src_row.dimensions()[3], R = num_ranks;
+  JAX_EP_RETURN_IF_ERROR(CheckStack(op, V, R));
   JAX_EP_RETURN_IF_ERROR(CheckExperts(op, num_experts, R));
   JAX_EP_RETURN_IF_ERROR(CheckRank(op, "y", b.Arg(0), 4));
   const int64_t El = num_experts / R, H = b.Arg(0).dimensions()[3];
@@ -323,9 +345,9 @@ xffi::Error ParseLowLatencyCombineSend(xffi::RemainingArgs args, xffi::Remaining
   a->top_k = static_cast<int>(K);
   a->num_experts = static_cast<int>(num_experts);
   a->hidden = static_cast<int>(H);
-  JAX_EP_RETURN_IF_ERROR(b.In(0, "y", DataType::BF16, {R, El, R * T, H}, &a->y));
-  JAX_EP_RETURN_IF_ERROR(b.In(1, "src_row", DataType::S32, {R, R, T, K}, &a->src_row));
-  JAX_EP_RETURN_IF_ERROR(b.Out(0, "staging", DataType::BF16, {R, T, K, H}, &a->staging));
+  JAX_EP_RETURN_IF_ERROR(b.In(0, "y", DataType::BF16, {V, El, R * T, H}, &a->y));
+  JAX_EP_RETURN_IF_ERROR(b.In(1, "src_row", DataType::S32, {V, R, T, K}, &a->src_row));
+  JAX_EP_RETURN_IF_ERROR(b.Out(0, "staging", DataType::BF16, {V, T, K, H}, &a->staging));
   return xffi::Error::Success();
 }
 

@@ -1,5 +1,8 @@
-// FFI targets of the dispatch and combine ops with virtual ranks (all R ranks of the group in
-// one call, every operand and result stacked [R, ...]); the bodies are in cuda/exchange.h.
+// FFI targets of the dispatch and combine ops; the bodies are in cuda/exchange.h. Operands and
+// results stack V ranks on their leading axis: V = R with virtual ranks (all R ranks of the
+// group in one call), V = 1 between GPUs (one rank per device, peers through NVSHMEM; CUDA
+// only). Shapes below write R for that leading axis. Every target takes the attribute
+// num_ranks (R).
 //
 // Each target takes its operands and results as variadic lists (the order is documented at
 // the parser below and mirrored by jax_ep/_virtual_ffi.py) and a few int64 attributes. The
@@ -32,14 +35,15 @@ enum class RowType { kF32, kBF16, kF16 };
 // entry_row [R,cap'], entry_choice [R,cap'], row_entries [R,rows',K] (cap' = cap and
 // rows' = R*T when expert-major, else 0), num_needed [R], workspace s32 [W]
 // (W = R*(R+E) + R*T*R + R*T*K + R*R + R*E).
-xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t num_experts,
-                          int64_t capacity, int64_t expert_major, DispatchArgs* out);
+xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t num_ranks,
+                          int64_t num_experts, int64_t capacity, int64_t expert_major,
+                          DispatchArgs* out);
 
 // Operands y [R,cap,H] (f32, bf16 or f16), weights f32 [R,cap] or [R,0], src_row s32
 // [R,R*T], row_entries s32 [R,R*T,K] (expert-major) or [R,0,K]. Results: out [R,T,H] and the
 // workspace partial [R,R*T,H] (expert-major) or [R,0,H], both in y's type.
-xffi::Error ParseCombine(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t expert_major,
-                         RowType* type, CombineArgs<float>* out);
+xffi::Error ParseCombine(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t num_ranks,
+                         int64_t expert_major, RowType* type, CombineArgs<float>* out);
 
 // The parsed arguments with the rows' real element type.
 template <typename T>
@@ -65,17 +69,19 @@ CombineArgs<T> Retype(const CombineArgs<float>& a) {
 // s32 [R,R,T,K], clean_idx s32 [R,T,K], num_invalid s32 [R], counts s32 [R,E], slot_offset s32
 // [R,T,K] (workspace).
 xffi::Error ParseLowLatencyDispatchSend(xffi::RemainingArgs args, xffi::RemainingRets rets,
-                                        int64_t num_experts, int64_t use_fp8,
+                                        int64_t num_ranks, int64_t num_experts, int64_t use_fp8,
                                         LowLatencyArgs* out);
 
-// Operands recv_x, recv_scales, counts as returned by the send. Results: recv_x and
-// recv_scales (aliasing the operands) and count s32 [R,E/R].
+// Operands recv_x, recv_scales, src_row, counts as returned by the send. Results: recv_x,
+// recv_scales and src_row (aliasing the operands) and count s32 [R,E/R].
 xffi::Error ParseLowLatencyDispatchRecv(xffi::RemainingArgs args, xffi::RemainingRets rets,
-                                        int64_t num_experts, LowLatencyArgs* out);
+                                        int64_t num_ranks, int64_t num_experts,
+                                        LowLatencyArgs* out);
 
 // Operands y bf16 [R,E/R,R*T,H], src_row s32 [R,R,T,K]. Result: staging bf16 [R,T,K,H].
 xffi::Error ParseLowLatencyCombineSend(xffi::RemainingArgs args, xffi::RemainingRets rets,
-                                       int64_t num_experts, LowLatencyCombineArgs* out);
+                                       int64_t num_ranks, int64_t num_experts,
+                                       LowLatencyCombineArgs* out);
 
 // Operands staging bf16 [R,T,K,H], clean_idx s32 [R,T,K], topk_weights f32 [R,T,K].
 // Result: out bf16 [R,T,H].

@@ -20,18 +20,19 @@ xffi::Error Launched(const char* op, cudaError_t status) {
 }
 
 xffi::Error DispatchCudaImpl(cudaStream_t stream, xffi::RemainingArgs args,
-                             xffi::RemainingRets rets, int64_t num_experts, int64_t capacity,
-                             int64_t expert_major) {
+                             xffi::RemainingRets rets, int64_t num_ranks, int64_t num_experts,
+                             int64_t capacity, int64_t expert_major) {
   DispatchArgs a;
-  JAX_EP_RETURN_IF_ERROR(ParseDispatch(args, rets, num_experts, capacity, expert_major, &a));
+  JAX_EP_RETURN_IF_ERROR(
+      ParseDispatch(args, rets, num_ranks, num_experts, capacity, expert_major, &a));
   return Launched(kDispatchOp, cuda::launch_dispatch(a, stream));
 }
 
 xffi::Error CombineCudaImpl(cudaStream_t stream, xffi::RemainingArgs args,
-                            xffi::RemainingRets rets, int64_t expert_major) {
+                            xffi::RemainingRets rets, int64_t num_ranks, int64_t expert_major) {
   CombineArgs<float> a;
   RowType type;
-  JAX_EP_RETURN_IF_ERROR(ParseCombine(args, rets, expert_major, &type, &a));
+  JAX_EP_RETURN_IF_ERROR(ParseCombine(args, rets, num_ranks, expert_major, &type, &a));
   cudaError_t status = cudaSuccess;
   switch (type) {
     case RowType::kF32: status = cuda::launch_combine(a, stream); break;
@@ -42,24 +43,27 @@ xffi::Error CombineCudaImpl(cudaStream_t stream, xffi::RemainingArgs args,
 }
 
 xffi::Error LowLatencyDispatchSendCudaImpl(cudaStream_t stream, xffi::RemainingArgs args,
-                                           xffi::RemainingRets rets, int64_t num_experts,
-                                           int64_t use_fp8) {
+                                           xffi::RemainingRets rets, int64_t num_ranks,
+                                           int64_t num_experts, int64_t use_fp8) {
   LowLatencyArgs a;
-  JAX_EP_RETURN_IF_ERROR(ParseLowLatencyDispatchSend(args, rets, num_experts, use_fp8, &a));
+  JAX_EP_RETURN_IF_ERROR(
+      ParseLowLatencyDispatchSend(args, rets, num_ranks, num_experts, use_fp8, &a));
   return Launched(kLowLatencyDispatchSendOp, cuda::launch_ll_dispatch_send(a, stream));
 }
 
 xffi::Error LowLatencyDispatchRecvCudaImpl(cudaStream_t stream, xffi::RemainingArgs args,
-                                           xffi::RemainingRets rets, int64_t num_experts) {
+                                           xffi::RemainingRets rets, int64_t num_ranks,
+                                           int64_t num_experts) {
   LowLatencyArgs a;
-  JAX_EP_RETURN_IF_ERROR(ParseLowLatencyDispatchRecv(args, rets, num_experts, &a));
+  JAX_EP_RETURN_IF_ERROR(ParseLowLatencyDispatchRecv(args, rets, num_ranks, num_experts, &a));
   return Launched(kLowLatencyDispatchRecvOp, cuda::launch_ll_dispatch_recv(a, stream));
 }
 
 xffi::Error LowLatencyCombineSendCudaImpl(cudaStream_t stream, xffi::RemainingArgs args,
-                                          xffi::RemainingRets rets, int64_t num_experts) {
+                                          xffi::RemainingRets rets, int64_t num_ranks,
+                                          int64_t num_experts) {
   LowLatencyCombineArgs a;
-  JAX_EP_RETURN_IF_ERROR(ParseLowLatencyCombineSend(args, rets, num_experts, &a));
+  JAX_EP_RETURN_IF_ERROR(ParseLowLatencyCombineSend(args, rets, num_ranks, num_experts, &a));
   return Launched(kLowLatencyCombineSendOp, cuda::launch_ll_combine_send(a, stream));
 }
 
@@ -77,6 +81,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DispatchCuda, DispatchCudaImpl,
                                   .Ctx<Stream>()
                                   .RemainingArgs()
                                   .RemainingRets()
+                                  .Attr<int64_t>("num_ranks")
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("capacity")
                                   .Attr<int64_t>("expert_major"),
@@ -87,6 +92,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineCuda, CombineCudaImpl,
                                   .Ctx<Stream>()
                                   .RemainingArgs()
                                   .RemainingRets()
+                                  .Attr<int64_t>("num_ranks")
                                   .Attr<int64_t>("expert_major"),
                               {xffi::Traits::kCmdBufferCompatible});
 
@@ -95,6 +101,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendCuda, LowLatencyDispatchSend
                                   .Ctx<Stream>()
                                   .RemainingArgs()
                                   .RemainingRets()
+                                  .Attr<int64_t>("num_ranks")
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("use_fp8"),
                               {xffi::Traits::kCmdBufferCompatible});
@@ -104,6 +111,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecvCuda, LowLatencyDispatchRecv
                                   .Ctx<Stream>()
                                   .RemainingArgs()
                                   .RemainingRets()
+                                  .Attr<int64_t>("num_ranks")
                                   .Attr<int64_t>("num_experts"),
                               {xffi::Traits::kCmdBufferCompatible});
 
@@ -112,6 +120,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendCuda, LowLatencyCombineSendCu
                                   .Ctx<Stream>()
                                   .RemainingArgs()
                                   .RemainingRets()
+                                  .Attr<int64_t>("num_ranks")
                                   .Attr<int64_t>("num_experts"),
                               {xffi::Traits::kCmdBufferCompatible});
 

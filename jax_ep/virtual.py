@@ -156,7 +156,7 @@ def _dispatch_ffi(data, scales, topk_idx, topk_weights, *, num_experts, capacity
     rows = R * T if expert_major else cap
     per_entry = (R, cap) if expert_major else (R, cap, K)
     em_cap, em_rows = (cap, R * T) if expert_major else (0, 0)
-    workspace = R * (R + E) + R * T * R + R * T * K + R * R + R * E
+    workspace = R * (R + E) + R * T * R + R * T * K + R * R + R * E  # see ffi/exchange.h
     i32, f32 = jnp.int32, jnp.float32
     shapes = [
         ((R, cap, H), data.dtype), ((R, cap, S), f32), (per_entry, i32), (per_entry, f32),
@@ -166,8 +166,8 @@ def _dispatch_ffi(data, scales, topk_idx, topk_weights, *, num_experts, capacity
     ]
     outs = jax.ffi.ffi_call(
         "jax_ep_dispatch", [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
-    )(data, scales, topk_idx, topk_weights, num_experts=_i64(E), capacity=_i64(cap),
-      expert_major=_i64(expert_major))
+    )(data, scales, topk_idx, topk_weights, num_ranks=_i64(R), num_experts=_i64(E),
+      capacity=_i64(cap), expert_major=_i64(expert_major))
     (recv_x, recv_scales, recv_idx, recv_w, num_received, tokens_per_expert, num_dropped,
      num_invalid, clean_idx, recv_src, src_row, entry_row, entry_choice, row_entries, _, _) = outs
     received = Received(
@@ -224,7 +224,7 @@ def combine(y, handle: DispatchHandle, *, topk_weights=None, backend: str = "cud
         "jax_ep_combine",
         (jax.ShapeDtypeStruct((R, T, H), y.dtype),
          jax.ShapeDtypeStruct((R, R * T if em else 0, H), y.dtype)),
-    )(y, weights, handle.src_row, row_entries, expert_major=_i64(em))
+    )(y, weights, handle.src_row, row_entries, num_ranks=_i64(R), expert_major=_i64(em))
     return out
 
 
@@ -257,7 +257,8 @@ def low_latency_dispatch_send(x, topk_idx, *, num_experts: int, use_fp8: bool = 
         ]
         recv_x, recv_scales, src_row, clean_idx, num_invalid, counts, _ = jax.ffi.ffi_call(
             "jax_ep_ll_dispatch_send", [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
-        )(x, topk_idx, num_experts=_i64(num_experts), use_fp8=_i64(use_fp8))
+        )(x, topk_idx, num_ranks=_i64(R), num_experts=_i64(num_experts),
+          use_fp8=_i64(use_fp8))
         data = {"recv_x": recv_x, "recv_scales": recv_scales, "src_row": src_row,
                 "clean_idx": clean_idx, "num_invalid": num_invalid, "counts": counts}
     return LowLatencyDispatchPending(data=data, num_experts=num_experts, axis_name=AXIS,
@@ -274,19 +275,18 @@ def low_latency_dispatch_recv(pending: LowLatencyDispatchPending):
         return jax.vmap(
             lambda sent: xla.low_latency_dispatch_recv(sent, num_experts=E, axis_name=AXIS),
             axis_name=AXIS)(data)
-    recv_x, recv_scales = data["recv_x"], data["recv_scales"]
+    recv_x, recv_scales, src_row = data["recv_x"], data["recv_scales"], data["src_row"]
     R, El = recv_x.shape[:2]
-    recv_x, recv_scales, count = jax.ffi.ffi_call(
+    recv_x, recv_scales, src_row, count = jax.ffi.ffi_call(
         "jax_ep_ll_dispatch_recv",
-        (jax.ShapeDtypeStruct(recv_x.shape, recv_x.dtype),
-         jax.ShapeDtypeStruct(recv_scales.shape, recv_scales.dtype),
+        (*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (recv_x, recv_scales, src_row)),
          jax.ShapeDtypeStruct((R, El), jnp.int32)),
-        input_output_aliases={0: 0, 1: 1},
-    )(recv_x, recv_scales, data["counts"], num_experts=_i64(E))
+        input_output_aliases={0: 0, 1: 1, 2: 2},
+    )(recv_x, recv_scales, src_row, data["counts"], num_ranks=_i64(R), num_experts=_i64(E))
     received = LowLatencyReceived(
         x=recv_x, scales=recv_scales if recv_scales.shape[3] else None, count=count,
         num_invalid=data["num_invalid"])
-    handle = LowLatencyHandle(topk_idx=data["clean_idx"], src_row=data["src_row"],
+    handle = LowLatencyHandle(topk_idx=data["clean_idx"], src_row=src_row,
                               num_experts=E, num_ranks=R, axis_name=AXIS)
     return received, handle
 
@@ -319,7 +319,7 @@ def low_latency_combine_send(y, topk_idx, topk_weights, handle: LowLatencyHandle
     else:
         data = jax.ffi.ffi_call(
             "jax_ep_ll_combine_send", jax.ShapeDtypeStruct((R, T, K, y.shape[3]), jnp.bfloat16)
-        )(y, handle.src_row, num_experts=_i64(handle.num_experts))
+        )(y, handle.src_row, num_ranks=_i64(R), num_experts=_i64(handle.num_experts))
     return LowLatencyCombinePending(data=data, topk_weights=topk_weights, handle=handle,
                                     backend=name)
 
