@@ -4,6 +4,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace jax_ep::cuda {
@@ -38,6 +39,16 @@ constexpr int kNvshmemUniqueIdBytes = 128;
 // before initialization. Needs no GPU and initializes nothing. Returns the NVSHMEM status (0 on
 // success).
 int nvshmem_unique_id(uint8_t* id);
+
+// The NVSHMEM symmetric buffer of jax_ep.initialize(): the same size and layout on every
+// rank; nullptr from symmetric_buffer() when not initialized.
+struct SymmetricBuffer {
+  void* ptr;
+  size_t bytes;
+  int rank;
+  int num_ranks;
+};
+const SymmetricBuffer* symmetric_buffer();
 
 // Version of the NVSHMEM headers and device library compiled in.
 int nvshmem_version_major();

@@ -352,26 +352,30 @@ xffi::Error ParseLowLatencyCombineSend(xffi::RemainingArgs args, xffi::Remaining
 }
 
 xffi::Error ParseLowLatencyCombineRecv(xffi::RemainingArgs args, xffi::RemainingRets rets,
+                                       int64_t num_ranks, int64_t num_experts,
                                        LowLatencyCombineArgs* a) {
   const std::string_view op = kLowLatencyCombineRecvOp;
   Buffers b(op, args, rets);
   JAX_EP_RETURN_IF_ERROR(b.Count(3, 1));
   const AnyBuffer staging = b.Arg(0);
   JAX_EP_RETURN_IF_ERROR(CheckRank(op, "staging", staging, 4));
-  const int64_t R = staging.dimensions()[0], T = staging.dimensions()[1];
-  const int64_t K = staging.dimensions()[2], H = staging.dimensions()[3];
+  const int64_t V = staging.dimensions()[0], T = staging.dimensions()[1];
+  const int64_t K = staging.dimensions()[2], H = staging.dimensions()[3], R = num_ranks;
+  JAX_EP_RETURN_IF_ERROR(CheckStack(op, V, R));
+  JAX_EP_RETURN_IF_ERROR(CheckExperts(op, num_experts, R));
 
   *a = LowLatencyCombineArgs{};
   a->num_ranks = static_cast<int>(R);
+  a->num_experts = static_cast<int>(num_experts);
   a->num_tokens = static_cast<int>(T);
   a->top_k = static_cast<int>(K);
   a->hidden = static_cast<int>(H);
   const Bf16* in = nullptr;
-  JAX_EP_RETURN_IF_ERROR(b.In(0, "staging", DataType::BF16, {R, T, K, H}, &in));
+  JAX_EP_RETURN_IF_ERROR(b.In(0, "staging", DataType::BF16, {V, T, K, H}, &in));
   a->staging = const_cast<Bf16*>(in);  // read only in this phase
-  JAX_EP_RETURN_IF_ERROR(b.In(1, "clean_idx", DataType::S32, {R, T, K}, &a->clean_idx));
-  JAX_EP_RETURN_IF_ERROR(b.In(2, "topk_weights", DataType::F32, {R, T, K}, &a->topk_weights));
-  JAX_EP_RETURN_IF_ERROR(b.Out(0, "out", DataType::BF16, {R, T, H}, &a->out));
+  JAX_EP_RETURN_IF_ERROR(b.In(1, "clean_idx", DataType::S32, {V, T, K}, &a->clean_idx));
+  JAX_EP_RETURN_IF_ERROR(b.In(2, "topk_weights", DataType::F32, {V, T, K}, &a->topk_weights));
+  JAX_EP_RETURN_IF_ERROR(b.Out(0, "out", DataType::BF16, {V, T, H}, &a->out));
   return xffi::Error::Success();
 }
 

@@ -86,6 +86,7 @@ xffi::Error ParseLowLatencyCombineSend(xffi::RemainingArgs args, xffi::Remaining
 // Operands staging bf16 [R,T,K,H], clean_idx s32 [R,T,K], topk_weights f32 [R,T,K].
 // Result: out bf16 [R,T,H].
 xffi::Error ParseLowLatencyCombineRecv(xffi::RemainingArgs args, xffi::RemainingRets rets,
+                                       int64_t num_ranks, int64_t num_experts,
                                        LowLatencyCombineArgs* out);
 
 // Handlers (C symbols, wrapped in capsules by module.cc).

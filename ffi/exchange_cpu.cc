@@ -113,9 +113,11 @@ xffi::Error LowLatencyCombineSendCpuImpl(xffi::RemainingArgs args, xffi::Remaini
   return xffi::Error::Success();
 }
 
-xffi::Error LowLatencyCombineRecvCpuImpl(xffi::RemainingArgs args, xffi::RemainingRets rets) {
+xffi::Error LowLatencyCombineRecvCpuImpl(xffi::RemainingArgs args, xffi::RemainingRets rets,
+                                         int64_t num_ranks, int64_t num_experts) {
   LowLatencyCombineArgs a;
-  JAX_EP_RETURN_IF_ERROR(ParseLowLatencyCombineRecv(args, rets, &a));
+  JAX_EP_RETURN_IF_ERROR(ParseLowLatencyCombineRecv(args, rets, num_ranks, num_experts, &a));
+  JAX_EP_RETURN_IF_ERROR(AllRanksHere(kLowLatencyCombineRecvOp, args.get<xffi::AnyBuffer>(0)->dimensions()[0], a.num_ranks));
   for (int s = 0; s < a.num_ranks; ++s) {
     for (int t = 0; t < a.num_tokens; ++t) ll_combine_token(a, s, t, 0, 1);
   }
@@ -163,6 +165,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendCpu, LowLatencyCombineSendCpu
                                   .Attr<int64_t>("num_experts"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvCpu, LowLatencyCombineRecvCpuImpl,
-                              xffi::Ffi::Bind().RemainingArgs().RemainingRets());
+                              xffi::Ffi::Bind()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("num_ranks")
+                                  .Attr<int64_t>("num_experts"));
 
 }  // namespace jax_ep::ffi

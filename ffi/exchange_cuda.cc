@@ -1,17 +1,28 @@
-// CUDA handlers of the exchange targets: the parsers of exchange.cc, then the kernels of
-// cuda/exchange.cu on XLA's stream. They launch kernels only (no allocation, no waiting), so
-// XLA may capture them into CUDA graphs.
+// CUDA handlers of the exchange targets: the parsers of exchange.cc, then, on XLA's stream,
+// the kernels of cuda/exchange.cu (virtual ranks) or of cuda/peer_exchange.cu (one rank per
+// device). Not marked command-buffer compatible: the peers path sets up its barrier state on
+// first use.
 #include <cuda_runtime_api.h>
 
 #include <string>
 
 #include "cuda/kernels.h"
+#include "cuda/peer_exchange.h"
 #include "ffi/exchange.h"
 
 namespace jax_ep::ffi {
 namespace {
 
 using Stream = xffi::PlatformStream<cudaStream_t>;
+
+// One rank per device (operand `index` stacks one rank of several): the peers path.
+bool BetweenDevices(const xffi::RemainingArgs& args, size_t index, int num_ranks) {
+  return num_ranks > 1 && args.get<xffi::AnyBuffer>(index)->dimensions()[0] == 1;
+}
+
+xffi::Error Done(const cuda::PeerError& error) {
+  return error.ok() ? xffi::Error::Success() : xffi::Error::Internal(error.message);
+}
 
 xffi::Error Launched(const char* op, cudaError_t status) {
   if (status == cudaSuccess) return xffi::Error::Success();
@@ -25,6 +36,7 @@ xffi::Error DispatchCudaImpl(cudaStream_t stream, xffi::RemainingArgs args,
   DispatchArgs a;
   JAX_EP_RETURN_IF_ERROR(
       ParseDispatch(args, rets, num_ranks, num_experts, capacity, expert_major, &a));
+  if (BetweenDevices(args, 2, a.num_ranks)) return Done(cuda::peer_dispatch(a, stream));
   return Launched(kDispatchOp, cuda::launch_dispatch(a, stream));
 }
 
@@ -33,6 +45,13 @@ xffi::Error CombineCudaImpl(cudaStream_t stream, xffi::RemainingArgs args,
   CombineArgs<float> a;
   RowType type;
   JAX_EP_RETURN_IF_ERROR(ParseCombine(args, rets, num_ranks, expert_major, &type, &a));
+  if (BetweenDevices(args, 0, a.num_ranks)) {
+    switch (type) {
+      case RowType::kF32: return Done(cuda::peer_combine(a, stream));
+      case RowType::kBF16: return Done(cuda::peer_combine(Retype<Bf16>(a), stream));
+      case RowType::kF16: return Done(cuda::peer_combine(Retype<F16>(a), stream));
+    }
+  }
   cudaError_t status = cudaSuccess;
   switch (type) {
     case RowType::kF32: status = cuda::launch_combine(a, stream); break;
@@ -48,6 +67,7 @@ xffi::Error LowLatencyDispatchSendCudaImpl(cudaStream_t stream, xffi::RemainingA
   LowLatencyArgs a;
   JAX_EP_RETURN_IF_ERROR(
       ParseLowLatencyDispatchSend(args, rets, num_ranks, num_experts, use_fp8, &a));
+  if (BetweenDevices(args, 1, a.num_ranks)) return Done(cuda::peer_ll_dispatch_send(a, stream));
   return Launched(kLowLatencyDispatchSendOp, cuda::launch_ll_dispatch_send(a, stream));
 }
 
@@ -56,6 +76,7 @@ xffi::Error LowLatencyDispatchRecvCudaImpl(cudaStream_t stream, xffi::RemainingA
                                            int64_t num_experts) {
   LowLatencyArgs a;
   JAX_EP_RETURN_IF_ERROR(ParseLowLatencyDispatchRecv(args, rets, num_ranks, num_experts, &a));
+  if (BetweenDevices(args, 0, a.num_ranks)) return Done(cuda::peer_ll_dispatch_recv(a, stream));
   return Launched(kLowLatencyDispatchRecvOp, cuda::launch_ll_dispatch_recv(a, stream));
 }
 
@@ -64,13 +85,16 @@ xffi::Error LowLatencyCombineSendCudaImpl(cudaStream_t stream, xffi::RemainingAr
                                           int64_t num_experts) {
   LowLatencyCombineArgs a;
   JAX_EP_RETURN_IF_ERROR(ParseLowLatencyCombineSend(args, rets, num_ranks, num_experts, &a));
+  if (BetweenDevices(args, 0, a.num_ranks)) return Done(cuda::peer_ll_combine_send(a, stream));
   return Launched(kLowLatencyCombineSendOp, cuda::launch_ll_combine_send(a, stream));
 }
 
 xffi::Error LowLatencyCombineRecvCudaImpl(cudaStream_t stream, xffi::RemainingArgs args,
-                                          xffi::RemainingRets rets) {
+                                          xffi::RemainingRets rets, int64_t num_ranks,
+                                          int64_t num_experts) {
   LowLatencyCombineArgs a;
-  JAX_EP_RETURN_IF_ERROR(ParseLowLatencyCombineRecv(args, rets, &a));
+  JAX_EP_RETURN_IF_ERROR(ParseLowLatencyCombineRecv(args, rets, num_ranks, num_experts, &a));
+  if (BetweenDevices(args, 0, a.num_ranks)) return Done(cuda::peer_ll_combine_recv(a, stream));
   return Launched(kLowLatencyCombineRecvOp, cuda::launch_ll_combine_recv(a, stream));
 }
 
@@ -84,8 +108,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DispatchCuda, DispatchCudaImpl,
                                   .Attr<int64_t>("num_ranks")
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("capacity")
-                                  .Attr<int64_t>("expert_major"),
-                              {xffi::Traits::kCmdBufferCompatible});
+                                  .Attr<int64_t>("expert_major"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineCuda, CombineCudaImpl,
                               xffi::Ffi::Bind()
@@ -93,8 +116,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineCuda, CombineCudaImpl,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("expert_major"),
-                              {xffi::Traits::kCmdBufferCompatible});
+                                  .Attr<int64_t>("expert_major"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendCuda, LowLatencyDispatchSendCudaImpl,
                               xffi::Ffi::Bind()
@@ -103,8 +125,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendCuda, LowLatencyDispatchSend
                                   .RemainingRets()
                                   .Attr<int64_t>("num_ranks")
                                   .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("use_fp8"),
-                              {xffi::Traits::kCmdBufferCompatible});
+                                  .Attr<int64_t>("use_fp8"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecvCuda, LowLatencyDispatchRecvCudaImpl,
                               xffi::Ffi::Bind()
@@ -112,8 +133,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecvCuda, LowLatencyDispatchRecv
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("num_experts"),
-                              {xffi::Traits::kCmdBufferCompatible});
+                                  .Attr<int64_t>("num_experts"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendCuda, LowLatencyCombineSendCudaImpl,
                               xffi::Ffi::Bind()
@@ -121,11 +141,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendCuda, LowLatencyCombineSendCu
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("num_experts"),
-                              {xffi::Traits::kCmdBufferCompatible});
+                                  .Attr<int64_t>("num_experts"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvCuda, LowLatencyCombineRecvCudaImpl,
-                              xffi::Ffi::Bind().Ctx<Stream>().RemainingArgs().RemainingRets(),
-                              {xffi::Traits::kCmdBufferCompatible});
+                              xffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("num_ranks")
+                                  .Attr<int64_t>("num_experts"));
 
 }  // namespace jax_ep::ffi

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jax_ep import _checks, _ffi, fp8
+from jax_ep import _checks, _exchange_ffi, _ffi, fp8
 from jax_ep.backends import xla
 from jax_ep.structs import (
     DispatchHandle,
@@ -58,10 +57,6 @@ def _check_routing(op: str, topk_idx, num_experts: int) -> tuple[int, int, int]:
         )
     _checks.check_top_k(op, top_k, num_experts)
     return num_ranks, num_tokens, top_k
-
-
-def _i64(value) -> np.int64:
-    return np.int64(int(value))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,54 +142,13 @@ def dispatch(
 
 
 def _dispatch_ffi(data, scales, topk_idx, topk_weights, *, num_experts, capacity, expert_major):
-    R, T, K = topk_idx.shape
-    H = data.shape[2]
-    E, El, cap = num_experts, num_experts // R, capacity
-    if scales is None:
-        scales = jnp.zeros((R, T, 0), jnp.float32)
-    S = scales.shape[2]
-    rows = R * T if expert_major else cap
-    per_entry = (R, cap) if expert_major else (R, cap, K)
-    em_cap, em_rows = (cap, R * T) if expert_major else (0, 0)
-    workspace = R * (R + E) + R * T * R + R * T * K + R * R + R * E  # see ffi/exchange.h
-    i32, f32 = jnp.int32, jnp.float32
-    shapes = [
-        ((R, cap, H), data.dtype), ((R, cap, S), f32), (per_entry, i32), (per_entry, f32),
-        ((R,), i32), ((R, El), i32), ((R,), i32), ((R,), i32), ((R, T, K), i32),
-        ((R, rows), i32), ((R, R * T), i32), ((R, em_cap), i32), ((R, em_cap), i32),
-        ((R, em_rows, K), i32), ((R,), i32), ((workspace,), i32),
-    ]
-    outs = jax.ffi.ffi_call(
-        "jax_ep_dispatch", [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
-    )(data, scales, topk_idx, topk_weights, num_ranks=_i64(R), num_experts=_i64(E),
-      capacity=_i64(cap), expert_major=_i64(expert_major))
-    (recv_x, recv_scales, recv_idx, recv_w, num_received, tokens_per_expert, num_dropped,
-     num_invalid, clean_idx, recv_src, src_row, entry_row, entry_choice, row_entries, _, _) = outs
-    received = Received(
-        x=recv_x,
-        scales=recv_scales if S else None,
-        topk_idx=recv_idx,
-        topk_weights=recv_w,
-        num_tokens=num_received,
-        tokens_per_expert=tokens_per_expert,
-        num_dropped=num_dropped,
-        num_invalid=num_invalid,
-        group_sizes=tokens_per_expert if expert_major else None,
-    )
-    handle = DispatchHandle(
-        topk_idx=clean_idx,
-        recv_src=recv_src,
-        src_row=src_row,
-        entry_row=entry_row if expert_major else None,
-        entry_choice=entry_choice if expert_major else None,
-        row_entries=row_entries if expert_major else None,
-        num_experts=E,
-        num_ranks=R,
-        capacity=cap,
-        expert_major=expert_major,
-        axis_name=AXIS,
-    )
-    return received, handle
+    R = topk_idx.shape[0]
+    out = _exchange_ffi.dispatch(data, scales, topk_idx, topk_weights, num_ranks=R,
+                                 num_experts=num_experts, capacity=capacity,
+                                 expert_major=expert_major)
+    return _exchange_ffi.received_and_handle(
+        out, num_ranks=R, num_experts=num_experts, capacity=capacity,
+        expert_major=expert_major, axis_name=AXIS)
 
 
 def combine(y, handle: DispatchHandle, *, topk_weights=None, backend: str = "cuda"):
@@ -215,17 +169,9 @@ def combine(y, handle: DispatchHandle, *, topk_weights=None, backend: str = "cud
     if y.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise ValueError(f"{op}: the cuda backend combines float32, bfloat16 or float16 rows; "
                          f"got {y.dtype}. Cast y, or use backend='xla'.")
-    _, T, K = handle.topk_idx.shape  # stacked: [R, T, K]
-    H = y.shape[2]
-    em = handle.expert_major
-    weights = topk_weights if topk_weights is not None else jnp.zeros((R, 0), jnp.float32)
-    row_entries = handle.row_entries if em else jnp.zeros((R, 0, K), jnp.int32)
-    out, _ = jax.ffi.ffi_call(
-        "jax_ep_combine",
-        (jax.ShapeDtypeStruct((R, T, H), y.dtype),
-         jax.ShapeDtypeStruct((R, R * T if em else 0, H), y.dtype)),
-    )(y, weights, handle.src_row, row_entries, num_ranks=_i64(R), expert_major=_i64(em))
-    return out
+    return _exchange_ffi.combine(y, topk_weights, handle.src_row, handle.row_entries,
+                                 num_ranks=R, top_k=handle.topk_idx.shape[2],
+                                 expert_major=handle.expert_major)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,20 +193,8 @@ def low_latency_dispatch_send(x, topk_idx, *, num_experts: int, use_fp8: bool = 
                 xs, idx, num_experts=num_experts, axis_name=AXIS, use_fp8=use_fp8),
             axis_name=AXIS, axis_size=R)(x, topk_idx)
     else:
-        H, El = x.shape[2], num_experts // R
-        S = H // fp8.BLOCK if use_fp8 else 0
-        i32 = jnp.int32
-        shapes = [
-            ((R, El, R * T, H), fp8.FP8_DTYPE if use_fp8 else jnp.bfloat16),
-            ((R, El, R * T, S), jnp.float32), ((R, R, T, K), i32), ((R, T, K), i32),
-            ((R,), i32), ((R, num_experts), i32), ((R, T, K), i32),
-        ]
-        recv_x, recv_scales, src_row, clean_idx, num_invalid, counts, _ = jax.ffi.ffi_call(
-            "jax_ep_ll_dispatch_send", [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
-        )(x, topk_idx, num_ranks=_i64(R), num_experts=_i64(num_experts),
-          use_fp8=_i64(use_fp8))
-        data = {"recv_x": recv_x, "recv_scales": recv_scales, "src_row": src_row,
-                "clean_idx": clean_idx, "num_invalid": num_invalid, "counts": counts}
+        data = _exchange_ffi.ll_dispatch_send(x, topk_idx, num_ranks=R, num_experts=num_experts,
+                                              use_fp8=use_fp8)
     return LowLatencyDispatchPending(data=data, num_experts=num_experts, axis_name=AXIS,
                                      backend=name)
 
@@ -275,17 +209,11 @@ def low_latency_dispatch_recv(pending: LowLatencyDispatchPending):
         return jax.vmap(
             lambda sent: xla.low_latency_dispatch_recv(sent, num_experts=E, axis_name=AXIS),
             axis_name=AXIS)(data)
-    recv_x, recv_scales, src_row = data["recv_x"], data["recv_scales"], data["src_row"]
-    R, El = recv_x.shape[:2]
-    recv_x, recv_scales, src_row, count = jax.ffi.ffi_call(
-        "jax_ep_ll_dispatch_recv",
-        (*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (recv_x, recv_scales, src_row)),
-         jax.ShapeDtypeStruct((R, El), jnp.int32)),
-        input_output_aliases={0: 0, 1: 1, 2: 2},
-    )(recv_x, recv_scales, src_row, data["counts"], num_ranks=_i64(R), num_experts=_i64(E))
-    received = LowLatencyReceived(
-        x=recv_x, scales=recv_scales if recv_scales.shape[3] else None, count=count,
-        num_invalid=data["num_invalid"])
+    R = data["recv_x"].shape[0]
+    recv_x, recv_scales, src_row, count = _exchange_ffi.ll_dispatch_recv(
+        data, num_ranks=R, num_experts=E)
+    received = LowLatencyReceived(x=recv_x, scales=recv_scales, count=count,
+                                  num_invalid=data["num_invalid"])
     handle = LowLatencyHandle(topk_idx=data["clean_idx"], src_row=src_row,
                               num_experts=E, num_ranks=R, axis_name=AXIS)
     return received, handle
@@ -317,9 +245,8 @@ def low_latency_combine_send(y, topk_idx, topk_weights, handle: LowLatencyHandle
     if name == "xla":
         data = jax.vmap(xla.low_latency_combine_send, axis_name=AXIS, axis_size=R)(y, handle)
     else:
-        data = jax.ffi.ffi_call(
-            "jax_ep_ll_combine_send", jax.ShapeDtypeStruct((R, T, K, y.shape[3]), jnp.bfloat16)
-        )(y, handle.src_row, num_ranks=_i64(R), num_experts=_i64(handle.num_experts))
+        data = _exchange_ffi.ll_combine_send(y, handle.src_row, num_ranks=R,
+                                             num_experts=handle.num_experts)
     return LowLatencyCombinePending(data=data, topk_weights=topk_weights, handle=handle,
                                     backend=name)
 
@@ -333,10 +260,9 @@ def low_latency_combine_recv(pending: LowLatencyCombinePending):
     if pending.backend == "xla":
         return jax.vmap(xla.low_latency_combine_recv, axis_name=AXIS)(
             pending.data, pending.topk_weights, handle)
-    R, T, _, H = pending.data.shape
-    return jax.ffi.ffi_call(
-        "jax_ep_ll_combine_recv", jax.ShapeDtypeStruct((R, T, H), jnp.bfloat16)
-    )(pending.data, handle.topk_idx, pending.topk_weights)
+    return _exchange_ffi.ll_combine_recv(pending.data, handle.topk_idx, pending.topk_weights,
+                                         num_ranks=handle.num_ranks,
+                                         num_experts=handle.num_experts)
 
 
 def low_latency_combine(y, topk_idx, topk_weights, handle: LowLatencyHandle, *,

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jax_ep import _ffi, reference, virtual
-from jax_ep.bench.routings import KINDS, make_routing
+from jax_ep.bench.routings import make_routing
 
 BACKENDS = ["cuda", "xla"]
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}

@@ -31,7 +31,10 @@ NVCC_FLAGS = [
     "-v",
 ]
 # Kernels on the per-step path of a model: any spill or stack frame there fails the check.
-HOT_KERNELS = frozenset({"dispatch_layout", "per_thread_kernel", "per_warp_kernel"})
+HOT_KERNELS = frozenset({
+    "dispatch_layout", "per_thread_kernel", "per_warp_kernel", "rank_thread_kernel",
+    "rank_warp_kernel", "barrier_kernel",
+})
 
 ENTRY = re.compile(r"Compiling entry function '(\S+)' for")
 OWNER = re.compile(r"Function properties for (\S+)")
@@ -153,9 +156,10 @@ def main(argv: list[str]) -> int:
         rows += parse_kernels(os.path.basename(path), report)
 
     width = max([len("kernel"), *(len(k.name) for k in rows)])
+    fw = max([len("file"), *(len(k.file) for k in rows)])
     print(
-        f"{'file':<12} {'kernel':<{width}} {'hot':>3} {'regs':>5} {'spill st':>9} {'spill ld':>9} "
-        f"{'stack':>6}"
+        f"{'file':<{fw}} {'kernel':<{width}} {'hot':>3} {'regs':>5} {'spill st':>9} "
+        f"{'spill ld':>9} {'stack':>6}"
     )
     for k in rows:
         flag = ""
@@ -163,7 +167,7 @@ def main(argv: list[str]) -> int:
             flag = "  <- local memory in a hot kernel" if k.hot else "  (local memory)"
             failed |= k.hot
         print(
-            f"{k.file:<12} {k.name:<{width}} {'yes' if k.hot else '':>3} {k.registers:>5} "
+            f"{k.file:<{fw}} {k.name:<{width}} {'yes' if k.hot else '':>3} {k.registers:>5} "
             f"{k.spill_stores:>9} {k.spill_loads:>9} {k.stack:>6}{flag}"
         )
     missing = [h for h in sorted(HOT_KERNELS) if not any(h in k.name for k in rows)]

@@ -1,9 +1,13 @@
 """The custom-call backend: XLA FFI targets implemented by our extension.
 
-On a GPU the targets run the CUDA kernels in cuda/; on CPU the same targets have CPU
-handlers (ffi/), so the custom-call path is exercised without a GPU. Result types are built
-from the operand's type (`jax.typeof(x).update(...)`) so that they carry shard_map's
-varying-axis typing and custom_vjp backward passes type-check.
+Per shard inside `shard_map`, each op is one custom call with this rank's operands (stacked
+V = 1, see jax_ep/_exchange_ffi.py). With one rank (R = 1) the call needs no peers and runs
+anywhere: the CUDA kernels on a GPU, the CPU handlers (the same kernel bodies) on a CPU. With
+R > 1 the ranks are GPUs that exchange through NVSHMEM, set up by `jax_ep.initialize()` (one
+GPU per process, the EP axis spanning every process); the CPU handlers refuse that case with an
+error pointing to backend="xla" or `jax_ep.virtual`. The layout op is local and runs
+anywhere. Result types are built from the operand's type (`jax.typeof(x).update(...)`) so that
+they carry shard_map's varying-axis typing and custom_vjp backward passes type-check.
 """
 
 from __future__ import annotations
@@ -11,15 +15,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from jax_ep import _ffi
-from jax_ep.structs import DispatchLayout
+from jax_ep import _exchange_ffi, _ffi
+from jax_ep.structs import DispatchHandle, DispatchLayout, LowLatencyHandle, LowLatencyReceived
 
 NAME = "cuda"
 
 
 def _result(like: jax.Array, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
     return jax.typeof(like).update(shape=shape, dtype=jnp.dtype(dtype))
+
+
+def _one(a):
+    """This rank's operand, stacked V = 1."""
+    return None if a is None else a[None]
+
+
+def _first(tree):
+    """The results of a V = 1 call, unstacked."""
+    return jax.tree.map(lambda a: a[0], tree)
 
 
 def get_dispatch_layout(
@@ -38,3 +53,90 @@ def get_dispatch_layout(
         vmap_method="sequential",  # each batch element is an independent layout
     )(topk_idx, num_experts=np.int64(num_experts), num_ranks=np.int64(num_ranks))
     return DispatchLayout(*outs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Normal dispatch / combine
+
+
+def dispatch(x, scales, topk_idx, topk_weights, *, num_experts, axis_name, capacity,
+             expert_major):
+    num_ranks = lax.axis_size(axis_name)
+    out = _exchange_ffi.dispatch(_one(x), _one(scales), _one(topk_idx), _one(topk_weights),
+                                 num_ranks=num_ranks, num_experts=num_experts,
+                                 capacity=capacity, expert_major=expert_major)
+    needed = out.pop("needed")[0]
+    del out["workspace"]
+    received, handle = _exchange_ffi.received_and_handle(
+        _first(out), num_ranks=num_ranks, num_experts=num_experts, capacity=capacity,
+        expert_major=expert_major, axis_name=axis_name)
+    return received, handle, needed
+
+
+def combine(y, weights, handle: DispatchHandle):
+    out = _exchange_ffi.combine(_one(y), _one(weights), _one(handle.src_row),
+                                _one(handle.row_entries), num_ranks=handle.num_ranks,
+                                top_k=handle.top_k, expert_major=handle.expert_major)
+    return out[0]
+
+
+def rows_for_receivers(values, handle: DispatchHandle):
+    """Per-token values [T, H] delivered like the dispatch's rows (entries): its data
+    movement again, with the handle's routing."""
+    zeros = jnp.zeros(handle.topk_idx.shape, jnp.float32)
+    out = _exchange_ffi.dispatch(_one(values), None, _one(handle.topk_idx), _one(zeros),
+                                 num_ranks=handle.num_ranks, num_experts=handle.num_experts,
+                                 capacity=handle.capacity, expert_major=handle.expert_major)
+    return out["x"][0]
+
+
+def weights_to_sources(d_weights, received_idx, handle: DispatchHandle):
+    """Cotangent of the received topk_weights -> cotangent of the source topk_weights [T, K]:
+    each (row, choice) value goes home through combine; the other ranks add exact zeros."""
+    d_weights = jnp.where(received_idx >= 0, d_weights, 0.0)
+    num_rows, top_k = handle.num_ranks * handle.num_tokens, handle.top_k
+    if handle.expert_major:  # entries back into their (rank-major row, choice) slots
+        slot = jnp.where(handle.entry_row >= 0,
+                         handle.entry_row * top_k + handle.entry_choice, num_rows * top_k)
+        d_weights = jnp.zeros((num_rows * top_k,), jnp.float32).at[slot].set(
+            d_weights, mode="drop").reshape(num_rows, top_k)
+    out = _exchange_ffi.combine(_one(d_weights), None, _one(handle.src_row), None,
+                                num_ranks=handle.num_ranks, top_k=top_k, expert_major=False)
+    return out[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Low-latency dispatch / combine
+
+
+def low_latency_dispatch_send(x, topk_idx, *, num_experts, axis_name, use_fp8):
+    data = _exchange_ffi.ll_dispatch_send(_one(x), _one(topk_idx),
+                                          num_ranks=lax.axis_size(axis_name),
+                                          num_experts=num_experts, use_fp8=use_fp8)
+    data["num_invalid"] = data["num_invalid"][0]  # checked between the halves
+    return data
+
+
+def low_latency_dispatch_recv(data, *, num_experts, axis_name):
+    num_ranks = lax.axis_size(axis_name)
+    recv_x, recv_scales, src_row, count = _exchange_ffi.ll_dispatch_recv(
+        data, num_ranks=num_ranks, num_experts=num_experts)
+    received = LowLatencyReceived(x=recv_x[0], scales=_first(recv_scales), count=count[0],
+                                  num_invalid=data["num_invalid"])
+    handle = LowLatencyHandle(topk_idx=data["clean_idx"][0], src_row=src_row[0],
+                              num_experts=num_experts, num_ranks=num_ranks,
+                              axis_name=axis_name)
+    return received, handle
+
+
+def low_latency_combine_send(y, handle: LowLatencyHandle):
+    return _exchange_ffi.ll_combine_send(_one(y), _one(handle.src_row),
+                                         num_ranks=handle.num_ranks,
+                                         num_experts=handle.num_experts)
+
+
+def low_latency_combine_recv(staging, topk_weights, handle: LowLatencyHandle):
+    out = _exchange_ffi.ll_combine_recv(staging, _one(handle.topk_idx), _one(topk_weights),
+                                        num_ranks=handle.num_ranks,
+                                        num_experts=handle.num_experts)
+    return out[0]

@@ -4,9 +4,9 @@ On a CPU-only machine it runs on 8 virtual devices, with DeepEP's setups scaled 
 the default run takes well under two minutes on 2 cores; on a GPU machine it uses the GPUs and
 DeepEP's setups (4096 tokens per rank, hidden 7168, top-8 of 256 experts; 128 tokens per rank
 in low-latency mode). --virtual runs all R ranks on one device through jax_ep.virtual (the
-way to time the kernels' exchange between R ranks on a single GPU). It prints progress on stderr, then a table on stdout: median time, bytes
-moved per rank (DeepEP's count), GB/s, the memory-copy floor, and the ratio to the pure-XLA
-backend. --json PATH writes every number.
+way to time the kernels' exchange between R ranks on a single GPU). It prints progress on
+stderr, then a table on stdout: median time, bytes moved per rank (DeepEP's count), GB/s, the
+memory-copy floor, and the ratio to the pure-XLA backend. --json PATH writes every number.
 """
 
 from __future__ import annotations
@@ -226,12 +226,13 @@ def notes_for(rows: list[dict[str, Any]], unavailable: dict[str, str]) -> list[s
     """Why rows were not timed: per unavailable backend, per backend's missing ops, per error."""
     notes = [f"n/a, {name} (every op): {why}" for name, why in unavailable.items()]
     for name in dict.fromkeys(r["backend"] for r in rows):
-        missing = [r["op"] for r in rows if r["backend"] == name and r["status"] == "n/a"]
-        if missing and name not in unavailable:
-            notes.append(
-                f"n/a, {name}: {', '.join(missing)}: not implemented by this backend "
-                f"yet (NotImplementedError)."
-            )
+        if name in unavailable:
+            continue
+        reasons: dict[str, list[str]] = {}
+        for r in rows:
+            if r["backend"] == name and r["status"] == "n/a":
+                reasons.setdefault(r["reason"], []).append(r["op"])
+        notes += [f"n/a, {name}: {', '.join(ops)}: {why}." for why, ops in reasons.items()]
     notes += [
         f"error, {r['op']} {r['backend']}: {r['reason']}" for r in rows if r["status"] == "error"
     ]

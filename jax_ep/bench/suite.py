@@ -411,9 +411,15 @@ def build_case(op: str, inp: Inputs, backend: str, virtual: bool = False) -> Cas
     With `virtual`, the case of `virtual_cases` (all ranks on one device).
 
     Raises:
-      NotImplementedError: the backend does not implement the op (raised while tracing).
+      NotImplementedError: the backend cannot run the op here.
       RuntimeError: the op's counts disagree with the routing's.
     """
+    exchange = backend == "cuda" and not virtual and op != "layout" and inp.setup.ranks > 1
+    if exchange and jax.devices()[0].platform == "cpu":
+        raise NotImplementedError(
+            "on CPU the cuda backend exchanges between ranks only with virtual ranks "
+            "(--virtual); between devices it needs GPUs with NVSHMEM"
+        )
     if virtual:
         from jax_ep.bench import virtual_cases
 

@@ -1,0 +1,529 @@
+// The exchange between GPUs: one rank per device, peers through NVSHMEM.
+//
+// The phases are the bodies of cuda/exchange.h, unchanged; only the view differs: every
+// buffer one rank writes for another lives in the NVSHMEM symmetric buffer (same offset on
+// every rank) and `NvshmemPeers::at` turns it into the peer's address with nvshmem_ptr, so
+// writes and reads are plain stores and loads over NVLink/P2P. Between phases that depend on
+// other ranks' writes, a barrier (below) orders the ranks; results that XLA owns are copied
+// out of the symmetric buffer at the end.
+//
+// Symmetric buffer layout: [0, 4 KiB) barrier signals (one uint64 per peer); normal-mode
+// regions from 4 KiB upwards; low-latency regions at the end, so that a split low-latency
+// dispatch or combine in flight is not overwritten by normal-mode ops.
+//
+// Safety: every wait is bounded. A barrier that waits longer than the timeout
+// ($JAX_EP_TIMEOUT_S, default 60 s) for a peer records (op, peer) in a status word in host
+// memory and gives up; the next call of any op on this process reports it as an error.
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "cuda/api.h"
+#include "cuda/common.cuh"
+#include "cuda/peer_exchange.h"
+
+namespace jax_ep::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarpsPerBlock = kThreads / kWarpSize;
+constexpr int64_t kMaxBlocks = 132 * 16;
+constexpr size_t kSignalBytes = 4096;
+constexpr int kMaxPeers = static_cast<int>(kSignalBytes / sizeof(uint64_t));
+constexpr size_t kAlign = 256;
+
+struct NvshmemPeers {
+  template <typename T>
+  __device__ T* at(T* base, int64_t /*stride*/, int rank) const {
+    return static_cast<T*>(nvshmem_ptr(base, rank));
+  }
+};
+
+// A barrier timeout: which op waited, for which peer. In mapped host memory.
+struct PeerStatus {
+  int code;  // 0 ok, 1 timeout
+  int op;
+  int peer;
+};
+
+struct State {
+  PeerStatus* status = nullptr;         // host pointer (mapped)
+  PeerStatus* device_status = nullptr;  // the same memory, as the device sees it
+  uint64_t* epoch = nullptr;            // device counter of barriers passed
+  uint64_t timeout_ns = 60ull * 1000 * 1000 * 1000;
+};
+
+State& state() {
+  static State s;
+  return s;
+}
+
+const char* const kOpNames[] = {"jax_ep_dispatch", "jax_ep_combine", "jax_ep_ll_dispatch_send",
+                                "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send",
+                                "jax_ep_ll_combine_recv"};
+
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// All ranks meet: each thread p < n tells peer p that this rank arrived (after making this
+// rank's earlier stores visible), then waits, bounded, until peer p arrived here.
+__global__ void barrier_kernel(uint64_t* signals, uint64_t* epoch, int me, int n,
+                               uint64_t timeout_ns, PeerStatus* status, int op) {
+  __shared__ uint64_t target;
+  if (threadIdx.x == 0) target = *epoch + 1;
+  __syncthreads();
+  if (threadIdx.x == 0) *epoch = target;
+  nvshmem_quiet();
+  __threadfence_system();
+  const int p = threadIdx.x;
+  if (p < n) {
+    nvshmemx_signal_op(signals + me, target, NVSHMEM_SIGNAL_SET, p);
+    volatile uint64_t* arrived = signals + p;
+    const uint64_t start = global_ns();
+    while (*arrived < target) {
+      if (static_cast<volatile PeerStatus*>(status)->code != 0) break;
+      if (global_ns() - start > timeout_ns) {
+        if (atomicCAS_system(&status->code, 0, 1) == 0) {
+          status->op = op;
+          status->peer = p;
+        }
+        break;
+      }
+      __nanosleep(200);
+    }
+  }
+  __threadfence_system();
+}
+
+template <typename Phase>
+__global__ void __launch_bounds__(kThreads) rank_thread_kernel(Phase phase, int rank,
+                                                               int64_t items) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < items;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    phase(rank, i);
+  }
+}
+
+template <typename Phase>
+__global__ void __launch_bounds__(kThreads) rank_warp_kernel(Phase phase, int rank,
+                                                             int64_t items) {
+  const int lane = threadIdx.x % kWarpSize;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / kWarpSize;
+       i < items; i += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+    phase(rank, i, lane, kWarpSize);
+  }
+}
+
+template <typename Phase>
+cudaError_t per_thread(const Phase& phase, int rank, int64_t items, cudaStream_t stream) {
+  if (items == 0) return cudaSuccess;
+  const int64_t blocks = std::min<int64_t>((items + kThreads - 1) / kThreads, kMaxBlocks);
+  rank_thread_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(phase, rank, items);
+  return cudaGetLastError();
+}
+
+template <typename Phase>
+cudaError_t per_warp(const Phase& phase, int rank, int64_t items, cudaStream_t stream) {
+  if (items == 0) return cudaSuccess;
+  const int64_t blocks =
+      std::min<int64_t>((items + kWarpsPerBlock - 1) / kWarpsPerBlock, kMaxBlocks);
+  rank_warp_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(phase, rank, items);
+  return cudaGetLastError();
+}
+
+#define JAX_EP_RETURN_IF_CUDA_ERROR(expr)       \
+  do {                                          \
+    const cudaError_t _status = (expr);         \
+    if (_status != cudaSuccess) return _status; \
+  } while (0)
+
+struct DispatchCount {
+  DispatchArgs a;
+  __device__ void operator()(int s, int64_t c) const {
+    dispatch_count(a, NvshmemPeers{}, s, static_cast<int>(c));
+  }
+};
+struct DispatchBases {
+  DispatchArgs a;
+  __device__ void operator()(int s, int64_t c) const { dispatch_bases(a, s, static_cast<int>(c)); }
+};
+struct DispatchSend {
+  DispatchArgs a;
+  __device__ void operator()(int s, int64_t t, int lane, int lanes) const {
+    dispatch_send(a, NvshmemPeers{}, s, static_cast<int>(t), lane, lanes);
+  }
+};
+struct DispatchFinish {
+  DispatchArgs a;
+  __device__ void operator()(int d, int64_t i, int lane, int lanes) const {
+    dispatch_finish(a, NvshmemPeers{}, d, static_cast<int>(i), lane, lanes);
+  }
+};
+template <typename T>
+struct CombineReduceEntries {
+  CombineArgs<T> a;
+  __device__ void operator()(int d, int64_t i, int lane, int lanes) const {
+    combine_reduce_entries(a, d, static_cast<int>(i), lane, lanes);
+  }
+};
+template <typename T>
+struct CombineToken {
+  CombineArgs<T> a;
+  __device__ void operator()(int s, int64_t t, int lane, int lanes) const {
+    combine_token(a, NvshmemPeers{}, s, static_cast<int>(t), lane, lanes);
+  }
+};
+struct LowLatencyCount {
+  LowLatencyArgs a;
+  __device__ void operator()(int s, int64_t c) const {
+    ll_count(a, NvshmemPeers{}, s, static_cast<int>(c));
+  }
+};
+struct LowLatencySend {
+  LowLatencyArgs a;
+  __device__ void operator()(int s, int64_t t, int lane, int lanes) const {
+    ll_send(a, NvshmemPeers{}, s, static_cast<int>(t), lane, lanes);
+  }
+};
+struct LowLatencyFinish {
+  LowLatencyArgs a;
+  __device__ void operator()(int d, int64_t r, int lane, int lanes) const {
+    ll_finish(a, NvshmemPeers{}, d, r, lane, lanes);
+  }
+};
+struct LowLatencyCombineSend {
+  LowLatencyCombineArgs a;
+  __device__ void operator()(int d, int64_t src, int lane, int lanes) const {
+    ll_combine_send(a, NvshmemPeers{}, d, src, lane, lanes);
+  }
+};
+struct LowLatencyCombineToken {
+  LowLatencyCombineArgs a;
+  __device__ void operator()(int s, int64_t t, int lane, int lanes) const {
+    ll_combine_token(a, s, static_cast<int>(t), lane, lanes);
+  }
+};
+
+// Consecutive, aligned pieces of a symmetric region.
+class Carver {
+ public:
+  explicit Carver(char* base) : base_(base) {}
+  template <typename T>
+  T* take(int64_t count) {
+    used_ = (used_ + kAlign - 1) / kAlign * kAlign;
+    T* out = reinterpret_cast<T*>(base_ + used_);
+    used_ += static_cast<size_t>(count) * sizeof(T);
+    return out;
+  }
+  size_t used() const { return used_; }
+
+ private:
+  char* base_;
+  size_t used_ = 0;
+};
+
+// The peers-mode preconditions; fills rank/size and the symmetric base, or an error message.
+PeerError prepare(int op, int num_ranks, int* me, char** symmetric, size_t* bytes) {
+  const SymmetricBuffer* buffer = symmetric_buffer();
+  if (buffer == nullptr) {
+    return PeerError{std::string(kOpNames[op]) +
+                     ": the exchange between GPUs needs jax_ep.initialize() first (NVSHMEM and "
+                     "its symmetric buffer)"};
+  }
+  if (buffer->num_ranks != num_ranks) {
+    return PeerError{std::string(kOpNames[op]) + ": the EP axis has " +
+                     std::to_string(num_ranks) + " ranks but NVSHMEM was initialized with " +
+                     std::to_string(buffer->num_ranks) +
+                     "; the EP axis must span every process of jax_ep.initialize()"};
+  }
+  if (num_ranks > kMaxPeers) {
+    return PeerError{std::string(kOpNames[op]) + ": at most " + std::to_string(kMaxPeers) +
+                     " ranks are supported"};
+  }
+  State& st = state();
+  if (st.status == nullptr) {
+    void* host = nullptr;
+    if (cudaHostAlloc(&host, sizeof(PeerStatus), cudaHostAllocMapped) != cudaSuccess ||
+        cudaHostGetDevicePointer(reinterpret_cast<void**>(&st.device_status), host, 0) !=
+            cudaSuccess ||
+        cudaMalloc(&st.epoch, sizeof(uint64_t)) != cudaSuccess ||
+        cudaMemset(st.epoch, 0, sizeof(uint64_t)) != cudaSuccess) {
+      return PeerError{std::string(kOpNames[op]) + ": cannot allocate the barrier state"};
+    }
+    st.status = static_cast<PeerStatus*>(host);
+    *st.status = PeerStatus{0, 0, 0};
+    if (const char* env = std::getenv("JAX_EP_TIMEOUT_S")) {
+      const double seconds = std::atof(env);
+      if (seconds > 0) st.timeout_ns = static_cast<uint64_t>(seconds * 1e9);
+    }
+    // Every peer must be reachable by loads and stores (NVLink / P2P).
+    for (int p = 0; p < num_ranks; ++p) {
+      if (nvshmem_ptr(buffer->ptr, p) == nullptr) {
+        return PeerError{std::string(kOpNames[op]) + ": peer " + std::to_string(p) +
+                         " is not reachable by loads and stores (NVLink/P2P); this version "
+                         "exchanges only between such GPUs"};
+      }
+    }
+  }
+  if (st.status->code != 0) {
+    return PeerError{std::string(kOpNames[op]) + ": an earlier call of " +
+                     kOpNames[st.status->op] + " on this rank timed out after " +
+                     std::to_string(st.timeout_ns / 1000000000ull) + " s waiting for peer " +
+                     std::to_string(st.status->peer) +
+                     " (did every process run the same ops?); the EP group is unusable, "
+                     "restart the processes"};
+  }
+  *me = buffer->rank;
+  *symmetric = static_cast<char*>(buffer->ptr);
+  *bytes = buffer->bytes;
+  return PeerError{};
+}
+
+PeerError too_small(int op, size_t needed, size_t bytes) {
+  return PeerError{std::string(kOpNames[op]) + ": needs " + std::to_string(needed) +
+                   " bytes of symmetric buffer, but jax_ep.initialize() allocated " +
+                   std::to_string(bytes) +
+                   "; initialize with a configuration as large as this call "
+                   "(jax_ep.runtime.BufferConfig)"};
+}
+
+cudaError_t barrier(char* symmetric, int me, int n, int op, cudaStream_t stream) {
+  State& st = state();
+  barrier_kernel<<<1, kMaxPeers, 0, stream>>>(reinterpret_cast<uint64_t*>(symmetric), st.epoch,
+                                               me, n, st.timeout_ns, st.device_status, op);
+  return cudaGetLastError();
+}
+
+cudaError_t copy(void* dst, const void* src, int64_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return cudaSuccess;
+  return cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, stream);
+}
+
+PeerError launched(int op, cudaError_t status) {
+  if (status == cudaSuccess) return PeerError{};
+  return PeerError{std::string("CUDA error in ") + kOpNames[op] + ": " + cudaGetErrorName(status) +
+                   ": " + cudaGetErrorString(status)};
+}
+
+// Low-latency regions sit at the end of the buffer: [end - ll_bytes, end).
+struct LowLatencyRegions {
+  int32_t* counts;
+  char* recv_x;
+  float* recv_scales;
+  int32_t* src_row;
+  Bf16* staging;
+  size_t bytes;
+};
+
+LowLatencyRegions ll_regions(char* symmetric, size_t total, int R, int T, int K, int E, int H,
+                             bool fp8) {
+  const int64_t slots = static_cast<int64_t>(E / R) * R * T;
+  LowLatencyRegions r{};
+  auto carve = [&](char* base) {
+    Carver c(base);
+    r.counts = c.take<int32_t>(static_cast<int64_t>(R) * E);
+    r.recv_x = c.take<char>(slots * (fp8 ? H : 2 * H));
+    r.recv_scales = c.take<float>(fp8 ? slots * (H / kFp8Block) : 0);
+    r.src_row = c.take<int32_t>(static_cast<int64_t>(R) * T * K);
+    r.staging = c.take<Bf16>(static_cast<int64_t>(T) * K * H);
+    return c.used();
+  };
+  r.bytes = (carve(symmetric) + kAlign - 1) / kAlign * kAlign;  // the size first
+  if (r.bytes + kSignalBytes <= total) carve(symmetric + (total - r.bytes) / kAlign * kAlign);
+  return r;
+}
+
+}  // namespace
+
+// Until the runtime defines it: no symmetric buffer (the peers path reports "initialize first").
+__attribute__((weak)) const SymmetricBuffer* symmetric_buffer() { return nullptr; }
+
+PeerError peer_dispatch(const DispatchArgs& out, cudaStream_t stream) {
+  constexpr int op = 0;
+  int me;
+  char* sym;
+  size_t bytes;
+  const int R = out.num_ranks;
+  PeerError error = prepare(op, R, &me, &sym, &bytes);
+  if (!error.ok()) return error;
+  DispatchArgs a = out;
+  a.first_rank = me;
+  const int cap = a.capacity, K = a.top_k, rows = a.rows(), cols = a.idx_cols();
+  const bool em = a.expert_major;
+  Carver c(sym + kSignalBytes);
+  a.counts = c.take<int32_t>(static_cast<int64_t>(R) * a.num_counters());
+  a.recv_x = c.take<char>(cap * a.row_bytes);
+  a.recv_scales = c.take<float>(cap * a.scale_cols);
+  a.recv_idx = c.take<int32_t>(static_cast<int64_t>(cap) * cols);
+  a.recv_weights = c.take<float>(static_cast<int64_t>(cap) * cols);
+  a.recv_src = c.take<int32_t>(rows);
+  a.src_row = c.take<int32_t>(static_cast<int64_t>(R) * a.num_tokens);
+  a.entry_row = c.take<int32_t>(em ? cap : 0);
+  a.entry_choice = c.take<int32_t>(em ? cap : 0);
+  a.row_entries = c.take<int32_t>(em ? static_cast<int64_t>(rows) * K : 0);
+  if (kSignalBytes + c.used() > bytes) return too_small(op, kSignalBytes + c.used(), bytes);
+
+  const int items = std::max({cap, rows, a.experts_per_rank()});
+  cudaError_t s = barrier(sym, me, R, op, stream);  // peers are done with the last op's data
+  if (s == cudaSuccess) s = per_thread(DispatchCount{a}, me, a.num_counters() + 1, stream);
+  if (s == cudaSuccess) s = barrier(sym, me, R, op, stream);  // every rank's counts are here
+  if (s == cudaSuccess) s = per_thread(DispatchBases{a}, me, a.num_counters(), stream);
+  if (s == cudaSuccess) s = per_warp(DispatchSend{a}, me, a.num_tokens, stream);
+  if (s == cudaSuccess) s = barrier(sym, me, R, op, stream);  // every row has arrived
+  if (s == cudaSuccess) s = per_warp(DispatchFinish{a}, me, items, stream);
+  // Copy out what XLA owns.
+  if (s == cudaSuccess) s = copy(out.recv_x, a.recv_x, cap * a.row_bytes, stream);
+  if (s == cudaSuccess) s = copy(out.recv_scales, a.recv_scales, cap * a.scale_cols * 4, stream);
+  if (s == cudaSuccess) s = copy(out.recv_idx, a.recv_idx, int64_t{4} * cap * cols, stream);
+  if (s == cudaSuccess) s = copy(out.recv_weights, a.recv_weights, int64_t{4} * cap * cols, stream);
+  if (s == cudaSuccess) s = copy(out.recv_src, a.recv_src, int64_t{4} * rows, stream);
+  if (s == cudaSuccess) s = copy(out.src_row, a.src_row, int64_t{4} * R * a.num_tokens, stream);
+  if (s == cudaSuccess && em) {
+    s = copy(out.entry_row, a.entry_row, int64_t{4} * cap, stream);
+    if (s == cudaSuccess) s = copy(out.entry_choice, a.entry_choice, int64_t{4} * cap, stream);
+    if (s == cudaSuccess) s = copy(out.row_entries, a.row_entries, int64_t{4} * rows * K, stream);
+  }
+  return launched(op, s);
+}
+
+template <typename T>
+PeerError peer_combine(const CombineArgs<T>& in, cudaStream_t stream) {
+  constexpr int op = 1;
+  int me;
+  char* sym;
+  size_t bytes;
+  const int R = in.num_ranks;
+  PeerError error = prepare(op, R, &me, &sym, &bytes);
+  if (!error.ok()) return error;
+  CombineArgs<T> a = in;
+  a.first_rank = me;
+  const int64_t H = a.hidden, rows = static_cast<int64_t>(R) * a.num_tokens;
+  const bool em = a.expert_major;
+  // What peers read: the rows (or the per-row partial sums), their weights, src_row.
+  Carver c(sym + kSignalBytes);
+  T* y = c.take<T>(em ? 0 : a.capacity * H);
+  float* weights = c.take<float>(!em && a.weights ? a.capacity : 0);
+  int32_t* src_row = c.take<int32_t>(rows);
+  T* partial = c.take<T>(em ? rows * H : 0);
+  if (kSignalBytes + c.used() > bytes) return too_small(op, kSignalBytes + c.used(), bytes);
+
+  cudaError_t s = barrier(sym, me, R, op, stream);
+  if (s == cudaSuccess && !em) s = copy(y, in.y, a.capacity * H * int64_t{sizeof(T)}, stream);
+  if (s == cudaSuccess && !em && a.weights) s = copy(weights, in.weights, int64_t{4} * a.capacity, stream);
+  if (s == cudaSuccess) s = copy(src_row, in.src_row, int64_t{4} * rows, stream);
+  a.src_row = src_row;
+  if (!em) {
+    a.y = y;
+    a.weights = a.weights ? weights : nullptr;
+  } else {
+    a.partial = partial;  // reduce_entries reads the local y, row_entries and weights
+    if (s == cudaSuccess) s = per_warp(CombineReduceEntries<T>{a}, me, rows, stream);
+  }
+  if (s == cudaSuccess) s = barrier(sym, me, R, op, stream);
+  if (s == cudaSuccess) s = per_warp(CombineToken<T>{a}, me, a.num_tokens, stream);
+  return launched(op, s);
+}
+
+template PeerError peer_combine<float>(const CombineArgs<float>&, cudaStream_t);
+template PeerError peer_combine<Bf16>(const CombineArgs<Bf16>&, cudaStream_t);
+template PeerError peer_combine<F16>(const CombineArgs<F16>&, cudaStream_t);
+
+PeerError peer_ll_dispatch_send(const LowLatencyArgs& out, cudaStream_t stream) {
+  constexpr int op = 2;
+  int me;
+  char* sym;
+  size_t bytes;
+  const int R = out.num_ranks;
+  PeerError error = prepare(op, R, &me, &sym, &bytes);
+  if (!error.ok()) return error;
+  const LowLatencyRegions r = ll_regions(sym, bytes, R, out.num_tokens, out.top_k,
+                                         out.num_experts, out.hidden, out.use_fp8);
+  if (r.bytes + kSignalBytes > bytes) return too_small(op, r.bytes + kSignalBytes, bytes);
+  LowLatencyArgs a = out;
+  a.first_rank = me;
+  a.counts = r.counts;
+  a.recv_x = r.recv_x;
+  a.recv_scales = r.recv_scales;
+  a.src_row = r.src_row;
+  cudaError_t s = barrier(sym, me, R, op, stream);
+  if (s == cudaSuccess) s = per_thread(LowLatencyCount{a}, me, a.num_experts + 1, stream);
+  if (s == cudaSuccess) s = barrier(sym, me, R, op, stream);
+  if (s == cudaSuccess) s = per_warp(LowLatencySend{a}, me, a.num_tokens, stream);
+  return launched(op, s);
+}
+
+PeerError peer_ll_dispatch_recv(const LowLatencyArgs& out, cudaStream_t stream) {
+  constexpr int op = 3;
+  int me;
+  char* sym;
+  size_t bytes;
+  const int R = out.num_ranks;
+  PeerError error = prepare(op, R, &me, &sym, &bytes);
+  if (!error.ok()) return error;
+  const LowLatencyRegions r = ll_regions(sym, bytes, R, out.num_tokens, out.top_k,
+                                         out.num_experts, out.hidden, out.use_fp8);
+  if (r.bytes + kSignalBytes > bytes) return too_small(op, r.bytes + kSignalBytes, bytes);
+  LowLatencyArgs a = out;
+  a.first_rank = me;
+  a.counts = r.counts;
+  a.recv_x = r.recv_x;
+  a.recv_scales = r.recv_scales;
+  const int64_t slots = a.experts_per_rank() * a.slots();
+  cudaError_t s = barrier(sym, me, R, op, stream);  // every message has arrived
+  if (s == cudaSuccess) s = per_warp(LowLatencyFinish{a}, me, slots, stream);
+  if (s == cudaSuccess) s = copy(out.recv_x, r.recv_x, slots * a.row_bytes(), stream);
+  if (s == cudaSuccess && a.use_fp8) {
+    s = copy(out.recv_scales, r.recv_scales, slots * (a.hidden / kFp8Block) * 4, stream);
+  }
+  if (s == cudaSuccess) {
+    s = copy(out.src_row, r.src_row, int64_t{4} * R * a.num_tokens * a.top_k, stream);
+  }
+  return launched(op, s);
+}
+
+PeerError peer_ll_combine_send(const LowLatencyCombineArgs& in, cudaStream_t stream) {
+  constexpr int op = 4;
+  int me;
+  char* sym;
+  size_t bytes;
+  const int R = in.num_ranks;
+  PeerError error = prepare(op, R, &me, &sym, &bytes);
+  if (!error.ok()) return error;
+  const LowLatencyRegions r = ll_regions(sym, bytes, R, in.num_tokens, in.top_k, in.num_experts,
+                                         in.hidden, false);
+  if (r.bytes + kSignalBytes > bytes) return too_small(op, r.bytes + kSignalBytes, bytes);
+  LowLatencyCombineArgs a = in;
+  a.first_rank = me;
+  a.staging = r.staging;
+  cudaError_t s = barrier(sym, me, R, op, stream);  // homes are done with their staging
+  if (s == cudaSuccess) s = per_warp(LowLatencyCombineSend{a}, me, int64_t{R} * a.num_tokens, stream);
+  return launched(op, s);
+}
+
+PeerError peer_ll_combine_recv(const LowLatencyCombineArgs& in, cudaStream_t stream) {
+  constexpr int op = 5;
+  int me;
+  char* sym;
+  size_t bytes;
+  const int R = in.num_ranks;
+  PeerError error = prepare(op, R, &me, &sym, &bytes);
+  if (!error.ok()) return error;
+  const LowLatencyRegions r = ll_regions(sym, bytes, R, in.num_tokens, in.top_k, in.num_experts,
+                                         in.hidden, false);
+  if (r.bytes + kSignalBytes > bytes) return too_small(op, r.bytes + kSignalBytes, bytes);
+  LowLatencyCombineArgs a = in;
+  a.first_rank = me;
+  a.staging = r.staging;
+  cudaError_t s = barrier(sym, me, R, op, stream);  // every row has come home
+  if (s == cudaSuccess) s = per_warp(LowLatencyCombineToken{a}, me, a.num_tokens, stream);
+  return launched(op, s);
+}
+
+}  // namespace jax_ep::cuda

@@ -1,0 +1,159 @@
+"""The exchange custom calls (ffi/exchange.h), shared by `jax_ep.virtual` and the per-shard
+"cuda" backend.
+
+Operands and results stack V ranks on their leading axis: V = R with virtual ranks (all ranks
+in one call), V = 1 inside `shard_map` (one rank per device; the handlers then exchange with
+the other devices through NVSHMEM). Result types are derived from an operand's type, so they
+carry shard_map's varying-axis typing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep import _ffi, fp8
+from jax_ep.structs import DispatchHandle, Received
+
+
+def _types(like: jax.Array, shapes) -> list:
+    base = jax.typeof(like)
+    return [base.update(shape=tuple(s), dtype=jnp.dtype(d)) for s, d in shapes]
+
+
+def _attrs(**attrs) -> dict:
+    return {k: np.int64(int(v)) for k, v in attrs.items()}
+
+
+def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, capacity,
+             expert_major):
+    """Normal dispatch; returns the 16 results of "jax_ep_dispatch" as a dict."""
+    _ffi.register()
+    V, T, K = topk_idx.shape
+    R, E, cap = num_ranks, num_experts, capacity
+    H = data.shape[2]
+    if scales is None:
+        scales = jnp.zeros((V, T, 0), jnp.float32)
+    S = scales.shape[2]
+    rows = R * T if expert_major else cap
+    per_entry = (V, cap) if expert_major else (V, cap, K)
+    em_cap, em_rows = (cap, R * T) if expert_major else (0, 0)
+    workspace = R * (R + E) + V * T * R + V * T * K + V * R + V * E
+    i32, f32 = jnp.int32, jnp.float32
+    names_shapes = {
+        "x": ((V, cap, H), data.dtype), "scales": ((V, cap, S), f32),
+        "topk_idx": (per_entry, i32), "topk_weights": (per_entry, f32),
+        "num_tokens": ((V,), i32), "tokens_per_expert": ((V, E // R), i32),
+        "num_dropped": ((V,), i32), "num_invalid": ((V,), i32), "clean_idx": ((V, T, K), i32),
+        "recv_src": ((V, rows), i32), "src_row": ((V, R * T), i32),
+        "entry_row": ((V, em_cap), i32), "entry_choice": ((V, em_cap), i32),
+        "row_entries": ((V, em_rows, K), i32), "needed": ((V,), i32),
+        "workspace": ((workspace,), i32),
+    }
+    outs = jax.ffi.ffi_call("jax_ep_dispatch", _types(topk_idx, names_shapes.values()))(
+        data, scales, topk_idx, topk_weights,
+        **_attrs(num_ranks=R, num_experts=E, capacity=cap, expert_major=expert_major))
+    result = dict(zip(names_shapes, outs, strict=True))
+    if not S:
+        result["scales"] = None
+    return result
+
+
+def received_and_handle(out: dict, *, num_ranks, num_experts, capacity, expert_major,
+                        axis_name) -> tuple[Received, DispatchHandle]:
+    """The results of `_exchange_ffi.dispatch` as the ops' structures."""
+    em = expert_major
+    received = Received(
+        x=out["x"],
+        scales=out["scales"],
+        topk_idx=out["topk_idx"],
+        topk_weights=out["topk_weights"],
+        num_tokens=out["num_tokens"],
+        tokens_per_expert=out["tokens_per_expert"],
+        num_dropped=out["num_dropped"],
+        num_invalid=out["num_invalid"],
+        group_sizes=out["tokens_per_expert"] if em else None,
+    )
+    handle = DispatchHandle(
+        topk_idx=out["clean_idx"],
+        recv_src=out["recv_src"],
+        src_row=out["src_row"],
+        entry_row=out["entry_row"] if em else None,
+        entry_choice=out["entry_choice"] if em else None,
+        row_entries=out["row_entries"] if em else None,
+        num_experts=num_experts,
+        num_ranks=num_ranks,
+        capacity=capacity,
+        expert_major=em,
+        axis_name=axis_name,
+    )
+    return received, handle
+
+
+def combine(y, weights, src_row, row_entries, *, num_ranks, top_k, expert_major):
+    """Combine of [V, rows, H] rows; `row_entries` None for the rank-major layout."""
+    _ffi.register()
+    V, _, H = y.shape
+    T = src_row.shape[1] // num_ranks
+    if weights is None:
+        weights = jnp.zeros((V, 0), jnp.float32)
+    if row_entries is None:
+        row_entries = jnp.zeros((V, 0, top_k), jnp.int32)
+    partial_rows = num_ranks * T if expert_major else 0
+    out, _ = jax.ffi.ffi_call(
+        "jax_ep_combine", _types(y, [((V, T, H), y.dtype), ((V, partial_rows, H), y.dtype)])
+    )(y, weights, src_row, row_entries,
+      **_attrs(num_ranks=num_ranks, expert_major=expert_major))
+    return out
+
+
+def ll_dispatch_send(x, topk_idx, *, num_ranks, num_experts, use_fp8):
+    """The send half of low-latency dispatch; a dict for `ll_dispatch_recv`."""
+    _ffi.register()
+    V, T, K = topk_idx.shape
+    R, E, H = num_ranks, num_experts, x.shape[2]
+    slots = (V, E // R, R * T)
+    i32 = jnp.int32
+    shapes = [
+        ((*slots, H), fp8.FP8_DTYPE if use_fp8 else jnp.bfloat16),
+        ((*slots, H // fp8.BLOCK if use_fp8 else 0), jnp.float32), ((V, R, T, K), i32),
+        ((V, T, K), i32), ((V,), i32), ((R, E), i32), ((V, T, K), i32),
+    ]
+    recv_x, recv_scales, src_row, clean_idx, num_invalid, counts, _ = jax.ffi.ffi_call(
+        "jax_ep_ll_dispatch_send", _types(topk_idx, shapes)
+    )(x, topk_idx, **_attrs(num_ranks=R, num_experts=E, use_fp8=use_fp8))
+    return {"recv_x": recv_x, "recv_scales": recv_scales, "src_row": src_row,
+            "clean_idx": clean_idx, "num_invalid": num_invalid, "counts": counts}
+
+
+def ll_dispatch_recv(data, *, num_ranks, num_experts):
+    """The receive half: (recv_x, recv_scales or None, src_row, count [V, E/R])."""
+    recv_x, recv_scales, src_row = data["recv_x"], data["recv_scales"], data["src_row"]
+    V = recv_x.shape[0]
+    recv_x, recv_scales, src_row, count = jax.ffi.ffi_call(
+        "jax_ep_ll_dispatch_recv",
+        _types(src_row, [(a.shape, a.dtype) for a in (recv_x, recv_scales, src_row)]
+               + [((V, num_experts // num_ranks), jnp.int32)]),
+        input_output_aliases={0: 0, 1: 1, 2: 2},
+    )(recv_x, recv_scales, src_row, data["counts"],
+      **_attrs(num_ranks=num_ranks, num_experts=num_experts))
+    return recv_x, recv_scales if recv_scales.shape[3] else None, src_row, count
+
+
+def ll_combine_send(y, src_row, *, num_ranks, num_experts):
+    """The send half of low-latency combine: rows [V, T, K, H] staged at their homes."""
+    _ffi.register()
+    V, _, T, K = src_row.shape
+    return jax.ffi.ffi_call(
+        "jax_ep_ll_combine_send", _types(y, [((V, T, K, y.shape[3]), jnp.bfloat16)])[0]
+    )(y, src_row, **_attrs(num_ranks=num_ranks, num_experts=num_experts))
+
+
+def ll_combine_recv(staging, clean_idx, topk_weights, *, num_ranks, num_experts):
+    """The receive half: the top-k weighted sums, bfloat16 [V, T, H]."""
+    V, T, _, H = staging.shape
+    return jax.ffi.ffi_call(
+        "jax_ep_ll_combine_recv", _types(staging, [((V, T, H), jnp.bfloat16)])[0]
+    )(staging, clean_idx, topk_weights,
+      **_attrs(num_ranks=num_ranks, num_experts=num_experts))

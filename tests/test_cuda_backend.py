@@ -1,0 +1,145 @@
+"""The per-shard "cuda" backend (jax_ep.backends.cuda) on this CPU-only machine.
+
+With one rank (R = 1) its custom calls need no peers, so the CPU handlers run them: forward
+results and gradients through the shared custom_vjp must equal the portable backend's bit for
+bit. With R > 1 the exchange needs GPUs with NVSHMEM: on CPU the call fails with an error that
+says so, and the programs still lower for CUDA (the custom calls, their attributes and the
+V = 1 shapes of one rank per device).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from harness import sharded, to_numpy
+from test_virtual import assert_bitwise, routing
+
+import jax_ep
+from jax_ep import _ffi
+
+pytestmark = pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
+
+
+def _normal_program(backend, expert_major, E, capacity):
+    def per_shard(x, idx, w, y_scale):
+        recv, handle = jax_ep.dispatch(x, idx, w, num_experts=E, capacity=capacity,
+                                       expert_major=expert_major, on_overflow="drop",
+                                       on_invalid="mask", backend=backend)
+        # Expert-major: weight each entry; rank-major: unweighted rows.
+        weights = recv.topk_weights if expert_major else None
+        y = recv.x * y_scale
+        return recv, jax_ep.combine(y, handle, topk_weights=weights, backend=backend)
+
+    return per_shard
+
+
+@pytest.mark.parametrize("expert_major", [False, True])
+def test_one_rank_matches_portable_backend(expert_major):
+    rng = np.random.default_rng()
+    T, K, E, H = 23, 4, 6, 16
+    idx, w = routing(rng, 1, T, K, E, "duplicates", invalid=True)
+    x = rng.standard_normal((1, T, H)).astype(np.float32)
+    scale = rng.standard_normal((1,)).astype(np.float32)
+    capacity = int(rng.integers(T // 2, T * K))
+    got, want = (
+        to_numpy(sharded(_normal_program(b, expert_major, E, capacity), 1)(x, idx, w, scale))
+        for b in ("cuda", "xla")
+    )
+    for (path, g), w_ in zip(jax.tree_util.tree_flatten_with_path(got)[0],
+                             jax.tree.leaves(want), strict=True):
+        assert_bitwise(g, w_, jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("expert_major", [False, True])
+def test_one_rank_gradients_match_portable_backend(expert_major):
+    rng = np.random.default_rng()
+    T, K, E, H = 11, 3, 5, 8
+    idx, w = routing(rng, 1, T, K, E, "masked")
+    x = rng.standard_normal((1, T, H)).astype(np.float32)
+    target = rng.standard_normal((1, T, H)).astype(np.float32)
+
+    def gradients(backend):
+        def per_shard(x, w, idx, target):
+            def loss(x, w):
+                recv, handle = jax_ep.dispatch(x, idx, w, num_experts=E,
+                                               expert_major=expert_major, backend=backend)
+                weights = recv.topk_weights if expert_major else None
+                out = jax_ep.combine(jnp.tanh(recv.x), handle, topk_weights=weights,
+                                     backend=backend)
+                return jnp.sum((out - target) ** 2)
+
+            return jax.grad(loss, argnums=(0, 1))(x, w)
+
+        return to_numpy(sharded(per_shard, 1)(x, w, idx, target))
+
+    (gx, gw), (want_x, want_w) = gradients("cuda"), gradients("xla")
+    assert_bitwise(gx, want_x, "x gradient")
+    # The weights' cotangent is a dot product per row (jax_ep.combine's VJP), computed by
+    # XLA in the same code for both backends; XLA may fuse its reduction differently next to
+    # a custom call than next to a gather, so the last bit can differ.
+    np.testing.assert_allclose(gw, want_w, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_one_rank_low_latency_matches_portable_backend(use_fp8):
+    rng = np.random.default_rng()
+    T, K, E, H = 9, 3, 4, 256
+    idx, w = routing(rng, 1, T, K, E, "duplicates")
+    x = rng.standard_normal((1, T, H)).astype(ml_dtypes.bfloat16)
+
+    def program(backend):
+        def per_shard(x, idx, w):
+            pending = jax_ep.low_latency_dispatch_send(x, idx, num_experts=E, use_fp8=use_fp8,
+                                                       backend=backend)
+            recv, handle = jax_ep.low_latency_dispatch_recv(pending)
+            y = recv.x.astype(jnp.bfloat16)
+            out = jax_ep.low_latency_combine(y, idx, w, handle, backend=backend)
+            return recv, out
+
+        return to_numpy(sharded(per_shard, 1)(x, idx, w))
+
+    for g, w_ in zip(jax.tree.leaves(program("cuda")), jax.tree.leaves(program("xla")),
+                     strict=True):
+        assert_bitwise(g, w_, "low-latency")
+
+
+def test_several_ranks_on_cpu_say_what_is_needed():
+    rng = np.random.default_rng()
+    idx, w = routing(rng, 2, 4, 2, 4, "uniform")
+    x = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    with pytest.raises(Exception, match="virtual ranks only.*NVSHMEM.*backend='xla'"):
+        to_numpy(sharded(_normal_program("cuda", False, 4, None), 2)(
+            x, idx, w, np.ones(2, np.float32)))
+
+
+@pytest.mark.parametrize("expert_major", [False, True])
+def test_several_ranks_lower_for_cuda(expert_major):
+    R, T, K, E, H = 4, 6, 3, 8, 128
+    mesh = jax.make_mesh((R,), ("ep",), devices=jax.devices()[:R])
+    spec = jax.sharding.PartitionSpec("ep")
+
+    def per_shard(x, idx, w):
+        recv, handle = jax_ep.dispatch(x, idx, w, num_experts=E, expert_major=expert_major,
+                                       on_overflow="drop", on_invalid="mask", backend="cuda")
+        out = jax_ep.combine(recv.x, handle, backend="cuda")
+        ll, ll_handle = jax_ep.low_latency_dispatch(x, idx, num_experts=E, on_invalid="mask",
+                                                    backend="cuda")
+        return out + jax_ep.low_latency_combine(ll.x, idx, w, ll_handle, backend="cuda")
+
+    fn = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=spec, out_specs=spec))
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    args = (jax.ShapeDtypeStruct((R * T, H), jnp.bfloat16, sharding=sharding),
+            jax.ShapeDtypeStruct((R * T, K), jnp.int32, sharding=sharding),
+            jax.ShapeDtypeStruct((R * T, K), jnp.float32, sharding=sharding))
+    with jax.set_mesh(mesh):
+        hlo = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
+    for target in ("jax_ep_dispatch", "jax_ep_combine", "jax_ep_ll_dispatch_send",
+                   "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send",
+                   "jax_ep_ll_combine_recv"):
+        assert f'custom_call_target="{target}"' in hlo, target
+    # One rank per device: the operands stack V = 1 rank, the attributes name all R.
+    assert "bf16[1,6,128]" in hlo, hlo[:2000]
+    assert "num_ranks=4" in hlo.replace(" ", "") or "num_ranks = 4" in hlo
