@@ -90,10 +90,12 @@ __global__ void barrier_kernel(uint64_t* signals, uint64_t* epoch, int me, int n
     while (*arrived < target) {
       if (static_cast<volatile PeerStatus*>(status)->code != 0) break;
       if (global_ns() - start > timeout_ns) {
-        if (atomicCAS_system(&status->code, 0, 1) == 0) {
-          status->op = op;
-          status->peer = p;
-        }
+        // Host memory: plain stores (any waiting thread's peer is a fine report).
+        volatile PeerStatus* report = status;
+        report->op = op;
+        report->peer = p;
+        __threadfence_system();
+        report->code = 1;
         break;
       }
       __nanosleep(200);
@@ -272,11 +274,12 @@ PeerError prepare(int op, int num_ranks, int* me, char** symmetric, size_t* byte
       }
     }
   }
-  if (st.status->code != 0) {
+  const volatile PeerStatus* report = st.status;  // written by the device
+  if (report->code != 0) {
     return PeerError{std::string(kOpNames[op]) + ": an earlier call of " +
-                     kOpNames[st.status->op] + " on this rank timed out after " +
+                     kOpNames[report->op] + " on this rank timed out after " +
                      std::to_string(st.timeout_ns / 1000000000ull) + " s waiting for peer " +
-                     std::to_string(st.status->peer) +
+                     std::to_string(report->peer) +
                      " (did every process run the same ops?); the EP group is unusable, "
                      "restart the processes"};
   }
