@@ -68,8 +68,8 @@ cudaError_t per_warp(const Phase& phase, int ranks, int64_t items, cudaStream_t 
 // The phases as function objects (kernel arguments, passed by value).
 struct DispatchCount {
   DispatchArgs a;
-  __device__ void operator()(int s, int64_t c) const {
-    dispatch_count(a, VirtualPeers{}, s, static_cast<int>(c));
+  __device__ void operator()(int s, int64_t c, int lane, int lanes) const {
+    dispatch_count(a, VirtualPeers{}, s, static_cast<int>(c), lane, lanes);
   }
 };
 struct DispatchBases {
@@ -104,8 +104,8 @@ struct CombineToken {
 };
 struct LowLatencyCount {
   LowLatencyArgs a;
-  __device__ void operator()(int s, int64_t c) const {
-    ll_count(a, VirtualPeers{}, s, static_cast<int>(c));
+  __device__ void operator()(int s, int64_t c, int lane, int lanes) const {
+    ll_count(a, VirtualPeers{}, s, static_cast<int>(c), lane, lanes);
   }
 };
 struct LowLatencySend {
@@ -137,7 +137,7 @@ struct LowLatencyCombineToken {
 
 cudaError_t launch_dispatch(const DispatchArgs& a, cudaStream_t stream) {
   const int R = a.num_ranks;
-  JAX_EP_RETURN_IF_CUDA_ERROR(per_thread(DispatchCount{a}, R, a.num_counters() + 1, stream));
+  JAX_EP_RETURN_IF_CUDA_ERROR(per_warp(DispatchCount{a}, R, a.num_counters() + 1, stream));
   JAX_EP_RETURN_IF_CUDA_ERROR(per_thread(DispatchBases{a}, R, a.num_counters(), stream));
   JAX_EP_RETURN_IF_CUDA_ERROR(per_warp(DispatchSend{a}, R, a.num_tokens, stream));
   const int items = std::max({a.capacity, a.rows(), a.experts_per_rank()});
@@ -159,7 +159,7 @@ template cudaError_t launch_combine<Bf16>(const CombineArgs<Bf16>&, cudaStream_t
 template cudaError_t launch_combine<F16>(const CombineArgs<F16>&, cudaStream_t);
 
 cudaError_t launch_ll_dispatch_send(const LowLatencyArgs& a, cudaStream_t stream) {
-  JAX_EP_RETURN_IF_CUDA_ERROR(per_thread(LowLatencyCount{a}, a.num_ranks, a.num_experts + 1, stream));
+  JAX_EP_RETURN_IF_CUDA_ERROR(per_warp(LowLatencyCount{a}, a.num_ranks, a.num_experts + 1, stream));
   return per_warp(LowLatencySend{a}, a.num_ranks, a.num_tokens, stream);
 }
 

@@ -69,6 +69,39 @@ JAX_EP_HOST_DEVICE void zero_row(void* dst, int64_t bytes, int lane, int lanes) 
   }
 }
 
+// Counting with cooperating lanes. Every lane of the group calls these with its own
+// predicate (a warp on the GPU: all 32 lanes, same number of calls; one lane on the CPU).
+
+// The number of lanes below this one whose predicate is true; `*total` gets the group's count.
+JAX_EP_HOST_DEVICE int32_t lanes_before(bool pred, int lane, int32_t* total) {
+#if defined(__CUDA_ARCH__)
+  const unsigned votes = __ballot_sync(0xffffffffu, pred);
+  *total = __popc(votes);
+  return __popc(votes & ((1u << lane) - 1u));
+#else
+  (void)lane;
+  *total = pred;
+  return 0;
+#endif
+}
+
+// Numbers the indices i in [0, n) for which pred(i) holds, in order: number(i, rank) for each,
+// and returns how many there are.
+template <typename Pred, typename Number>
+JAX_EP_HOST_DEVICE int32_t number_in_order(int64_t n, int lane, int lanes, const Pred& pred,
+                                           const Number& number) {
+  int32_t running = 0;
+  for (int64_t base = 0; base < n; base += lanes) {  // the same trip count in every lane
+    const int64_t i = base + lane;
+    const bool hit = i < n && pred(i);
+    int32_t total;
+    const int32_t before = lanes_before(hit, lane, &total);
+    if (hit) number(i, running + before);
+    running += total;
+  }
+  return running;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Normal dispatch
 
@@ -134,39 +167,44 @@ struct DispatchArgs {
 // rank c (and each one's offset among them); c < R + E: entries of expert c - R (offsets
 // likewise); c == R + E: cleans the routing and counts invalid ids.
 template <typename Peers>
-JAX_EP_HOST_DEVICE void dispatch_count(const DispatchArgs& a, const Peers& peers, int s, int c) {
+JAX_EP_HOST_DEVICE void dispatch_count(const DispatchArgs& a, const Peers& peers, int s, int c,
+                                       int lane, int lanes) {
   const int T = a.num_tokens, K = a.top_k, R = a.num_ranks, E = a.num_experts;
-  const int32_t* raw = a.topk_idx + a.local(s) * T * K;
+  const int El = a.experts_per_rank();
+  const int64_t entries = static_cast<int64_t>(T) * K;
+  const int32_t* raw = a.topk_idx + a.local(s) * entries;
   if (c == R + E) {
-    int32_t invalid = 0;
-    int32_t* clean = a.clean_idx + a.local(s) * T * K;
-    for (int64_t i = 0; i < static_cast<int64_t>(T) * K; ++i) {
-      const int32_t id = raw[i];
-      invalid += is_invalid(id, E);
-      clean[i] = is_choice(id, E) ? id : -1;
-    }
-    a.num_invalid[a.local(s)] = invalid;
+    int32_t* clean = a.clean_idx + a.local(s) * entries;
+    const int32_t invalid = number_in_order(
+        entries, lane, lanes, [&](int64_t i) { return is_invalid(raw[i], E); },
+        [](int64_t, int32_t) {});
+    for (int64_t i = lane; i < entries; i += lanes) clean[i] = is_choice(raw[i], E) ? raw[i] : -1;
+    if (lane == 0) a.num_invalid[a.local(s)] = invalid;
     return;
   }
-  const int El = a.experts_per_rank();
-  int32_t running = 0;
+  int32_t count;
   if (c < R) {
     int32_t* offset = a.token_offset + a.local(s) * T * R;
-    for (int t = 0; t < T; ++t) {
-      const int32_t* ids = raw + static_cast<int64_t>(t) * K;
-      bool goes = false;
-      for (int k = 0; k < K; ++k) goes |= choice_rank(ids[k], E, El) == c;
-      if (goes) offset[static_cast<int64_t>(t) * R + c] = running++;
-    }
+    count = number_in_order(
+        T, lane, lanes,
+        [&](int64_t t) {
+          bool goes = false;
+          for (int k = 0; k < K; ++k) goes |= choice_rank(raw[t * K + k], E, El) == c;
+          return goes;
+        },
+        [&](int64_t t, int32_t rank) { offset[t * R + c] = rank; });
   } else {
     const int e = c - R;
-    int32_t* offset = a.entry_offset + a.local(s) * T * K;
-    for (int64_t i = 0; i < static_cast<int64_t>(T) * K; ++i) {
-      if (raw[i] == e) offset[i] = running++;
-    }
+    int32_t* offset = a.entry_offset + a.local(s) * entries;
+    count = number_in_order(
+        entries, lane, lanes, [&](int64_t i) { return raw[i] == e; },
+        [&](int64_t i, int32_t rank) { offset[i] = rank; });
   }
   // Published to every rank's copy of the counts (one shared copy with virtual ranks).
-  for (int d = 0; d < R; ++d) peers.at(a.counts, 0, d)[static_cast<int64_t>(s) * a.num_counters() + c] = running;
+  if (lane != 0) return;
+  for (int d = 0; d < R; ++d) {
+    peers.at(a.counts, 0, d)[static_cast<int64_t>(s) * a.num_counters() + c] = count;
+  }
 }
 
 // Phase 2, items (s, c) for c in [0, R + E): where source s starts writing. c < R: its first
@@ -336,6 +374,10 @@ JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peer
       }
       const int32_t room = cap - base;
       count = room <= 0 ? 0 : (room < total ? room : total);
+    } else if (kept == needed) {  // every row kept: all choices of expert i
+      for (int q = 0; q < R; ++q) {
+        count += a.counts[static_cast<int64_t>(q) * a.num_counters() + R + d * El + i];
+      }
     } else {  // choices of expert i in the kept rows
       const int32_t* idx = peers.at(a.recv_idx, static_cast<int64_t>(cap) * K, d);
       for (int64_t r = 0; r < static_cast<int64_t>(kept) * K; ++r) count += idx[r] == i;
@@ -456,28 +498,27 @@ JAX_EP_HOST_DEVICE bool first_occurrence(const int32_t* ids, int k) {
 // Phase 1, items (s, c) for c in [0, E]: c < E counts the messages of source s to expert c and
 // numbers them; c == E cleans the routing and counts invalid ids.
 template <typename Peers>
-JAX_EP_HOST_DEVICE void ll_count(const LowLatencyArgs& a, const Peers& peers, int s, int c) {
+JAX_EP_HOST_DEVICE void ll_count(const LowLatencyArgs& a, const Peers& peers, int s, int c,
+                                 int lane, int lanes) {
   const int T = a.num_tokens, K = a.top_k, E = a.num_experts;
-  const int32_t* raw = a.topk_idx + a.local(s) * T * K;
+  const int64_t entries = static_cast<int64_t>(T) * K;
+  const int32_t* raw = a.topk_idx + a.local(s) * entries;
   if (c == E) {
-    int32_t invalid = 0;
-    int32_t* clean = a.clean_idx + a.local(s) * T * K;
-    for (int64_t i = 0; i < static_cast<int64_t>(T) * K; ++i) {
-      invalid += is_invalid(raw[i], E);
-      clean[i] = is_choice(raw[i], E) ? raw[i] : -1;
-    }
-    a.num_invalid[a.local(s)] = invalid;
+    int32_t* clean = a.clean_idx + a.local(s) * entries;
+    const int32_t invalid = number_in_order(
+        entries, lane, lanes, [&](int64_t i) { return is_invalid(raw[i], E); },
+        [](int64_t, int32_t) {});
+    for (int64_t i = lane; i < entries; i += lanes) clean[i] = is_choice(raw[i], E) ? raw[i] : -1;
+    if (lane == 0) a.num_invalid[a.local(s)] = invalid;
     return;
   }
-  int32_t running = 0;
-  int32_t* offset = a.slot_offset + a.local(s) * T * K;
-  for (int t = 0; t < T; ++t) {
-    const int32_t* ids = raw + static_cast<int64_t>(t) * K;
-    for (int k = 0; k < K; ++k) {
-      if (ids[k] == c && first_occurrence(ids, k)) offset[static_cast<int64_t>(t) * K + k] = running++;
-    }
-  }
-  for (int d = 0; d < a.num_ranks; ++d) peers.at(a.counts, 0, d)[static_cast<int64_t>(s) * E + c] = running;
+  int32_t* offset = a.slot_offset + a.local(s) * entries;
+  const int32_t count = number_in_order(
+      entries, lane, lanes,
+      [&](int64_t i) { return raw[i] == c && first_occurrence(raw + i / K * K, static_cast<int>(i % K)); },
+      [&](int64_t i, int32_t rank) { offset[i] = rank; });
+  if (lane != 0) return;
+  for (int d = 0; d < a.num_ranks; ++d) peers.at(a.counts, 0, d)[static_cast<int64_t>(s) * E + c] = count;
 }
 
 // Slot of source s's message to expert e numbered `offset`: after the messages of lower ranks.

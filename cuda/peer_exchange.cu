@@ -148,8 +148,8 @@ cudaError_t per_warp(const Phase& phase, int rank, int64_t items, cudaStream_t s
 
 struct DispatchCount {
   DispatchArgs a;
-  __device__ void operator()(int s, int64_t c) const {
-    dispatch_count(a, NvshmemPeers{}, s, static_cast<int>(c));
+  __device__ void operator()(int s, int64_t c, int lane, int lanes) const {
+    dispatch_count(a, NvshmemPeers{}, s, static_cast<int>(c), lane, lanes);
   }
 };
 struct DispatchBases {
@@ -184,8 +184,8 @@ struct CombineToken {
 };
 struct LowLatencyCount {
   LowLatencyArgs a;
-  __device__ void operator()(int s, int64_t c) const {
-    ll_count(a, NvshmemPeers{}, s, static_cast<int>(c));
+  __device__ void operator()(int s, int64_t c, int lane, int lanes) const {
+    ll_count(a, NvshmemPeers{}, s, static_cast<int>(c), lane, lanes);
   }
 };
 struct LowLatencySend {
@@ -375,7 +375,7 @@ PeerError peer_dispatch(const DispatchArgs& out, cudaStream_t stream) {
 
   const int items = std::max({cap, rows, a.experts_per_rank()});
   cudaError_t s = barrier(sym, me, R, op, stream);  // peers are done with the last op's data
-  if (s == cudaSuccess) s = per_thread(DispatchCount{a}, me, a.num_counters() + 1, stream);
+  if (s == cudaSuccess) s = per_warp(DispatchCount{a}, me, a.num_counters() + 1, stream);
   if (s == cudaSuccess) s = barrier(sym, me, R, op, stream);  // every rank's counts are here
   if (s == cudaSuccess) s = per_thread(DispatchBases{a}, me, a.num_counters(), stream);
   if (s == cudaSuccess) s = per_warp(DispatchSend{a}, me, a.num_tokens, stream);
@@ -456,7 +456,7 @@ PeerError peer_ll_dispatch_send(const LowLatencyArgs& out, cudaStream_t stream) 
   a.recv_scales = r.recv_scales;
   a.src_row = r.src_row;
   cudaError_t s = barrier(sym, me, R, op, stream);
-  if (s == cudaSuccess) s = per_thread(LowLatencyCount{a}, me, a.num_experts + 1, stream);
+  if (s == cudaSuccess) s = per_warp(LowLatencyCount{a}, me, a.num_experts + 1, stream);
   if (s == cudaSuccess) s = barrier(sym, me, R, op, stream);
   if (s == cudaSuccess) s = per_warp(LowLatencySend{a}, me, a.num_tokens, stream);
   return launched(op, s);

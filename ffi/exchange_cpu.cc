@@ -28,7 +28,7 @@ xffi::Error DispatchCpuImpl(xffi::RemainingArgs args, xffi::RemainingRets rets,
   JAX_EP_RETURN_IF_ERROR(AllRanksHere(kDispatchOp, args.get<xffi::AnyBuffer>(2)->dimensions()[0], a.num_ranks));
   const int R = a.num_ranks, T = a.num_tokens;
   for (int s = 0; s < R; ++s) {
-    for (int c = 0; c <= a.num_counters(); ++c) dispatch_count(a, kPeers, s, c);
+    for (int c = 0; c <= a.num_counters(); ++c) dispatch_count(a, kPeers, s, c, 0, 1);
   }
   for (int s = 0; s < R; ++s) {
     for (int c = 0; c < a.num_counters(); ++c) dispatch_bases(a, s, c);
@@ -81,7 +81,7 @@ xffi::Error LowLatencyDispatchSendCpuImpl(xffi::RemainingArgs args, xffi::Remain
       ParseLowLatencyDispatchSend(args, rets, num_ranks, num_experts, use_fp8, &a));
   JAX_EP_RETURN_IF_ERROR(AllRanksHere(kLowLatencyDispatchSendOp, args.get<xffi::AnyBuffer>(1)->dimensions()[0], a.num_ranks));
   for (int s = 0; s < a.num_ranks; ++s) {
-    for (int c = 0; c <= a.num_experts; ++c) ll_count(a, kPeers, s, c);
+    for (int c = 0; c <= a.num_experts; ++c) ll_count(a, kPeers, s, c, 0, 1);
   }
   for (int s = 0; s < a.num_ranks; ++s) {
     for (int t = 0; t < a.num_tokens; ++t) ll_send(a, kPeers, s, t, 0, 1);
