@@ -23,15 +23,12 @@
 #include <string>
 
 #include "cuda/api.h"
-#include "cuda/common.cuh"
 #include "cuda/peer_exchange.h"
+#include "cuda/phases.cuh"
 
 namespace jax_ep::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarpsPerBlock = kThreads / kWarpSize;
-constexpr int64_t kMaxBlocks = 132 * 16;
 constexpr size_t kSignalBytes = 4096;
 constexpr int kMaxPeers = static_cast<int>(kSignalBytes / sizeof(uint64_t));
 constexpr size_t kAlign = 256;
@@ -42,6 +39,7 @@ struct NvshmemPeers {
     return static_cast<T*>(nvshmem_ptr(base, rank));
   }
 };
+using Peers = NvshmemPeers;
 
 // A barrier timeout: which op waited, for which peer. In mapped host memory.
 struct PeerStatus {
@@ -103,115 +101,6 @@ __global__ void barrier_kernel(uint64_t* signals, uint64_t* epoch, int me, int n
   }
   __threadfence_system();
 }
-
-template <typename Phase>
-__global__ void __launch_bounds__(kThreads) rank_thread_kernel(Phase phase, int rank,
-                                                               int64_t items) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < items;
-       i += static_cast<int64_t>(gridDim.x) * kThreads) {
-    phase(rank, i);
-  }
-}
-
-template <typename Phase>
-__global__ void __launch_bounds__(kThreads) rank_warp_kernel(Phase phase, int rank,
-                                                             int64_t items) {
-  const int lane = threadIdx.x % kWarpSize;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / kWarpSize;
-       i < items; i += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
-    phase(rank, i, lane, kWarpSize);
-  }
-}
-
-template <typename Phase>
-cudaError_t per_thread(const Phase& phase, int rank, int64_t items, cudaStream_t stream) {
-  if (items == 0) return cudaSuccess;
-  const int64_t blocks = std::min<int64_t>((items + kThreads - 1) / kThreads, kMaxBlocks);
-  rank_thread_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(phase, rank, items);
-  return cudaGetLastError();
-}
-
-template <typename Phase>
-cudaError_t per_warp(const Phase& phase, int rank, int64_t items, cudaStream_t stream) {
-  if (items == 0) return cudaSuccess;
-  const int64_t blocks =
-      std::min<int64_t>((items + kWarpsPerBlock - 1) / kWarpsPerBlock, kMaxBlocks);
-  rank_warp_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(phase, rank, items);
-  return cudaGetLastError();
-}
-
-#define JAX_EP_RETURN_IF_CUDA_ERROR(expr)       \
-  do {                                          \
-    const cudaError_t _status = (expr);         \
-    if (_status != cudaSuccess) return _status; \
-  } while (0)
-
-struct DispatchCount {
-  DispatchArgs a;
-  __device__ void operator()(int s, int64_t c, int lane, int lanes) const {
-    dispatch_count(a, NvshmemPeers{}, s, static_cast<int>(c), lane, lanes);
-  }
-};
-struct DispatchBases {
-  DispatchArgs a;
-  __device__ void operator()(int s, int64_t c) const { dispatch_bases(a, s, static_cast<int>(c)); }
-};
-struct DispatchSend {
-  DispatchArgs a;
-  __device__ void operator()(int s, int64_t t, int lane, int lanes) const {
-    dispatch_send(a, NvshmemPeers{}, s, static_cast<int>(t), lane, lanes);
-  }
-};
-struct DispatchFinish {
-  DispatchArgs a;
-  __device__ void operator()(int d, int64_t i, int lane, int lanes) const {
-    dispatch_finish(a, NvshmemPeers{}, d, static_cast<int>(i), lane, lanes);
-  }
-};
-template <typename T>
-struct CombineReduceEntries {
-  CombineArgs<T> a;
-  __device__ void operator()(int d, int64_t i, int lane, int lanes) const {
-    combine_reduce_entries(a, d, static_cast<int>(i), lane, lanes);
-  }
-};
-template <typename T>
-struct CombineToken {
-  CombineArgs<T> a;
-  __device__ void operator()(int s, int64_t t, int lane, int lanes) const {
-    combine_token(a, NvshmemPeers{}, s, static_cast<int>(t), lane, lanes);
-  }
-};
-struct LowLatencyCount {
-  LowLatencyArgs a;
-  __device__ void operator()(int s, int64_t c, int lane, int lanes) const {
-    ll_count(a, NvshmemPeers{}, s, static_cast<int>(c), lane, lanes);
-  }
-};
-struct LowLatencySend {
-  LowLatencyArgs a;
-  __device__ void operator()(int s, int64_t t, int lane, int lanes) const {
-    ll_send(a, NvshmemPeers{}, s, static_cast<int>(t), lane, lanes);
-  }
-};
-struct LowLatencyFinish {
-  LowLatencyArgs a;
-  __device__ void operator()(int d, int64_t r, int lane, int lanes) const {
-    ll_finish(a, NvshmemPeers{}, d, r, lane, lanes);
-  }
-};
-struct LowLatencyCombineSend {
-  LowLatencyCombineArgs a;
-  __device__ void operator()(int d, int64_t src, int lane, int lanes) const {
-    ll_combine_send(a, NvshmemPeers{}, d, src, lane, lanes);
-  }
-};
-struct LowLatencyCombineToken {
-  LowLatencyCombineArgs a;
-  __device__ void operator()(int s, int64_t t, int lane, int lanes) const {
-    ll_combine_token(a, s, static_cast<int>(t), lane, lanes);
-  }
-};
 
 // Consecutive, aligned pieces of a symmetric region.
 class Carver {
@@ -375,12 +264,12 @@ PeerError peer_dispatch(const DispatchArgs& out, cudaStream_t stream) {
 
   const int items = std::max({cap, rows, a.experts_per_rank()});
   cudaError_t s = barrier(sym, me, R, op, stream);  // peers are done with the last op's data
-  if (s == cudaSuccess) s = per_warp(DispatchCount{a}, me, a.num_counters() + 1, stream);
+  if (s == cudaSuccess) s = per_warp(DispatchCount<Peers>{a}, me, 1, a.num_counters() + 1, stream);
   if (s == cudaSuccess) s = barrier(sym, me, R, op, stream);  // every rank's counts are here
-  if (s == cudaSuccess) s = per_thread(DispatchBases{a}, me, a.num_counters(), stream);
-  if (s == cudaSuccess) s = per_warp(DispatchSend{a}, me, a.num_tokens, stream);
+  if (s == cudaSuccess) s = per_thread(DispatchBases{a}, me, 1, a.num_counters(), stream);
+  if (s == cudaSuccess) s = per_warp(DispatchSend<Peers>{a}, me, 1, a.num_tokens, stream);
   if (s == cudaSuccess) s = barrier(sym, me, R, op, stream);  // every row has arrived
-  if (s == cudaSuccess) s = per_warp(DispatchFinish{a}, me, items, stream);
+  if (s == cudaSuccess) s = per_warp(DispatchFinish<Peers>{a}, me, 1, items, stream);
   // Copy out what XLA owns.
   if (s == cudaSuccess) s = copy(out.recv_x, a.recv_x, cap * a.row_bytes, stream);
   if (s == cudaSuccess) s = copy(out.recv_scales, a.recv_scales, cap * a.scale_cols * 4, stream);
@@ -427,10 +316,10 @@ PeerError peer_combine(const CombineArgs<T>& in, cudaStream_t stream) {
     a.weights = a.weights ? weights : nullptr;
   } else {
     a.partial = partial;  // reduce_entries reads the local y, row_entries and weights
-    if (s == cudaSuccess) s = per_warp(CombineReduceEntries<T>{a}, me, rows, stream);
+    if (s == cudaSuccess) s = per_warp(CombineReduceEntries<T>{a}, me, 1, rows, stream);
   }
   if (s == cudaSuccess) s = barrier(sym, me, R, op, stream);
-  if (s == cudaSuccess) s = per_warp(CombineToken<T>{a}, me, a.num_tokens, stream);
+  if (s == cudaSuccess) s = per_warp(CombineToken<T, Peers>{a}, me, 1, a.num_tokens, stream);
   return launched(op, s);
 }
 
@@ -456,9 +345,9 @@ PeerError peer_ll_dispatch_send(const LowLatencyArgs& out, cudaStream_t stream) 
   a.recv_scales = r.recv_scales;
   a.src_row = r.src_row;
   cudaError_t s = barrier(sym, me, R, op, stream);
-  if (s == cudaSuccess) s = per_warp(LowLatencyCount{a}, me, a.num_experts + 1, stream);
+  if (s == cudaSuccess) s = per_warp(LowLatencyCount<Peers>{a}, me, 1, a.num_experts + 1, stream);
   if (s == cudaSuccess) s = barrier(sym, me, R, op, stream);
-  if (s == cudaSuccess) s = per_warp(LowLatencySend{a}, me, a.num_tokens, stream);
+  if (s == cudaSuccess) s = per_warp(LowLatencySend<Peers>{a}, me, 1, a.num_tokens, stream);
   return launched(op, s);
 }
 
@@ -480,7 +369,7 @@ PeerError peer_ll_dispatch_recv(const LowLatencyArgs& out, cudaStream_t stream) 
   a.recv_scales = r.recv_scales;
   const int64_t slots = a.experts_per_rank() * a.slots();
   cudaError_t s = barrier(sym, me, R, op, stream);  // every message has arrived
-  if (s == cudaSuccess) s = per_warp(LowLatencyFinish{a}, me, slots, stream);
+  if (s == cudaSuccess) s = per_warp(LowLatencyFinish<Peers>{a}, me, 1, slots, stream);
   if (s == cudaSuccess) s = copy(out.recv_x, r.recv_x, slots * a.row_bytes(), stream);
   if (s == cudaSuccess && a.use_fp8) {
     s = copy(out.recv_scales, r.recv_scales, slots * (a.hidden / kFp8Block) * 4, stream);
@@ -506,7 +395,7 @@ PeerError peer_ll_combine_send(const LowLatencyCombineArgs& in, cudaStream_t str
   a.first_rank = me;
   a.staging = r.staging;
   cudaError_t s = barrier(sym, me, R, op, stream);  // homes are done with their staging
-  if (s == cudaSuccess) s = per_warp(LowLatencyCombineSend{a}, me, int64_t{R} * a.num_tokens, stream);
+  if (s == cudaSuccess) s = per_warp(LowLatencyCombineSend<Peers>{a}, me, 1, int64_t{R} * a.num_tokens, stream);
   return launched(op, s);
 }
 
@@ -525,7 +414,7 @@ PeerError peer_ll_combine_recv(const LowLatencyCombineArgs& in, cudaStream_t str
   a.first_rank = me;
   a.staging = r.staging;
   cudaError_t s = barrier(sym, me, R, op, stream);  // every row has come home
-  if (s == cudaSuccess) s = per_warp(LowLatencyCombineToken{a}, me, a.num_tokens, stream);
+  if (s == cudaSuccess) s = per_warp(LowLatencyCombineToken{a}, me, 1, a.num_tokens, stream);
   return launched(op, s);
 }
 
