@@ -327,17 +327,30 @@ template PeerError peer_combine<float>(const CombineArgs<float>&, cudaStream_t);
 template PeerError peer_combine<Bf16>(const CombineArgs<Bf16>&, cudaStream_t);
 template PeerError peer_combine<F16>(const CombineArgs<F16>&, cudaStream_t);
 
+namespace {
+
+// The preconditions and the low-latency regions of one low-latency call.
+PeerError open_ll(int op, int R, int T, int K, int E, int H, bool fp8, int* me, char** sym,
+                  LowLatencyRegions* r) {
+  size_t bytes;
+  PeerError error = prepare(op, R, me, sym, &bytes);
+  if (!error.ok()) return error;
+  *r = ll_regions(*sym, bytes, R, T, K, E, H, fp8);
+  if (r->bytes + kSignalBytes > bytes) return too_small(op, r->bytes + kSignalBytes, bytes);
+  return PeerError{};
+}
+
+}  // namespace
+
 PeerError peer_ll_dispatch_send(const LowLatencyArgs& out, cudaStream_t stream) {
   constexpr int op = 2;
+  const int R = out.num_ranks;
   int me;
   char* sym;
-  size_t bytes;
-  const int R = out.num_ranks;
-  PeerError error = prepare(op, R, &me, &sym, &bytes);
+  LowLatencyRegions r;
+  PeerError error = open_ll(op, R, out.num_tokens, out.top_k, out.num_experts, out.hidden,
+                            out.use_fp8, &me, &sym, &r);
   if (!error.ok()) return error;
-  const LowLatencyRegions r = ll_regions(sym, bytes, R, out.num_tokens, out.top_k,
-                                         out.num_experts, out.hidden, out.use_fp8);
-  if (r.bytes + kSignalBytes > bytes) return too_small(op, r.bytes + kSignalBytes, bytes);
   LowLatencyArgs a = out;
   a.first_rank = me;
   a.counts = r.counts;
@@ -346,76 +359,69 @@ PeerError peer_ll_dispatch_send(const LowLatencyArgs& out, cudaStream_t stream) 
   a.src_row = r.src_row;
   cudaError_t s = barrier(sym, me, R, op, stream);
   if (s == cudaSuccess) s = per_warp(LowLatencyCount<Peers>{a}, me, 1, a.num_experts + 1, stream);
-  if (s == cudaSuccess) s = barrier(sym, me, R, op, stream);
+  if (s == cudaSuccess) s = barrier(sym, me, R, op, stream);  // every rank's counts are here
   if (s == cudaSuccess) s = per_warp(LowLatencySend<Peers>{a}, me, 1, a.num_tokens, stream);
   return launched(op, s);
 }
 
 PeerError peer_ll_dispatch_recv(const LowLatencyArgs& out, cudaStream_t stream) {
   constexpr int op = 3;
+  const int R = out.num_ranks;
   int me;
   char* sym;
-  size_t bytes;
-  const int R = out.num_ranks;
-  PeerError error = prepare(op, R, &me, &sym, &bytes);
+  LowLatencyRegions r;
+  PeerError error = open_ll(op, R, out.num_tokens, out.top_k, out.num_experts, out.hidden,
+                            out.use_fp8, &me, &sym, &r);
   if (!error.ok()) return error;
-  const LowLatencyRegions r = ll_regions(sym, bytes, R, out.num_tokens, out.top_k,
-                                         out.num_experts, out.hidden, out.use_fp8);
-  if (r.bytes + kSignalBytes > bytes) return too_small(op, r.bytes + kSignalBytes, bytes);
   LowLatencyArgs a = out;
   a.first_rank = me;
   a.counts = r.counts;
   a.recv_x = r.recv_x;
   a.recv_scales = r.recv_scales;
   const int64_t slots = a.experts_per_rank() * a.slots();
+  const int64_t scale_bytes = a.use_fp8 ? slots * (a.hidden / kFp8Block) * 4 : 0;
   cudaError_t s = barrier(sym, me, R, op, stream);  // every message has arrived
   if (s == cudaSuccess) s = per_warp(LowLatencyFinish<Peers>{a}, me, 1, slots, stream);
   if (s == cudaSuccess) s = copy(out.recv_x, r.recv_x, slots * a.row_bytes(), stream);
-  if (s == cudaSuccess && a.use_fp8) {
-    s = copy(out.recv_scales, r.recv_scales, slots * (a.hidden / kFp8Block) * 4, stream);
-  }
+  if (s == cudaSuccess) s = copy(out.recv_scales, r.recv_scales, scale_bytes, stream);
   if (s == cudaSuccess) {
     s = copy(out.src_row, r.src_row, int64_t{4} * R * a.num_tokens * a.top_k, stream);
   }
   return launched(op, s);
 }
 
-PeerError peer_ll_combine_send(const LowLatencyCombineArgs& in, cudaStream_t stream) {
-  constexpr int op = 4;
+namespace {
+
+// Both halves of low-latency combine: the send pushes rows into the homes' staging slots
+// (after the homes are done with them), the receive sums them (after they all arrived).
+PeerError peer_ll_combine(int op, const LowLatencyCombineArgs& in, cudaStream_t stream) {
+  const int R = in.num_ranks;
   int me;
   char* sym;
-  size_t bytes;
-  const int R = in.num_ranks;
-  PeerError error = prepare(op, R, &me, &sym, &bytes);
+  LowLatencyRegions r;
+  PeerError error = open_ll(op, R, in.num_tokens, in.top_k, in.num_experts, in.hidden, false,
+                            &me, &sym, &r);
   if (!error.ok()) return error;
-  const LowLatencyRegions r = ll_regions(sym, bytes, R, in.num_tokens, in.top_k, in.num_experts,
-                                         in.hidden, false);
-  if (r.bytes + kSignalBytes > bytes) return too_small(op, r.bytes + kSignalBytes, bytes);
   LowLatencyCombineArgs a = in;
   a.first_rank = me;
   a.staging = r.staging;
-  cudaError_t s = barrier(sym, me, R, op, stream);  // homes are done with their staging
-  if (s == cudaSuccess) s = per_warp(LowLatencyCombineSend<Peers>{a}, me, 1, int64_t{R} * a.num_tokens, stream);
+  cudaError_t s = barrier(sym, me, R, op, stream);
+  if (s == cudaSuccess && op == 4) {
+    s = per_warp(LowLatencyCombineSend<Peers>{a}, me, 1, int64_t{R} * a.num_tokens, stream);
+  } else if (s == cudaSuccess) {
+    s = per_warp(LowLatencyCombineToken{a}, me, 1, a.num_tokens, stream);
+  }
   return launched(op, s);
 }
 
+}  // namespace
+
+PeerError peer_ll_combine_send(const LowLatencyCombineArgs& in, cudaStream_t stream) {
+  return peer_ll_combine(4, in, stream);
+}
+
 PeerError peer_ll_combine_recv(const LowLatencyCombineArgs& in, cudaStream_t stream) {
-  constexpr int op = 5;
-  int me;
-  char* sym;
-  size_t bytes;
-  const int R = in.num_ranks;
-  PeerError error = prepare(op, R, &me, &sym, &bytes);
-  if (!error.ok()) return error;
-  const LowLatencyRegions r = ll_regions(sym, bytes, R, in.num_tokens, in.top_k, in.num_experts,
-                                         in.hidden, false);
-  if (r.bytes + kSignalBytes > bytes) return too_small(op, r.bytes + kSignalBytes, bytes);
-  LowLatencyCombineArgs a = in;
-  a.first_rank = me;
-  a.staging = r.staging;
-  cudaError_t s = barrier(sym, me, R, op, stream);  // every row has come home
-  if (s == cudaSuccess) s = per_warp(LowLatencyCombineToken{a}, me, 1, a.num_tokens, stream);
-  return launched(op, s);
+  return peer_ll_combine(5, in, stream);
 }
 
 }  // namespace jax_ep::cuda
