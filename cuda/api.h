@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace jax_ep::cuda {
 
@@ -49,6 +50,17 @@ struct SymmetricBuffer {
   int num_ranks;
 };
 const SymmetricBuffer* symmetric_buffer();
+
+// Initializes NVSHMEM on CUDA device `device` as PE `rank` of `num_ranks` with the unique id of
+// rank 0, checks the host and device views of the PE numbering, and allocates a zeroed
+// symmetric buffer of `buffer_bytes`. Collective: every rank calls it. Returns an empty string
+// on success, else what failed. NVSHMEM ends the process when its bootstrap fails, so the
+// caller checks every precondition first.
+std::string runtime_initialize(const uint8_t* unique_id, int rank, int num_ranks, int device,
+                               size_t buffer_bytes);
+
+// Frees the symmetric buffer and finalizes NVSHMEM (collective). Empty string on success.
+std::string runtime_finalize();
 
 // Version of the NVSHMEM headers and device library compiled in.
 int nvshmem_version_major();

@@ -234,9 +234,6 @@ LowLatencyRegions ll_regions(char* symmetric, size_t total, int R, int T, int K,
 
 }  // namespace
 
-// Until the runtime defines it: no symmetric buffer (the peers path reports "initialize first").
-__attribute__((weak)) const SymmetricBuffer* symmetric_buffer() { return nullptr; }
-
 PeerError peer_dispatch(const DispatchArgs& out, cudaStream_t stream) {
   constexpr int op = 0;
   int me;

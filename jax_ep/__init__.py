@@ -4,7 +4,7 @@ The DeepEP contract (layout, dispatch, combine, low-latency dispatch/combine, FP
 backward) as shard_map-friendly functions with static shapes. See docs/contract.md.
 """
 
-from jax_ep import backends, fp8
+from jax_ep import backends, fp8, runtime, virtual
 from jax_ep.dispatch import combine, dispatch
 from jax_ep.layout import get_dispatch_layout
 from jax_ep.low_latency import (
@@ -15,7 +15,7 @@ from jax_ep.low_latency import (
     low_latency_dispatch_recv,
     low_latency_dispatch_send,
 )
-from jax_ep.runtime import finalize, initialize
+from jax_ep.runtime import BufferConfig, finalize, initialize
 from jax_ep.structs import (
     DispatchHandle,
     DispatchLayout,
@@ -27,6 +27,7 @@ from jax_ep.structs import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "BufferConfig",
     "DispatchHandle",
     "DispatchLayout",
     "LowLatencyHandle",
@@ -45,4 +46,6 @@ __all__ = [
     "low_latency_dispatch",
     "low_latency_dispatch_recv",
     "low_latency_dispatch_send",
+    "runtime",
+    "virtual",
 ]

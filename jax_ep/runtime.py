@@ -1,16 +1,117 @@
-"""Runtime of the CUDA backend: NVSHMEM and its symmetric buffers, one GPU per process.
+"""Runtime of the CUDA backend: NVSHMEM and its symmetric buffer, one GPU per process.
 
-The portable backend needs no initialization. The CUDA backend shares the NVSHMEM unique id
-through the `jax.distributed` key-value store and initializes NVSHMEM from inside our
-extension. NVSHMEM terminates the process when it cannot initialize, so every precondition
-is checked here first and reported as a Python exception.
+The portable backend needs no initialization, and neither does the CUDA backend with one rank
+or with virtual ranks (`jax_ep.virtual`). Between GPUs, every process calls
+`jax_ep.initialize()` once after `jax.distributed.initialize()`: process 0 draws an NVSHMEM
+unique id and shares it through the `jax.distributed` key-value store, every process
+initializes NVSHMEM from inside our extension (PE = `jax.process_index()`) and allocates one
+symmetric buffer sized for the largest call it will make (`BufferConfig`,
+`required_bytes`). The EP axis must
+then span every process. NVSHMEM terminates the process when it cannot initialize, so every
+precondition is checked here first and reported as a Python exception.
 """
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
+import itertools
+
 import jax
 
+SIGNAL_BYTES = 4096  # barrier signals at the start of the buffer (cuda/peer_exchange.cu)
+ALIGN = 256  # every region starts on this boundary
+KEY_TIMEOUT_MS = 10 * 60 * 1000
+
 _state: dict[str, object] = {}
+_generation = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferConfig:
+    """The largest call one rank will make; sizes the symmetric buffer.
+
+    Attributes:
+      num_tokens: T per rank, normal mode (DeepEP's training/prefill shape by default).
+      hidden: H.
+      top_k: K.
+      num_experts: E.
+      num_ranks: R, the EP group size; None: every process (`jax.process_count()`).
+      dtype_bytes: bytes per element of normal-mode rows (2 for bfloat16).
+      capacity: normal-mode rows (entries when `expert_major`) per rank; None: the op's default.
+      expert_major: size for the expert-major layout too (its default capacity is
+        R*T*min(K, E/R) entries, much larger than the rank-major R*T rows).
+      low_latency_tokens: T per rank, low-latency mode (0: no low-latency ops).
+    """
+
+    num_tokens: int = 4096
+    hidden: int = 7168
+    top_k: int = 8
+    num_experts: int = 256
+    num_ranks: int | None = None
+    dtype_bytes: int = 2
+    capacity: int | None = None
+    expert_major: bool = False
+    low_latency_tokens: int = 128
+
+    def ranks(self) -> int:
+        return jax.process_count() if self.num_ranks is None else self.num_ranks
+
+    def check(self) -> None:
+        for name in ("num_tokens", "hidden", "top_k", "num_experts", "dtype_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"BufferConfig.{name} must be a positive int; got {value!r}.")
+        if self.hidden % 128:
+            raise ValueError(f"BufferConfig.hidden must be a multiple of 128; got {self.hidden}.")
+        if self.num_experts % self.ranks():
+            raise ValueError(f"BufferConfig.num_experts ({self.num_experts}) must be a multiple "
+                             f"of the number of ranks ({self.ranks()}).")
+        if self.capacity is not None and self.capacity < 1:
+            raise ValueError(f"BufferConfig.capacity must be positive; got {self.capacity}.")
+        if self.low_latency_tokens < 0:
+            raise ValueError("BufferConfig.low_latency_tokens must be >= 0.")
+
+
+def _aligned(*sizes: int) -> int:
+    return sum(-(-size // ALIGN) * ALIGN for size in sizes)
+
+
+def buffer_regions(config: BufferConfig) -> dict[str, int]:
+    """Bytes of each region of the symmetric buffer (as cuda/peer_exchange.cu carves it)."""
+    config.check()
+    R, T, K, E, H = config.ranks(), config.num_tokens, config.top_k, config.num_experts, \
+        config.hidden
+    b, S, El = config.dtype_bytes, H // 128, E // R
+
+    def dispatch(cap: int, em: bool) -> int:  # counts, rows (+ FP8 scales), metadata
+        cols = 1 if em else K
+        rows = R * T if em else cap
+        return _aligned(R * (R + E) * 4, cap * H * b, cap * S * 4, cap * cols * 4,
+                        cap * cols * 4, rows * 4, R * T * 4, cap * 4 * em, cap * 4 * em,
+                        rows * K * 4 * em)
+
+    def combine(cap: int, em: bool) -> int:  # rows (or per-row partials), weights, src_row
+        return _aligned(0 if em else cap * H * b, 0 if em else cap * 4, R * T * 4,
+                        R * T * H * b if em else 0)
+
+    rank_major = config.capacity or R * T
+    normal = max(dispatch(rank_major, False), combine(rank_major, False))
+    if config.expert_major:
+        entries = config.capacity or R * T * min(K, El)
+        normal = max(normal, dispatch(entries, True), combine(entries, True))
+    TL = config.low_latency_tokens
+    low_latency = 0
+    if TL:
+        slots = El * R * TL
+        low_latency = _aligned(R * E * 4, slots * H * 2, slots * S * 4, R * TL * K * 4,
+                               TL * K * H * 2) + ALIGN
+    return {"signals": SIGNAL_BYTES, "normal": normal, "low_latency": low_latency}
+
+
+def required_bytes(config: BufferConfig) -> int:
+    """The symmetric bytes one rank needs for `config`."""
+    return sum(buffer_regions(config).values())
 
 
 def is_initialized() -> bool:
@@ -18,20 +119,37 @@ def is_initialized() -> bool:
     return bool(_state)
 
 
-def initialize() -> None:
-    """Prepares the CUDA backend for this process (one GPU per process).
+def state() -> dict | None:
+    """{'rank', 'num_ranks', 'buffer_bytes'} while initialized, else None."""
+    return dict(_state) if _state else None
+
+
+def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None = None) -> None:
+    """Sets up NVSHMEM for the CUDA backend between GPUs (one GPU per process; collective).
+
+    Args:
+      config: the largest call this process will make (default `BufferConfig()`, DeepEP's
+        shapes); the symmetric buffer gets `jax_ep.runtime.required_bytes(config)` bytes.
+      buffer_bytes: an explicit size instead of `config`.
 
     Raises:
-      RuntimeError: when there is no CUDA GPU, more than one local GPU, or the extension was
-        built without CUDA.
+      RuntimeError: no CUDA GPU, more than one local GPU, an extension without CUDA, already
+        initialized, or NVSHMEM failed (the message says which step).
+      ValueError: a bad config or both config and buffer_bytes.
     """
     op = "jax_ep.initialize"
+    if config is not None and buffer_bytes is not None:
+        raise ValueError(f"{op}: pass config or buffer_bytes, not both.")
+    if _state:
+        raise RuntimeError(f"{op}: already initialized ({_state}); call jax_ep.finalize() "
+                           f"first to change the buffer.")
     gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
     if not gpus:
         raise RuntimeError(
             f"{op}: no CUDA GPU is visible to JAX (local devices: "
-            f"{[d.platform for d in jax.local_devices()]}). The CUDA backend needs one GPU per "
-            f"process; without a GPU use backend='xla', which needs no initialization."
+            f"{[d.platform for d in jax.local_devices()]}). The CUDA backend between GPUs needs "
+            f"one GPU per process; without a GPU use backend='xla', which needs no "
+            f"initialization (jax_ep.virtual needs none either)."
         )
     if len(gpus) > 1:
         raise RuntimeError(
@@ -46,16 +164,46 @@ def initialize() -> None:
             f"{op}: jax_ep was built without CUDA kernels. Rebuild with nvcc on PATH: "
             f"pip install -C cmake.define.JAX_EP_CUDA=ON ."
         )
-    raise NotImplementedError(
-        f"{op}: the NVSHMEM runtime of the CUDA backend is not available in this version; "
-        f"use backend='xla'."
-    )
+    if buffer_bytes is None:
+        buffer_bytes = required_bytes(config or BufferConfig())
+    if not isinstance(buffer_bytes, int) or buffer_bytes <= SIGNAL_BYTES:
+        raise ValueError(f"{op}: buffer_bytes must be an int above {SIGNAL_BYTES}; got "
+                         f"{buffer_bytes!r}.")
+    rank, num_ranks = jax.process_index(), jax.process_count()
+    unique_id = _share_unique_id(op, rank, num_ranks, _ffi.EXT)
+    _ffi.EXT.runtime_initialize(unique_id, rank, num_ranks, gpus[0].local_hardware_id,
+                                buffer_bytes)
+    _state.update(rank=rank, num_ranks=num_ranks, buffer_bytes=buffer_bytes)
+
+
+def _share_unique_id(op: str, rank: int, num_ranks: int, ext) -> bytes:
+    """Process 0's NVSHMEM unique id, through the jax.distributed key-value store."""
+    if num_ranks == 1:
+        return ext.nvshmem_unique_id()
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError(f"{op}: {num_ranks} processes but no jax.distributed client; call "
+                           f"jax.distributed.initialize() first.")
+    key = f"jax_ep/nvshmem_unique_id/{next(_generation)}"
+    if rank == 0:
+        unique_id = ext.nvshmem_unique_id()
+        client.key_value_set_bytes(key, unique_id)
+        return unique_id
+    return client.blocking_key_value_get_bytes(key, KEY_TIMEOUT_MS)
 
 
 def finalize() -> None:
-    """Releases what `initialize()` set up; clears JAX's caches first (they hold executables
-    that reference the buffers). A no-op when not initialized."""
+    """Releases what `initialize()` set up (collective); clears JAX's caches first (they hold
+    executables that reference the buffer). A no-op when not initialized."""
     if not _state:
         return
     jax.clear_caches()
+    from jax_ep import _ffi
+
     _state.clear()
+    _ffi.EXT.runtime_finalize()
+
+
+atexit.register(finalize)

@@ -1,0 +1,65 @@
+"""The CUDA backend's runtime on a machine without a GPU: sizes, checks and clear errors.
+
+NVSHMEM itself is never initialized here (it would end the process without a GPU); the GPU
+check script (tools/gpu_check.sh) runs it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import jax_ep
+from jax_ep import _ffi, runtime
+
+
+def test_buffer_bytes_by_hand():
+    # R=2, T=4, K=2, E=4, H=128, bf16, T_ll=2; every region rounded up to 256 bytes.
+    config = runtime.BufferConfig(num_tokens=4, hidden=128, top_k=2, num_experts=4, num_ranks=2,
+                                  low_latency_tokens=2)
+    # Normal dispatch, 8 rows: counts 48, rows 2048, scales 32, idx 64, weights 64,
+    # recv_src 32, src_row 32 -> 256 + 2048 + 5 * 256 (combine needs less: 2560).
+    # Low latency, 8 slots: counts 32, rows 2048, scales 32, src_row 32, staging 1024, + 256.
+    assert runtime.buffer_regions(config) == {"signals": 4096, "normal": 3584,
+                                              "low_latency": 4096}
+    assert runtime.required_bytes(config) == 11776
+
+
+def test_expert_major_and_capacity_change_the_size():
+    base = dict(num_tokens=64, hidden=256, top_k=4, num_experts=16, num_ranks=4)
+    rank_major = runtime.required_bytes(runtime.BufferConfig(**base))
+    expert_major = runtime.required_bytes(runtime.BufferConfig(**base, expert_major=True))
+    small = runtime.required_bytes(runtime.BufferConfig(**base, capacity=16))
+    assert expert_major > rank_major > small
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("hidden", 100, "multiple of 128"),
+    ("num_experts", 6, "multiple of the number of ranks"),
+    ("top_k", 0, "positive int"),
+    ("capacity", 0, "capacity must be positive"),
+])
+def test_bad_config_names_the_field(field, value, message):
+    config = runtime.BufferConfig(num_ranks=4, **{field: value})
+    with pytest.raises(ValueError, match=message):
+        runtime.required_bytes(config)
+
+
+def test_initialize_without_gpu_explains_and_changes_nothing():
+    with pytest.raises(RuntimeError, match="no CUDA GPU.*backend='xla'"):
+        jax_ep.initialize(jax_ep.BufferConfig(num_ranks=1))
+    assert not runtime.is_initialized() and runtime.state() is None
+    with pytest.raises(ValueError, match="not both"):
+        jax_ep.initialize(jax_ep.BufferConfig(), buffer_bytes=1 << 20)
+    jax_ep.finalize()  # a no-op when not initialized
+
+
+@pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
+def test_extension_runtime_bindings_without_gpu():
+    assert _ffi.EXT.runtime_state() is None
+    if not _ffi.cuda_kernels_compiled():
+        with pytest.raises(RuntimeError, match="without the CUDA kernels"):
+            _ffi.EXT.runtime_initialize(b"\0" * 128, 0, 1, 0, 1 << 20)
+    else:
+        with pytest.raises(ValueError, match="128 bytes"):
+            _ffi.EXT.runtime_initialize(b"\0" * 3, 0, 1, 0, 1 << 20)
+        _ffi.EXT.runtime_finalize()  # nothing to finalize: no error
