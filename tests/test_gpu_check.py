@@ -1,0 +1,48 @@
+"""tools/gpu_check.sh and its report, exercised on this machine (no GPU): the steps that can
+run here run, the others are recorded as failed, and the report names every step."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_report_from_a_partial_run(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "steps.tsv").write_text("env\t0\t1\nbuild\t0\t90\nmemcheck\t1\t12\n")
+    (out / "env.log").write_text("NVIDIA H100 80GB HBM3, 580.0, 81559 MiB\ncuda 13.0\n")
+    (out / "memcheck.log").write_text("========= ERROR SUMMARY: 2 errors\n")
+    (out / "ptxas.log").write_text("file kernel hot regs\nexchange.cu k yes 40\ncheck_ptxas: ok\n")
+    (out / "gpu_tests.xml").write_text(
+        '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="0">'
+        '<testcase name="a"/><testcase name="b"><failure message="m">boom</failure></testcase>'
+        '<testcase name="c"/></testsuite></testsuites>')
+    reports = tmp_path / "reports"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_report.py"),
+                           str(out), str(reports)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    (md,) = reports.glob("*-nvidia-h100-80gb-hbm3-*.md")
+    text = md.read_text()
+    assert "| memcheck | 1 | 12 |" in text and "ERROR SUMMARY: 2 errors" in text
+    assert "3 run, 1 failed" in text and "boom" in text
+    record = json.loads(md.with_suffix(".json").read_text())
+    assert record["device"] == "NVIDIA H100 80GB HBM3"
+    assert [s["step"] for s in record["steps"]] == ["env", "build", "memcheck"]
+    assert (out / md.name).exists()
+
+
+def test_script_records_steps_it_cannot_run(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "JAX_EP_GPU_REPORT_DIR": str(tmp_path / "reports")}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "tools", "gpu_check.sh"), str(out), "env"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    steps = (out / "steps.tsv").read_text().split("\n")
+    assert steps[0].startswith("env\t"), steps
+    # No GPU here: nvidia-smi is missing, so the env step fails and so does the script.
+    assert proc.returncode != 0
+    assert list(out.glob("*.md")) and list((tmp_path / "reports").glob("*.json")), proc.stdout

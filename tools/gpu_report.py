@@ -1,0 +1,152 @@
+"""Writes the report of tools/gpu_check.sh: one markdown file and one JSON file.
+
+Run: python tools/gpu_report.py OUT_DIR [REPORT_DIR]
+Reads OUT_DIR/steps.tsv and the steps' logs and results, and writes
+REPORT_DIR/<date>-<device>-<commit>.{md,json} (default REPORT_DIR: docs/gpu), and copies of
+both into OUT_DIR.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def git(*args: str) -> str:
+    out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def steps(out_dir: str) -> list[dict]:
+    rows = []
+    for line in read(os.path.join(out_dir, "steps.tsv")).splitlines():
+        name, rc, seconds = line.split("\t")
+        rows.append({"step": name, "exit": int(rc), "seconds": int(seconds),
+                     "tail": read(os.path.join(out_dir, f"{name}.log")).splitlines()[-15:]})
+    return rows
+
+
+def junit(path: str) -> dict:
+    """Counts and failures of a JUnit XML file (pytest --junitxml)."""
+    if not os.path.exists(path):
+        return {}
+    root = ElementTree.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    failures = []
+    for case in suite.iter("testcase"):
+        for tag in ("failure", "error"):
+            node = case.find(tag)
+            if node is not None:
+                failures.append({"test": case.get("name"),
+                                 "message": (node.text or node.get("message") or "")[-1500:]})
+    return {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")} | {
+        "failed": failures}
+
+
+def sanitizer(log: str) -> str | None:
+    found = re.findall(r"=========\s*ERROR SUMMARY:.*", log)
+    return found[-1].strip("= ") if found else None
+
+
+def ptxas_table(log: str) -> list[str]:
+    lines = log.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("file ")), None)
+    return lines[start:] if start is not None else []
+
+
+def bench(path: str) -> dict | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        record = json.load(f)
+    rows = [{k: r.get(k) for k in ("op", "backend", "status", "gbps", "of_floor", "vs_xla")}
+            | {"median_s": r.get("time", {}).get("median")} for r in record["rows"]]
+    return {"command": record["command"], "device": record["device"],
+            "copy_bandwidth_Bps": record["copy_bandwidth_Bps"], "rows": rows}
+
+
+def markdown(report: dict) -> str:
+    out = [f"# GPU check, {report['date']}", "",
+           f"- device: {report['device']}", f"- commit: {report['commit']}",
+           f"- environment: {' / '.join(report['environment'])}", "",
+           "| step | exit | seconds |", "|---|---|---|"]
+    out += [f"| {s['step']} | {s['exit']} | {s['seconds']} |" for s in report["steps"]]
+    tests = report.get("gpu_tests") or {}
+    if tests:
+        out += ["", f"GPU tests: {tests['tests']} run, {tests['failures']} failed, "
+                    f"{tests['errors']} errors, {tests['skipped']} skipped."]
+        for failure in tests["failed"]:
+            out += ["", f"- `{failure['test']}`", "", "```", failure["message"], "```"]
+    for tool in ("memcheck", "racecheck"):
+        if report.get(tool):
+            out.append(f"- compute-sanitizer {tool}: {report[tool]}")
+    if report["ptxas"]:
+        out += ["", "Kernel resources (tools/check_ptxas.py):", "", "```", *report["ptxas"], "```"]
+    for name in ("bench_ep1", "bench_virtual"):
+        b = report.get(name)
+        if not b:
+            continue
+        out += ["", f"Benchmark `{b['command']}` (copy bandwidth "
+                    f"{b['copy_bandwidth_Bps'] / 1e9:.0f} GB/s):", "",
+                "| op | backend | median | GB/s | of floor | vs xla |", "|---|---|---|---|---|---|"]
+        for r in b["rows"]:
+            if r["status"] != "ok":
+                out.append(f"| {r['op']} | {r['backend']} | {r['status']} | | | |")
+                continue
+            vs = f"{r['vs_xla']:.2f}" if r["vs_xla"] is not None else "-"
+            out.append(f"| {r['op']} | {r['backend']} | {r['median_s'] * 1e6:.1f} us | "
+                       f"{r['gbps']:.1f} | {r['of_floor']:.2f} | {vs} |")
+    failed = [s for s in report["steps"] if s["exit"] != 0]
+    for s in failed:
+        out += ["", f"Step `{s['step']}` failed; the end of its log:", "", "```", *s["tail"], "```"]
+    return "\n".join(out) + "\n"
+
+
+def main(out_dir: str, report_dir: str) -> int:
+    env_log = read(os.path.join(out_dir, "env.log")).splitlines()
+    device = env_log[0].split(",")[0].strip() if env_log else "unknown device"
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    date = datetime.date.today().isoformat()
+    report = {
+        "date": date, "device": device, "commit": commit, "environment": env_log[:4],
+        "steps": steps(out_dir), "gpu_tests": junit(os.path.join(out_dir, "gpu_tests.xml")),
+        "memcheck": sanitizer(read(os.path.join(out_dir, "memcheck.log"))),
+        "racecheck": sanitizer(read(os.path.join(out_dir, "racecheck.log"))),
+        "ptxas": ptxas_table(read(os.path.join(out_dir, "ptxas.log"))),
+        "bench_ep1": bench(os.path.join(out_dir, "bench_ep1.json")),
+        "bench_virtual": bench(os.path.join(out_dir, "bench_virtual.json")),
+    }
+    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    base = os.path.join(report_dir, f"{date}-{slug}-{commit}")
+    os.makedirs(os.path.dirname(base), exist_ok=True)
+    with open(base + ".json", "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    with open(base + ".md", "w") as f:
+        f.write(markdown(report))
+    for suffix in (".md", ".json"):
+        shutil.copy(base + suffix, out_dir)
+    print(f"gpu_report: wrote {base}.md and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    sys.exit(main(args[0] if args else "gpu_check_out",
+                  args[1] if len(args) > 1 else os.path.join(ROOT, "docs", "gpu")))
