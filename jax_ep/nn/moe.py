@@ -1,0 +1,150 @@
+"""The MoE layer (Flax NNX): router, routed SwiGLU experts over expert parallelism, shared
+experts.
+
+Tokens are split over every axis of the mesh; the experts over the EP axis (expert e on EP
+rank e // (E/R)), replicated over the other axes, so each group of devices along the EP axis is
+one EP group. Inside `shard_map` each device routes its tokens, `jax_ep.dispatch`es them
+expert-major, runs its local experts with `jax.lax.ragged_dot` and `jax_ep.combine`s the
+weighted outputs home. The layer owns the parameters only; all communication is jax_ep's ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep.nn import router as routing
+from jax_ep.nn.router import RouterConfig
+
+
+class ExpertBias(nnx.Variable):
+    """The per-expert selection bias of auxiliary-loss-free balancing (not trained by
+    gradients: `MoE.update_bias` moves it from the observed load)."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MoEStats:
+    """What a forward pass observed.
+
+    Attributes:
+      load: float32 [E], choices per expert over the whole batch (all devices).
+      aux_loss: float32 [], the auxiliary balance loss (1.0 when balanced); add
+        `aux_loss_weight * aux_loss` to the training loss if you use it.
+      dropped: int32 [], expert entries dropped by the dispatch capacity (0 by default).
+    """
+
+    load: jax.Array
+    aux_loss: jax.Array
+    dropped: jax.Array
+
+
+def _swiglu(x, w_gate, w_up, w_down, group_sizes=None):
+    if group_sizes is None:
+        h = jax.nn.silu(x @ w_gate) * (x @ w_up)
+        return h @ w_down
+    gate = jax.lax.ragged_dot(x, w_gate, group_sizes)
+    up = jax.lax.ragged_dot(x, w_up, group_sizes)
+    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)
+
+
+class MoE(nnx.Module):
+    """A DeepSeek-V3-style MoE block with expert parallelism through jax_ep.
+
+    Args:
+      hidden: H, the model width.
+      ffn_hidden: width of each routed expert's SwiGLU (and of each shared expert).
+      router: the routing rule (`RouterConfig`: E, top-k, score, groups, scaling).
+      mesh: the device mesh; tokens are split over all its axes, experts over `ep_axis`.
+      ep_axis: the mesh axis of expert parallelism (its size must divide E).
+      num_shared_experts: experts every token goes through (0: none).
+      capacity: expert entries per device after dispatch (default: never drops).
+      bias_rate: step of the auxiliary-loss-free bias update.
+      backend: jax_ep backend ("auto", "xla", "cuda").
+      dtype: parameter and computation dtype.
+      rngs: nnx.Rngs for the initial parameters.
+    """
+
+    def __init__(self, hidden: int, ffn_hidden: int, router: RouterConfig, *, mesh: Mesh,
+                 ep_axis: str = "ep", num_shared_experts: int = 0, capacity: int | None = None,
+                 bias_rate: float = 1e-3,
+                 backend: Literal["auto", "xla", "cuda"] = "auto", dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        if ep_axis not in mesh.axis_names:
+            raise ValueError(f"MoE: ep_axis {ep_axis!r} is not an axis of the mesh "
+                             f"{mesh.axis_names}.")
+        if router.num_experts % mesh.shape[ep_axis]:
+            raise ValueError(f"MoE: num_experts ({router.num_experts}) must be a multiple of "
+                             f"the EP axis size ({mesh.shape[ep_axis]}).")
+        E, H, F = router.num_experts, hidden, ffn_hidden
+        self.config = router
+        self.mesh, self.ep_axis, self.capacity = mesh, ep_axis, capacity
+        self.bias_rate, self.backend = bias_rate, backend
+
+        def normal(key, shape, fan_in, spec=None):
+            value = (jax.random.normal(key, shape, jnp.float32) * fan_in**-0.5).astype(dtype)
+            return nnx.Param(jax.device_put(value, NamedSharding(mesh, spec or P())))
+
+        self.router = normal(rngs.params(), (H, E), H)
+        self.expert_bias = ExpertBias(jnp.zeros((E,), jnp.float32))
+        experts = P(ep_axis)  # expert e lives on EP rank e // (E/R)
+        self.w_gate = normal(rngs.params(), (E, H, F), H, experts)
+        self.w_up = normal(rngs.params(), (E, H, F), H, experts)
+        self.w_down = normal(rngs.params(), (E, F, H), F, experts)
+        S = num_shared_experts * F  # the shared experts as one SwiGLU of width S
+        self.shared = nnx.List([normal(rngs.params(), (H, S), H),
+                                normal(rngs.params(), (H, S), H),
+                                normal(rngs.params(), (S, H), S)]) if S else None
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
+        """x [..., H] -> (y [..., H], MoEStats). The token count must be a multiple of the
+        number of devices of the mesh."""
+        shape = x.shape
+        axes = tuple(self.mesh.axis_names)
+        tokens = x.reshape(-1, shape[-1])
+        placed = jax.typeof(tokens).sharding.spec  # restored on the way out
+        devices = self.mesh.size
+        if tokens.shape[0] % devices:
+            raise ValueError(f"MoE: {tokens.shape[0]} tokens do not split evenly over the "
+                             f"{devices} devices of the mesh; pad the batch.")
+        cfg, ep, E = self.config, self.ep_axis, self.config.num_experts
+        bias = jax.lax.stop_gradient(self.expert_bias[...])
+
+        def per_device(x, router_w, bias, w_gate, w_up, w_down):
+            idx, weights, s = routing.select(x @ router_w, cfg, bias)
+            recv, handle = jax_ep.dispatch(
+                x, idx, weights, num_experts=E, axis_name=ep, expert_major=True,
+                capacity=self.capacity, on_overflow="drop", backend=self.backend)
+            y = _swiglu(recv.x, w_gate, w_up, w_down, recv.group_sizes)
+            out = jax_ep.combine(y, handle, topk_weights=recv.topk_weights,
+                                 backend=self.backend)
+            load = jax.lax.psum(routing.expert_load(idx, E), axes)
+            aux = routing.balance_loss(load, jax.lax.pmean(jnp.mean(s, axis=0), axes))
+            dropped = jax.lax.psum(recv.num_dropped, axes)
+            return out, load, aux, dropped
+
+        run = jax.shard_map(
+            per_device, mesh=self.mesh,
+            in_specs=(P(axes), P(), P(), P(ep), P(ep), P(ep)),
+            out_specs=(P(axes), P(), P(), P()))
+        # Each operand placed as the program expects (a no-op when it already is).
+        operands = [jax.reshard(a, spec) for a, spec in zip(
+            (tokens, self.router[...], bias, self.w_gate[...], self.w_up[...],
+             self.w_down[...]), (P(axes), P(), P(), P(ep), P(ep), P(ep)), strict=True)]
+        out, load, aux, dropped = run(*operands)
+        if self.shared is not None:
+            out = out + _swiglu(tokens, *(w[...] for w in self.shared))
+        out = jax.reshard(out, placed).reshape(shape)
+        return out, MoEStats(load=load, aux_loss=aux, dropped=dropped)
+
+    def update_bias(self, load: jax.Array) -> None:
+        """Moves the selection bias toward balance from an observed `MoEStats.load`."""
+        self.expert_bias[...] = routing.updated_bias(self.expert_bias[...], load,
+                                                      self.bias_rate)

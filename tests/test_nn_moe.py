@@ -1,0 +1,112 @@
+"""jax_ep.nn.MoE against a dense MoE (every expert on every token, masked by the router),
+forward and gradients, on 1, 2, 4 and 8 CPU devices; and the routing rules."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_ep.nn import MoE, RouterConfig, router
+
+
+def dense_moe(p: dict, x, config: RouterConfig):
+    """The same layer without any communication: all experts on all tokens. `p` holds the
+    layer's parameters as plain arrays (router, expert_bias, w_gate, w_up, w_down, shared)."""
+    tokens = x.reshape(-1, x.shape[-1])
+    idx, weights, _ = router.select(tokens @ p["router"], config, p["expert_bias"])
+    gate = jnp.zeros((tokens.shape[0], config.num_experts)).at[
+        jnp.arange(tokens.shape[0])[:, None], idx].add(weights)
+    h = jax.nn.silu(jnp.einsum("th,ehf->tef", tokens, p["w_gate"])) * jnp.einsum(
+        "th,ehf->tef", tokens, p["w_up"])
+    y = jnp.einsum("tef,efh,te->th", h, p["w_down"], gate)
+    g, u, d = p["shared"]
+    y = y + (jax.nn.silu(tokens @ g) * (tokens @ u)) @ d
+    return y.reshape(x.shape)
+
+
+def plain_params(model: MoE) -> dict:
+    """The layer's parameters as host arrays, outside any mesh."""
+    get = lambda v: np.asarray(jax.device_get(v[...]))  # noqa: E731
+    return {"router": get(model.router), "expert_bias": get(model.expert_bias),
+            "w_gate": get(model.w_gate), "w_up": get(model.w_up), "w_down": get(model.w_down),
+            "shared": [get(w) for w in model.shared]}
+
+
+def make(ep: int, data: int = 1, **router_kw):
+    mesh = jax.make_mesh((data, ep), ("data", "ep"), devices=jax.devices()[: data * ep])
+    cfg = RouterConfig(**{"num_experts": 8, "top_k": 2, **router_kw})
+    return MoE(16, 12, cfg, mesh=mesh, num_shared_experts=1, backend="xla",
+               rngs=nnx.Rngs(0)), mesh
+
+
+@pytest.mark.parametrize("ep, data", [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2)])
+def test_matches_dense_forward_and_gradients(ep, data):
+    model, mesh = make(ep, data, score="sigmoid", num_groups=4, top_groups=2,
+                       routed_scaling=2.5)
+    x = np.asarray(jax.random.normal(jax.random.key(1), (4, 8, 16)))
+    p = plain_params(model)
+
+    def dense_loss(p, x):
+        return jnp.sum(jnp.sin(dense_moe(p, x, model.config)))
+
+    want = dense_moe(p, x, model.config)
+    w_p, w_x = jax.grad(dense_loss, argnums=(0, 1))(p, x)
+    with jax.set_mesh(mesh):
+        got = nnx.jit(lambda m, x: m(x)[0])(model, x)
+        g_model, g_x = nnx.jit(nnx.grad(lambda m, x: jnp.sum(jnp.sin(m(x)[0])),
+                                        argnums=(0, 1)))(model, x)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(g_x, w_x, rtol=1e-4, atol=1e-5)
+    for name in ("router", "w_gate", "w_up", "w_down"):
+        np.testing.assert_allclose(g_model[name][...], w_p[name], rtol=1e-4,
+                                   atol=1e-5, err_msg=name)
+    for i, want_w in enumerate(w_p["shared"]):
+        np.testing.assert_allclose(g_model["shared"][i][...], want_w, rtol=1e-4, atol=1e-5,
+                                   err_msg="shared")
+
+
+def test_stats_and_bias_update_move_toward_balance():
+    model, mesh = make(2)
+    model.bias_rate = 0.05
+    # Skewed tokens: most logits favour the same experts.
+    x = jax.random.normal(jax.random.key(2), (64, 16)) + 3.0 * model.router[...][:, 0]
+
+    @nnx.jit
+    def step(model, x):
+        _, stats = model(x)
+        model.update_bias(stats.load)
+        return stats
+
+    with jax.set_mesh(mesh):
+        first = step(model, x)
+        assert float(first.load.sum()) == 64 * 2 and int(first.dropped) == 0
+        assert float(first.aux_loss) > 1.0  # skewed
+        for _ in range(30):
+            stats = step(model, x)
+    assert float(stats.load.max()) < float(first.load.max())  # the hottest expert lost load
+    assert float(stats.aux_loss) < float(first.aux_loss)
+
+
+def test_group_limit_and_bias_rules():
+    cfg = RouterConfig(num_experts=8, top_k=2, num_groups=4, top_groups=1, score="sigmoid")
+    logits = jax.random.normal(jax.random.key(3), (32, 8))
+    idx, w, s = router.select(logits, cfg)
+    assert np.all(idx[:, 0] // 2 == idx[:, 1] // 2)  # both choices in one group
+    np.testing.assert_allclose(w.sum(1), 1.0, rtol=1e-6)  # sigmoid weights normalized
+    bias = jnp.zeros(8).at[7].set(10.0)
+    idx_b, w_b, _ = router.select(logits, RouterConfig(num_experts=8, top_k=2), bias)
+    assert np.all(np.any(idx_b == 7, axis=1))  # the bias steers the choice ...
+    scores = jax.nn.softmax(logits)
+    np.testing.assert_allclose(w_b, jnp.take_along_axis(scores, idx_b, 1))  # ... not weights
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"top_k": 9}, "top_k"), ({"num_groups": 3}, "num_groups"),
+    ({"num_groups": 4, "top_groups": 1, "top_k": 3}, "top_groups"), ({"score": "relu"}, "score"),
+])
+def test_router_config_errors(kw, message):
+    with pytest.raises(ValueError, match=message):
+        RouterConfig(**{"num_experts": 8, "top_k": 2, **kw})
