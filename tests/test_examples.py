@@ -10,10 +10,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run_example(name: str) -> str:
+def _run_example(name: str, *args: str) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", name)],
+        [sys.executable, os.path.join(ROOT, "examples", name), *args],
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -24,3 +24,12 @@ def test_quickstart_matches_dense_moe():
     out = _run_example("quickstart.py")
     error = float(re.search(r"max \|expert-parallel - dense\| = (\S+)", out).group(1))
     assert error < 1e-4, out
+
+
+def test_train_moe_runs_and_learns(tmp_path):
+    """A short run: the loss falls and the progress lines carry the numbers a user needs."""
+    out = _run_example("train_moe.py", "--steps", "12", "--log-every", "4", "--corpus-mb", "1",
+                       "--layers", "1", "--png", "")
+    losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
+    assert losses[-1] < losses[0], out
+    assert "tokens/s" in out and "expert load max/mean" in out and "unigram entropy" in out
