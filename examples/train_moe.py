@@ -8,6 +8,7 @@ is compared with the corpus's unigram entropy (what a model that ignores context
 
     python examples/train_moe.py                       # 8 CPU devices: data 2 x ep 4
     python examples/train_moe.py --steps 600 --backend cuda --png loss.png
+    python examples/train_moe.py --fp8 --width 128                  # FP8 dispatch
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ class Model(nnx.Module):
                               num_groups=args.groups, top_groups=max(1, args.groups // 2))
         self.blocks = nnx.List([
             Block(W, args.heads, MoE(W, args.ffn, router, mesh=mesh, num_shared_experts=1,
-                                     bias_rate=args.bias_rate, backend=args.backend,
-                                     rngs=rngs), rngs=rngs)
+                                     fp8_dispatch=args.fp8, bias_rate=args.bias_rate,
+                                     backend=args.backend, rngs=rngs), rngs=rngs)
             for _ in range(args.layers)])
         self.norm = nnx.RMSNorm(W, rngs=rngs)
 
@@ -110,6 +111,8 @@ def parse_args(argv):
     p.add_argument("--aux-loss", type=float, default=0.0, help="weight of the balance loss")
     p.add_argument("--bias-rate", type=float, default=1e-2, help="balancing bias step")
     p.add_argument("--backend", default="auto", choices=("auto", "xla", "cuda"))
+    p.add_argument("--fp8", action="store_true",
+                   help="dispatch tokens to the experts in FP8 (needs --width % 128 == 0)")
     p.add_argument("--corpus-mb", type=float, default=8.0)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--png", default="train_moe_loss.png", help="loss curve ('' for none)")

@@ -11,6 +11,7 @@ weighted outputs home. The layer owns the parameters only; all communication is 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Literal
 
 import jax
@@ -20,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
+from jax_ep import backends, fp8
 from jax_ep.nn import router as routing
 from jax_ep.nn.router import RouterConfig
 
@@ -46,6 +48,34 @@ class MoEStats:
     dropped: jax.Array
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dispatch_fp8(x, weights, idx, options: tuple):
+    """Expert-major dispatch whose rows travel as float8_e4m3fn with their scales and are
+    dequantized on arrival, while the backward pass travels in x's dtype (the practice of
+    FP8 training: only the forward dispatch is quantized). Returns (rows, received,
+    handle)."""
+    received, handle = jax_ep.dispatch(fp8.quantize(x), idx, weights, expert_major=True,
+                                       **dict(options))
+    return fp8.dequantize(received.x, received.scales, x.dtype), received, handle
+
+
+def _dispatch_fp8_fwd(x, weights, idx, options):
+    out = _dispatch_fp8(x, weights, idx, options)
+    return out, (out[2], out[1].topk_idx)
+
+
+def _dispatch_fp8_bwd(options, residuals, cotangents):
+    handle, received_idx = residuals
+    d_rows, d_received = cotangents[0], cotangents[1]
+    backend = dict(options)["backend"]
+    d_x = jax_ep.combine(d_rows, handle, backend=backend)  # dispatch's VJP: combine
+    to_sources = backends.function(backend, "dispatch", "weights_to_sources")
+    return d_x, to_sources(d_received.topk_weights, received_idx, handle), None
+
+
+_dispatch_fp8.defvjp(_dispatch_fp8_fwd, _dispatch_fp8_bwd)
+
+
 def _swiglu(x, w_gate, w_up, w_down, group_sizes=None):
     if group_sizes is None:
         h = jax.nn.silu(x @ w_gate) * (x @ w_up)
@@ -66,6 +96,8 @@ class MoE(nnx.Module):
       ep_axis: the mesh axis of expert parallelism (its size must divide E).
       num_shared_experts: experts every token goes through (0: none).
       capacity: expert entries per device after dispatch (default: never drops).
+      fp8_dispatch: send the tokens to the experts as float8_e4m3fn (one scale per 128
+        channels; H a multiple of 128); gradients still travel in the model's dtype.
       bias_rate: step of the auxiliary-loss-free bias update.
       backend: jax_ep backend ("auto", "xla", "cuda").
       dtype: parameter and computation dtype.
@@ -74,7 +106,7 @@ class MoE(nnx.Module):
 
     def __init__(self, hidden: int, ffn_hidden: int, router: RouterConfig, *, mesh: Mesh,
                  ep_axis: str = "ep", num_shared_experts: int = 0, capacity: int | None = None,
-                 bias_rate: float = 1e-3,
+                 fp8_dispatch: bool = False, bias_rate: float = 1e-3,
                  backend: Literal["auto", "xla", "cuda"] = "auto", dtype=jnp.float32,
                  rngs: nnx.Rngs):
         if ep_axis not in mesh.axis_names:
@@ -86,7 +118,9 @@ class MoE(nnx.Module):
         E, H, F = router.num_experts, hidden, ffn_hidden
         self.config = router
         self.mesh, self.ep_axis, self.capacity = mesh, ep_axis, capacity
-        self.bias_rate, self.backend = bias_rate, backend
+        self.bias_rate, self.backend, self.fp8_dispatch = bias_rate, backend, fp8_dispatch
+        if fp8_dispatch:
+            fp8.check_hidden("MoE", "the hidden size", hidden)
 
         def normal(key, shape, fan_in, spec=None):
             value = (jax.random.normal(key, shape, jnp.float32) * fan_in**-0.5).astype(dtype)
@@ -119,10 +153,15 @@ class MoE(nnx.Module):
 
         def per_device(x, router_w, bias, w_gate, w_up, w_down):
             idx, weights, s = routing.select(x @ router_w, cfg, bias)
-            recv, handle = jax_ep.dispatch(
-                x, idx, weights, num_experts=E, axis_name=ep, expert_major=True,
-                capacity=self.capacity, on_overflow="drop", backend=self.backend)
-            y = _swiglu(recv.x, w_gate, w_up, w_down, recv.group_sizes)
+            options = (("num_experts", E), ("axis_name", ep), ("capacity", self.capacity),
+                       ("on_overflow", "drop"), ("backend", backends.resolve(self.backend)))
+            if self.fp8_dispatch:
+                rows, recv, handle = _dispatch_fp8(x, weights, idx, options)
+            else:
+                recv, handle = jax_ep.dispatch(x, idx, weights, expert_major=True,
+                                               **dict(options))
+                rows = recv.x
+            y = _swiglu(rows, w_gate, w_up, w_down, recv.group_sizes)
             out = jax_ep.combine(y, handle, topk_weights=recv.topk_weights,
                                  backend=self.backend)
             load = jax.lax.psum(routing.expert_load(idx, E), axes)
