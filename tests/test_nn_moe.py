@@ -117,6 +117,24 @@ def test_backends_give_the_same_training_trajectory():
     assert losses["xla"][2] < losses["xla"][0]
 
 
+def test_masked_tokens_go_nowhere():
+    model, mesh = make(4)
+    x = np.asarray(jax.random.normal(jax.random.key(9), (2, 16, 16)))
+    mask = np.ones((2, 16), bool)
+    mask[1, 5:] = False  # padding
+    p = plain_params(model)
+    with jax.set_mesh(mesh):
+        y, stats = nnx.jit(lambda m, x, k: m(x, k))(model, x, mask)
+    assert float(stats.load.sum()) == mask.sum() * 2
+    g, u, d = p["shared"]
+    shared = (jax.nn.silu(x @ g) * (x @ u)) @ d
+    np.testing.assert_allclose(y[~mask], shared[~mask], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y[mask], dense_moe(p, x, model.config)[mask], rtol=2e-5,
+                               atol=2e-5)
+    with pytest.raises(ValueError, match="mask"):
+        model(x, mask[:, :3])
+
+
 def test_group_limit_and_bias_rules():
     cfg = RouterConfig(num_experts=8, top_k=2, num_groups=4, top_groups=1, score="sigmoid")
     logits = jax.random.normal(jax.random.key(3), (32, 8))

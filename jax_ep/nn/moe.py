@@ -137,12 +137,20 @@ class MoE(nnx.Module):
                                 normal(rngs.params(), (H, S), H),
                                 normal(rngs.params(), (S, H), S)]) if S else None
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None
+                 ) -> tuple[jax.Array, MoEStats]:
         """x [..., H] -> (y [..., H], MoEStats). The token count must be a multiple of the
-        number of devices of the mesh."""
+        number of devices of the mesh. `mask` (bool, x.shape[:-1]) marks real tokens: the
+        others (padding) go to no routed expert and count in no statistic."""
         shape = x.shape
         axes = tuple(self.mesh.axis_names)
         tokens = x.reshape(-1, shape[-1])
+        if mask is None:
+            mask = jnp.ones(shape[:-1], bool)
+        if mask.shape != shape[:-1]:
+            raise ValueError(f"MoE: mask must have the shape of x without its last axis, "
+                             f"{shape[:-1]}; got {mask.shape}.")
+        valid = mask.reshape(-1)
         placed = jax.typeof(tokens).sharding.spec  # restored on the way out
         devices = self.mesh.size
         if tokens.shape[0] % devices:
@@ -151,8 +159,9 @@ class MoE(nnx.Module):
         cfg, ep, E = self.config, self.ep_axis, self.config.num_experts
         bias = jax.lax.stop_gradient(self.expert_bias[...])
 
-        def per_device(x, router_w, bias, w_gate, w_up, w_down):
+        def per_device(x, valid, router_w, bias, w_gate, w_up, w_down):
             idx, weights, s = routing.select(x @ router_w, cfg, bias)
+            idx = jnp.where(valid[:, None], idx, -1)  # padding goes nowhere
             options = (("num_experts", E), ("axis_name", ep), ("capacity", self.capacity),
                        ("on_overflow", "drop"), ("backend", backends.resolve(self.backend)))
             if self.fp8_dispatch:
@@ -165,18 +174,21 @@ class MoE(nnx.Module):
             out = jax_ep.combine(y, handle, topk_weights=recv.topk_weights,
                                  backend=self.backend)
             load = jax.lax.psum(routing.expert_load(idx, E), axes)
-            aux = routing.balance_loss(load, jax.lax.pmean(jnp.mean(s, axis=0), axes))
+            count = jax.lax.psum(jnp.sum(valid, dtype=jnp.float32), axes)
+            mean_scores = jax.lax.psum(jnp.sum(s * valid[:, None], axis=0), axes)
+            aux = routing.balance_loss(load, mean_scores / jnp.maximum(count, 1.0))
             dropped = jax.lax.psum(recv.num_dropped, axes)
             return out, load, aux, dropped
 
         run = jax.shard_map(
             per_device, mesh=self.mesh,
-            in_specs=(P(axes), P(), P(), P(ep), P(ep), P(ep)),
+            in_specs=(P(axes), P(axes), P(), P(), P(ep), P(ep), P(ep)),
             out_specs=(P(axes), P(), P(), P()))
         # Each operand placed as the program expects (a no-op when it already is).
         operands = [jax.reshard(a, spec) for a, spec in zip(
-            (tokens, self.router[...], bias, self.w_gate[...], self.w_up[...],
-             self.w_down[...]), (P(axes), P(), P(), P(ep), P(ep), P(ep)), strict=True)]
+            (tokens, valid, self.router[...], bias, self.w_gate[...], self.w_up[...],
+             self.w_down[...]), (P(axes), P(axes), P(), P(), P(ep), P(ep), P(ep)),
+            strict=True)]
         out, load, aux, dropped = run(*operands)
         if self.shared is not None:
             out = out + _swiglu(tokens, *(w[...] for w in self.shared))
