@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -43,6 +44,7 @@ def test_script_records_steps_it_cannot_run(tmp_path):
                           capture_output=True, text=True, timeout=120, env=env)
     steps = (out / "steps.tsv").read_text().split("\n")
     assert steps[0].startswith("env\t"), steps
-    # No GPU here: nvidia-smi is missing, so the env step fails and so does the script.
-    assert proc.returncode != 0
+    # Without a GPU nvidia-smi is missing, so the env step fails and so does the script.
+    if shutil.which("nvidia-smi") is None:
+        assert proc.returncode != 0
     assert list(out.glob("*.md")) and list((tmp_path / "reports").glob("*.json")), proc.stdout
