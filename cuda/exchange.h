@@ -102,6 +102,19 @@ JAX_EP_HOST_DEVICE int32_t number_in_order(int64_t n, int lane, int lanes, const
   return running;
 }
 
+// Copies one rank's routing with invalid ids replaced by -1 and counts the invalid ones.
+JAX_EP_HOST_DEVICE void clean_routing(const int32_t* raw, int32_t* clean, int64_t entries,
+                                      int num_experts, int32_t* num_invalid, int lane,
+                                      int lanes) {
+  const int32_t invalid = number_in_order(
+      entries, lane, lanes, [&](int64_t i) { return is_invalid(raw[i], num_experts); },
+      [](int64_t, int32_t) {});
+  for (int64_t i = lane; i < entries; i += lanes) {
+    clean[i] = is_choice(raw[i], num_experts) ? raw[i] : -1;
+  }
+  if (lane == 0) *num_invalid = invalid;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Normal dispatch
 
@@ -174,12 +187,8 @@ JAX_EP_HOST_DEVICE void dispatch_count(const DispatchArgs& a, const Peers& peers
   const int64_t entries = static_cast<int64_t>(T) * K;
   const int32_t* raw = a.topk_idx + a.local(s) * entries;
   if (c == R + E) {
-    int32_t* clean = a.clean_idx + a.local(s) * entries;
-    const int32_t invalid = number_in_order(
-        entries, lane, lanes, [&](int64_t i) { return is_invalid(raw[i], E); },
-        [](int64_t, int32_t) {});
-    for (int64_t i = lane; i < entries; i += lanes) clean[i] = is_choice(raw[i], E) ? raw[i] : -1;
-    if (lane == 0) a.num_invalid[a.local(s)] = invalid;
+    clean_routing(raw, a.clean_idx + a.local(s) * entries, entries, E,
+                  a.num_invalid + a.local(s), lane, lanes);
     return;
   }
   int32_t count;
@@ -504,12 +513,8 @@ JAX_EP_HOST_DEVICE void ll_count(const LowLatencyArgs& a, const Peers& peers, in
   const int64_t entries = static_cast<int64_t>(T) * K;
   const int32_t* raw = a.topk_idx + a.local(s) * entries;
   if (c == E) {
-    int32_t* clean = a.clean_idx + a.local(s) * entries;
-    const int32_t invalid = number_in_order(
-        entries, lane, lanes, [&](int64_t i) { return is_invalid(raw[i], E); },
-        [](int64_t, int32_t) {});
-    for (int64_t i = lane; i < entries; i += lanes) clean[i] = is_choice(raw[i], E) ? raw[i] : -1;
-    if (lane == 0) a.num_invalid[a.local(s)] = invalid;
+    clean_routing(raw, a.clean_idx + a.local(s) * entries, entries, E,
+                  a.num_invalid + a.local(s), lane, lanes);
     return;
   }
   int32_t* offset = a.slot_offset + a.local(s) * entries;
