@@ -4,7 +4,7 @@ The DeepEP contract (layout, dispatch, combine, low-latency dispatch/combine, FP
 backward) as shard_map-friendly functions with static shapes. See docs/contract.md.
 """
 
-from jax_ep import backends, fp8, runtime, virtual
+from jax_ep import backends, fp8, overlap, profile, runtime, virtual
 from jax_ep.dispatch import combine, dispatch
 from jax_ep.layout import get_dispatch_layout
 from jax_ep.low_latency import (
@@ -46,6 +46,8 @@ __all__ = [
     "low_latency_dispatch",
     "low_latency_dispatch_recv",
     "low_latency_dispatch_send",
+    "overlap",
+    "profile",
     "runtime",
     "virtual",
 ]

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep import _checks, _runtime_checks, backends, fp8
+from jax_ep.profile import scoped
 from jax_ep.structs import DispatchHandle, Received
 
 
@@ -53,6 +54,7 @@ def _check_x(op: str, x, num_tokens: int) -> tuple[jax.Array, jax.Array | None]:
     return data, scales
 
 
+@scoped("jax_ep.dispatch")
 def dispatch(
     x: jax.Array | tuple[jax.Array, jax.Array],
     topk_idx: jax.Array,
@@ -148,6 +150,7 @@ def _dispatch_fwd(config, x, scales, topk_idx, topk_weights):
     return out, (handle, received.topk_idx)
 
 
+@scoped("jax_ep.dispatch.backward")
 def _dispatch_bwd(config, residuals, cotangents):
     handle, received_idx = residuals
     d_received = cotangents[0]
@@ -164,6 +167,7 @@ def _dispatch_bwd(config, residuals, cotangents):
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
+@scoped("jax_ep.combine")
 def combine(
     y: jax.Array,
     handle: DispatchHandle,
@@ -216,6 +220,7 @@ def _combine_fwd(backend, y, weights, handle):
     return _combine(backend, y, weights, handle), (y, weights, handle)
 
 
+@scoped("jax_ep.combine.backward")
 def _combine_bwd(backend, residuals, d_out):
     y, weights, handle = residuals
     rows = backends.function(backend, "combine", "rows_for_receivers")(d_out, handle)

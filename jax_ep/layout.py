@@ -5,9 +5,11 @@ from __future__ import annotations
 import jax
 
 from jax_ep import _checks, backends
+from jax_ep.profile import scoped
 from jax_ep.structs import DispatchLayout
 
 
+@scoped("jax_ep.get_dispatch_layout")
 def get_dispatch_layout(
     topk_idx: jax.Array, *, num_experts: int, axis_name: str = "ep", backend: str = "auto"
 ) -> DispatchLayout:

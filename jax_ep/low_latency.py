@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep import _checks, _runtime_checks, backends, fp8
+from jax_ep.profile import scoped
 from jax_ep.structs import (
     LowLatencyCombinePending,
     LowLatencyDispatchPending,
@@ -23,6 +24,7 @@ from jax_ep.structs import (
 )
 
 
+@scoped("jax_ep.low_latency_dispatch_send")
 def low_latency_dispatch_send(
     x: jax.Array,
     topk_idx: jax.Array,
@@ -60,6 +62,7 @@ def low_latency_dispatch_send(
     )
 
 
+@scoped("jax_ep.low_latency_dispatch_recv")
 def low_latency_dispatch_recv(
     pending: LowLatencyDispatchPending,
 ) -> tuple[LowLatencyReceived, LowLatencyHandle]:
@@ -108,6 +111,7 @@ def low_latency_dispatch(
     )
 
 
+@scoped("jax_ep.low_latency_combine_send")
 def low_latency_combine_send(
     y: jax.Array,
     topk_idx: jax.Array,
@@ -142,6 +146,7 @@ def low_latency_combine_send(
     )
 
 
+@scoped("jax_ep.low_latency_combine_recv")
 def low_latency_combine_recv(pending: LowLatencyCombinePending) -> jax.Array:
     """Completes a `low_latency_combine_send`; returns bfloat16 [T, H]."""
     if not isinstance(pending, LowLatencyCombinePending):

@@ -33,3 +33,18 @@ def test_train_moe_runs_and_learns(tmp_path):
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
     assert losses[-1] < losses[0], out
     assert "tokens/s" in out and "expert load max/mean" in out and "unigram entropy" in out
+
+
+def test_decode_overlap_is_exact(tmp_path):
+    out = _run_example("decode_overlap.py", "--ranks", "4", "--tokens", "22", "--repeat", "2",
+                       "--profile", str(tmp_path))
+    assert "overlapped == sequential bit for bit: True" in out, out
+    error = float(re.search(r"dense float64 reference\| = (\S+)", out).group(1))
+    assert error < 0.1, out  # bfloat16 output of magnitude ~4
+    assert (tmp_path / "trace.json").exists()
+
+
+def test_prefill_overlap_matches_one_batch():
+    out = _run_example("prefill_overlap.py", "--tokens", "128", "--repeat", "2")
+    assert "same expert load and drops: True" in out, out
+    assert float(re.search(r"max \|overlap - one batch\| = (\S+);", out).group(1)) < 1e-5

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep import backends, fp8
+from jax_ep.overlap import Comm, Compute
 from jax_ep.nn import router as routing
 from jax_ep.nn.router import RouterConfig
 
@@ -99,6 +100,9 @@ class MoE(nnx.Module):
       fp8_dispatch: send the tokens to the experts as float8_e4m3fn (one scale per 128
         channels; H a multiple of 128); gradients still travel in the model's dtype.
       bias_rate: step of the auxiliary-loss-free bias update.
+      overlap: split each device's tokens into two micro-batches and interleave them
+        (`jax_ep.overlap.run`) so that one's dispatch and combine can run under the
+        other's compute; the token count per device must then be even.
       backend: jax_ep backend ("auto", "xla", "cuda").
       dtype: parameter and computation dtype.
       rngs: nnx.Rngs for the initial parameters.
@@ -106,7 +110,7 @@ class MoE(nnx.Module):
 
     def __init__(self, hidden: int, ffn_hidden: int, router: RouterConfig, *, mesh: Mesh,
                  ep_axis: str = "ep", num_shared_experts: int = 0, capacity: int | None = None,
-                 fp8_dispatch: bool = False, bias_rate: float = 1e-3,
+                 fp8_dispatch: bool = False, bias_rate: float = 1e-3, overlap: bool = False,
                  backend: Literal["auto", "xla", "cuda"] = "auto", dtype=jnp.float32,
                  rngs: nnx.Rngs):
         if ep_axis not in mesh.axis_names:
@@ -119,6 +123,7 @@ class MoE(nnx.Module):
         self.config = router
         self.mesh, self.ep_axis, self.capacity = mesh, ep_axis, capacity
         self.bias_rate, self.backend, self.fp8_dispatch = bias_rate, backend, fp8_dispatch
+        self.overlap = overlap
         if fp8_dispatch:
             fp8.check_hidden("MoE", "the hidden size", hidden)
 
@@ -160,25 +165,45 @@ class MoE(nnx.Module):
         bias = jax.lax.stop_gradient(self.expert_bias[...])
 
         def per_device(x, valid, router_w, bias, w_gate, w_up, w_down):
-            idx, weights, s = routing.select(x @ router_w, cfg, bias)
-            idx = jnp.where(valid[:, None], idx, -1)  # padding goes nowhere
             options = (("num_experts", E), ("axis_name", ep), ("capacity", self.capacity),
                        ("on_overflow", "drop"), ("backend", backends.resolve(self.backend)))
-            if self.fp8_dispatch:
-                rows, recv, handle = _dispatch_fp8(x, weights, idx, options)
-            else:
-                recv, handle = jax_ep.dispatch(x, idx, weights, expert_major=True,
-                                               **dict(options))
-                rows = recv.x
-            y = _swiglu(rows, w_gate, w_up, w_down, recv.group_sizes)
-            out = jax_ep.combine(y, handle, topk_weights=recv.topk_weights,
-                                 backend=self.backend)
+
+            def route(c):
+                idx, weights, scores = routing.select(c["x"] @ router_w, cfg, bias)
+                idx = jnp.where(c["valid"][:, None], idx, -1)  # padding goes nowhere
+                return {**c, "idx": idx, "weights": weights, "scores": scores}
+
+            def send(c):
+                if self.fp8_dispatch:
+                    rows, recv, handle = _dispatch_fp8(c["x"], c["weights"], c["idx"], options)
+                else:
+                    recv, handle = jax_ep.dispatch(c["x"], c["idx"], c["weights"],
+                                                   expert_major=True, **dict(options))
+                    rows = recv.x
+                return {**c, "rows": rows, "recv": recv, "handle": handle}
+
+            def experts(c):
+                rows, recv = c.pop("rows"), c["recv"]
+                return {**c, "y": _swiglu(rows, w_gate, w_up, w_down, recv.group_sizes)}
+
+            def combine(c):
+                recv, handle = c.pop("recv"), c.pop("handle")
+                out = jax_ep.combine(c.pop("y"), handle, topk_weights=recv.topk_weights,
+                                     backend=self.backend)
+                return {**c, "out": out, "dropped": recv.num_dropped[None]}
+
+            block = [Compute("route", route), Comm("dispatch", send),
+                     Compute("experts", experts), Comm("combine", combine)]
+            inputs = {"x": x, "valid": valid}
+            schedule = jax_ep.overlap.run if self.overlap else jax_ep.overlap.apply
+            c = schedule(block, inputs)
+            valid, idx = c["valid"], c["idx"]
             load = jax.lax.psum(routing.expert_load(idx, E), axes)
             count = jax.lax.psum(jnp.sum(valid, dtype=jnp.float32), axes)
-            mean_scores = jax.lax.psum(jnp.sum(s * valid[:, None], axis=0), axes)
+            mean_scores = jax.lax.psum(jnp.sum(c["scores"] * valid[:, None], axis=0), axes)
             aux = routing.balance_loss(load, mean_scores / jnp.maximum(count, 1.0))
-            dropped = jax.lax.psum(recv.num_dropped, axes)
-            return out, load, aux, dropped
+            dropped = jax.lax.psum(jnp.sum(c["dropped"]), axes)
+            return c["out"], load, aux, dropped
 
         run = jax.shard_map(
             per_device, mesh=self.mesh,
