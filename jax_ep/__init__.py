@@ -4,7 +4,7 @@ The DeepEP contract (layout, dispatch, combine, low-latency dispatch/combine, FP
 backward) as shard_map-friendly functions with static shapes. See docs/contract.md.
 """
 
-from jax_ep import backends, fp8, overlap, profile, runtime, virtual
+from jax_ep import backends, eplb, fp8, overlap, profile, runtime, virtual
 from jax_ep.dispatch import combine, dispatch
 from jax_ep.layout import get_dispatch_layout
 from jax_ep.low_latency import (
@@ -36,6 +36,7 @@ __all__ = [
     "backends",
     "combine",
     "dispatch",
+    "eplb",
     "finalize",
     "fp8",
     "get_dispatch_layout",

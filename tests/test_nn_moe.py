@@ -182,3 +182,38 @@ def test_fp8_dispatch_forward_and_gradients():
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     error = np.linalg.norm(grads[0] - grads[1]) / np.linalg.norm(grads[1])
     assert 0 < error < 0.1, error
+
+
+def test_redundant_experts_balance_ranks_and_leave_results_unchanged():
+    """EPLB in the layer: replicas of hot experts even out the ranks' loads; outputs and
+    gradients equal the layer without replicas (replicas share their expert's weights)."""
+    mesh = jax.make_mesh((2, 4), ("data", "ep"))
+    cfg = RouterConfig(num_experts=8, top_k=2, num_groups=4, top_groups=2)
+    plain = MoE(16, 12, cfg, mesh=mesh, backend="xla", rngs=nnx.Rngs(0))
+    replicated = MoE(16, 12, cfg, mesh=mesh, backend="xla", redundant_experts=4,
+                     rngs=nnx.Rngs(0))
+    # Skewed tokens: most of them prefer the same experts.
+    x = jax.random.normal(jax.random.key(5), (96, 16)) + 2.5 * plain.router[...][:, 3]
+    loss = lambda m, x: jnp.sum(jnp.sin(m(x)[0]))  # noqa: E731
+    with jax.set_mesh(mesh):
+        forward = nnx.jit(lambda m, x: m(x))
+        want, stats = forward(plain, x)
+        replicated.rebalance(stats.load)
+        got, stats_r = forward(replicated, x)
+        g_plain = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(plain, x)
+        g_rep = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(replicated, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(stats_r.load, stats.load)  # logical load is unchanged
+    assert int(stats.rank_load.sum()) == int(stats_r.rank_load.sum()) == int(stats.load.sum())
+    before = float(stats.rank_load.max() / stats.rank_load.mean())
+    after = float(stats_r.rank_load.max() / stats_r.rank_load.mean())
+    print(f"EP rank load max/mean: {before:.2f} without replicas, {after:.2f} with 4")
+    assert before > 1.3 and after < before - 0.2
+    np.testing.assert_allclose(g_rep[1], g_plain[1], rtol=1e-4, atol=1e-6)
+    for name in ("router", "w_gate", "w_up", "w_down"):
+        np.testing.assert_allclose(g_rep[0][name][...], g_plain[0][name][...], rtol=1e-4,
+                                   atol=1e-6, err_msg=name)
+    with pytest.raises(ValueError, match="multiple of the EP axis size"):
+        MoE(16, 12, cfg, mesh=mesh, redundant_experts=3, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="no redundant experts"):
+        plain.rebalance(stats.load)

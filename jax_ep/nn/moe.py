@@ -16,12 +16,13 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import backends, fp8
+from jax_ep import backends, eplb, fp8
 from jax_ep.overlap import Comm, Compute
 from jax_ep.nn import router as routing
 from jax_ep.nn.router import RouterConfig
@@ -30,6 +31,11 @@ from jax_ep.nn.router import RouterConfig
 class ExpertBias(nnx.Variable):
     """The per-expert selection bias of auxiliary-loss-free balancing (not trained by
     gradients: `MoE.update_bias` moves it from the observed load)."""
+
+
+class ReplicaMap(nnx.Variable):
+    """A piece of the layer's redundant-expert placement (`jax_ep.eplb.ReplicaPlan`): not
+    trained, replaced by `MoE.rebalance`. Held as arrays so a new plan needs no recompile."""
 
 
 @jax.tree_util.register_dataclass
@@ -42,11 +48,14 @@ class MoEStats:
       aux_loss: float32 [], the auxiliary balance loss (1.0 when balanced); add
         `aux_loss_weight * aux_loss` to the training loss if you use it.
       dropped: int32 [], expert entries dropped by the dispatch capacity (0 by default).
+      rank_load: int32 [R], expert entries each EP rank received (summed over the other
+        mesh axes): the balance the devices see, after replication.
     """
 
     load: jax.Array
     aux_loss: jax.Array
     dropped: jax.Array
+    rank_load: jax.Array
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -100,6 +109,13 @@ class MoE(nnx.Module):
       fp8_dispatch: send the tokens to the experts as float8_e4m3fn (one scale per 128
         channels; H a multiple of 128); gradients still travel in the model's dtype.
       bias_rate: step of the auxiliary-loss-free bias update.
+      redundant_experts: extra physical experts holding copies of hot ones (EPLB); E plus
+        this must be a multiple of the EP axis size. `rebalance(stats.load)` places them;
+        replicas share their logical expert's parameters, so results do not change. Each
+        call gathers the replicas' weights from all experts (memory for every expert on
+        every device): meant for layers whose experts fit on one device.
+      num_nodes: nodes the EP group spans, for EPLB's hierarchical policy (groups of
+        experts kept on nodes when the nodes divide `router.num_groups`).
       overlap: split each device's tokens into two micro-batches and interleave them
         (`jax_ep.overlap.run`) so that one's dispatch and combine can run under the
         other's compute; the token count per device must then be even.
@@ -111,6 +127,7 @@ class MoE(nnx.Module):
     def __init__(self, hidden: int, ffn_hidden: int, router: RouterConfig, *, mesh: Mesh,
                  ep_axis: str = "ep", num_shared_experts: int = 0, capacity: int | None = None,
                  fp8_dispatch: bool = False, bias_rate: float = 1e-3, overlap: bool = False,
+                 redundant_experts: int = 0, num_nodes: int = 1,
                  backend: Literal["auto", "xla", "cuda"] = "auto", dtype=jnp.float32,
                  rngs: nnx.Rngs):
         if ep_axis not in mesh.axis_names:
@@ -124,6 +141,14 @@ class MoE(nnx.Module):
         self.mesh, self.ep_axis, self.capacity = mesh, ep_axis, capacity
         self.bias_rate, self.backend, self.fp8_dispatch = bias_rate, backend, fp8_dispatch
         self.overlap = overlap
+        R = mesh.shape[ep_axis]
+        if redundant_experts < 0 or (E + redundant_experts) % R:
+            raise ValueError(f"MoE: num_experts + redundant_experts ({E} + {redundant_experts})"
+                             f" must be a multiple of the EP axis size ({R}).")
+        self.placement = (E + redundant_experts, router.num_groups, num_nodes, R)
+        # Until the first rebalance, placed as if every expert were as hot as the others.
+        self.replicas = nnx.List([ReplicaMap(jnp.asarray(a)) for a in self._plan(
+            np.ones(E))]) if redundant_experts else None
         if fp8_dispatch:
             fp8.check_hidden("MoE", "the hidden size", hidden)
 
@@ -164,20 +189,27 @@ class MoE(nnx.Module):
         cfg, ep, E = self.config, self.ep_axis, self.config.num_experts
         bias = jax.lax.stop_gradient(self.expert_bias[...])
 
-        def per_device(x, valid, router_w, bias, w_gate, w_up, w_down):
-            options = (("num_experts", E), ("axis_name", ep), ("capacity", self.capacity),
+        num_physical = self.placement[0]
+
+        def per_device(x, valid, router_w, bias, w_gate, w_up, w_down, *maps):
+            log2phy, logcnt = maps if maps else (None, None)
+            options = (("num_experts", num_physical), ("axis_name", ep), ("capacity", self.capacity),
                        ("on_overflow", "drop"), ("backend", backends.resolve(self.backend)))
 
             def route(c):
                 idx, weights, scores = routing.select(c["x"] @ router_w, cfg, bias)
                 idx = jnp.where(c["valid"][:, None], idx, -1)  # padding goes nowhere
-                return {**c, "idx": idx, "weights": weights, "scores": scores}
+                physical = idx if log2phy is None else eplb.choose_replicas(
+                    idx, log2phy, logcnt, offset=jax.lax.axis_index(ep))
+                return {**c, "idx": idx, "physical": physical, "weights": weights,
+                        "scores": scores}
 
             def send(c):
                 if self.fp8_dispatch:
-                    rows, recv, handle = _dispatch_fp8(c["x"], c["weights"], c["idx"], options)
+                    rows, recv, handle = _dispatch_fp8(c["x"], c["weights"], c["physical"],
+                                                       options)
                 else:
-                    recv, handle = jax_ep.dispatch(c["x"], c["idx"], c["weights"],
+                    recv, handle = jax_ep.dispatch(c["x"], c["physical"], c["weights"],
                                                    expert_major=True, **dict(options))
                     rows = recv.x
                 return {**c, "rows": rows, "recv": recv, "handle": handle}
@@ -190,7 +222,8 @@ class MoE(nnx.Module):
                 recv, handle = c.pop("recv"), c.pop("handle")
                 out = jax_ep.combine(c.pop("y"), handle, topk_weights=recv.topk_weights,
                                      backend=self.backend)
-                return {**c, "out": out, "dropped": recv.num_dropped[None]}
+                return {**c, "out": out, "dropped": recv.num_dropped[None],
+                        "received": jnp.sum(recv.tokens_per_expert)[None]}
 
             block = [Compute("route", route), Comm("dispatch", send),
                      Compute("experts", experts), Comm("combine", combine)]
@@ -203,22 +236,44 @@ class MoE(nnx.Module):
             mean_scores = jax.lax.psum(jnp.sum(c["scores"] * valid[:, None], axis=0), axes)
             aux = routing.balance_loss(load, mean_scores / jnp.maximum(count, 1.0))
             dropped = jax.lax.psum(jnp.sum(c["dropped"]), axes)
-            return c["out"], load, aux, dropped
+            here = jax.nn.one_hot(jax.lax.axis_index(ep), self.placement[3], dtype=jnp.int32)
+            rank_load = jax.lax.psum(here * jnp.sum(c["received"]), axes)
+            return c["out"], load, aux, dropped, rank_load
 
-        run = jax.shard_map(
-            per_device, mesh=self.mesh,
-            in_specs=(P(axes), P(axes), P(), P(), P(ep), P(ep), P(ep)),
-            out_specs=(P(axes), P(), P(), P()))
+        weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        maps = ()
+        if self.replicas is not None:  # one weight block per physical expert, and the maps
+            phy2log, log2phy, logcnt = (m[...] for m in self.replicas)
+            # Gathered from the whole logical set (an all-gather over the EP axis per call):
+            # simple and exact for gradients, but it holds every expert on every device.
+            weights = eplb.physical_expert_weights(
+                tuple(jax.reshard(w, P()) for w in weights), phy2log)
+            maps = (log2phy, logcnt)
+        specs = (P(axes), P(axes), P(), P(), P(ep), P(ep), P(ep)) + (P(),) * len(maps)
+        run = jax.shard_map(per_device, mesh=self.mesh, in_specs=specs,
+                            out_specs=(P(axes), P(), P(), P(), P()))
         # Each operand placed as the program expects (a no-op when it already is).
         operands = [jax.reshard(a, spec) for a, spec in zip(
-            (tokens, valid, self.router[...], bias, self.w_gate[...], self.w_up[...],
-             self.w_down[...]), (P(axes), P(axes), P(), P(), P(ep), P(ep), P(ep)),
-            strict=True)]
-        out, load, aux, dropped = run(*operands)
+            (tokens, valid, self.router[...], bias, *weights, *maps), specs, strict=True)]
+        out, load, aux, dropped, rank_load = run(*operands)
         if self.shared is not None:
             out = out + _swiglu(tokens, *(w[...] for w in self.shared))
         out = jax.reshard(out, placed).reshape(shape)
-        return out, MoEStats(load=load, aux_loss=aux, dropped=dropped)
+        return out, MoEStats(load=load, aux_loss=aux, dropped=dropped,
+                             rank_load=rank_load)
+
+    def _plan(self, load) -> tuple:
+        plan = eplb.ReplicaPlan.build(np.asarray(load, np.float64), *self.placement)
+        return plan.phy2log, plan.log2phy, plan.logcnt
+
+    def rebalance(self, load: jax.Array) -> None:
+        """Places the redundant experts for an observed `MoEStats.load` (or a moving average
+        of it) with DeepSeek's EPLB policy; runs on the host, between steps."""
+        if self.replicas is None:
+            raise ValueError("MoE.rebalance: the layer has no redundant experts; construct "
+                             "it with redundant_experts > 0.")
+        for variable, value in zip(self.replicas, self._plan(load), strict=True):
+            variable[...] = jnp.asarray(value, variable[...].dtype)
 
     def update_bias(self, load: jax.Array) -> None:
         """Moves the selection bias toward balance from an observed `MoEStats.load`."""
