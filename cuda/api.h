@@ -48,6 +48,7 @@ struct SymmetricBuffer {
   size_t bytes;
   int rank;
   int num_ranks;
+  int generation;  // counts initializations: per-buffer state elsewhere starts over on a change
 };
 const SymmetricBuffer* symmetric_buffer();
 

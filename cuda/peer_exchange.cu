@@ -53,6 +53,7 @@ struct State {
   PeerStatus* device_status = nullptr;  // the same memory, as the device sees it
   uint64_t* epoch = nullptr;            // device counter of barriers passed
   uint64_t timeout_ns = 60ull * 1000 * 1000 * 1000;
+  int generation = 0;                   // the symmetric buffer the state above belongs to
 };
 
 State& state() {
@@ -139,21 +140,28 @@ PeerError prepare(int op, int num_ranks, int* me, char** symmetric, size_t* byte
                      " ranks are supported"};
   }
   State& st = state();
-  if (st.status == nullptr) {
+  if (st.status == nullptr) {  // once per process: the status word and the epoch counter
     void* host = nullptr;
     if (cudaHostAlloc(&host, sizeof(PeerStatus), cudaHostAllocMapped) != cudaSuccess ||
         cudaHostGetDevicePointer(reinterpret_cast<void**>(&st.device_status), host, 0) !=
             cudaSuccess ||
-        cudaMalloc(&st.epoch, sizeof(uint64_t)) != cudaSuccess ||
-        cudaMemset(st.epoch, 0, sizeof(uint64_t)) != cudaSuccess) {
+        cudaMalloc(&st.epoch, sizeof(uint64_t)) != cudaSuccess) {
       return PeerError{std::string(kOpNames[op]) + ": cannot allocate the barrier state"};
     }
     st.status = static_cast<PeerStatus*>(host);
-    *st.status = PeerStatus{0, 0, 0};
     if (const char* env = std::getenv("JAX_EP_TIMEOUT_S")) {
       const double seconds = std::atof(env);
       if (seconds > 0) st.timeout_ns = static_cast<uint64_t>(seconds * 1e9);
     }
+  }
+  if (st.generation != buffer->generation) {
+    // A new initialize(): its buffer's signals are zero, so barriers count from zero again,
+    // an old timeout no longer applies, and the new group's peers must be checked.
+    if (cudaMemset(st.epoch, 0, sizeof(uint64_t)) != cudaSuccess ||
+        cudaDeviceSynchronize() != cudaSuccess) {
+      return PeerError{std::string(kOpNames[op]) + ": cannot reset the barrier state"};
+    }
+    *st.status = PeerStatus{0, 0, 0};
     // Every peer must be reachable by loads and stores (NVLink / P2P).
     for (int p = 0; p < num_ranks; ++p) {
       if (nvshmem_ptr(buffer->ptr, p) == nullptr) {
@@ -162,6 +170,7 @@ PeerError prepare(int op, int num_ranks, int* me, char** symmetric, size_t* byte
                          "exchanges only between such GPUs"};
       }
     }
+    st.generation = buffer->generation;
   }
   const volatile PeerStatus* report = st.status;  // written by the device
   if (report->code != 0) {

@@ -31,6 +31,7 @@ namespace {
 
 SymmetricBuffer g_buffer{};
 bool g_initialized = false;
+int g_generation = 0;
 
 std::string cuda_failure(const char* what, cudaError_t status) {
   return std::string(what) + ": " + cudaGetErrorName(status) + ": " + cudaGetErrorString(status);
@@ -81,7 +82,7 @@ std::string runtime_initialize(const uint8_t* unique_id, int rank, int num_ranks
   if (status == cudaSuccess) status = cudaDeviceSynchronize();
   if (status != cudaSuccess) return cuda_failure("clearing the symmetric buffer", status);
   nvshmem_barrier_all();  // every rank's buffer is clear before anyone signals into it
-  g_buffer = SymmetricBuffer{buffer, buffer_bytes, rank, num_ranks};
+  g_buffer = SymmetricBuffer{buffer, buffer_bytes, rank, num_ranks, ++g_generation};
   g_initialized = true;
   return "";
 }
