@@ -48,3 +48,10 @@ def test_prefill_overlap_matches_one_batch():
     out = _run_example("prefill_overlap.py", "--tokens", "128", "--repeat", "2")
     assert "same expert load and drops: True" in out, out
     assert float(re.search(r"max \|overlap - one batch\| = (\S+);", out).group(1)) < 1e-5
+
+
+def test_train_dualpipe_matches_sequential_and_learns():
+    out = _run_example("train_dualpipe.py", "--steps", "12", "--log-every", "6")
+    assert "pipeline losses == sequential model losses bit for bit: True" in out, out
+    losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
+    assert len(losses) == 3 and losses[-1] < losses[0], out

@@ -226,15 +226,25 @@ def pipeline_step(
         params = jax.tree.map(lambda p: p[0], params)  # [1, C, ...] -> [C, ...]
         me = jax.lax.axis_index(axis_name)
         chunk_params = lambda c: jax.tree.map(lambda p: p[c], params)  # noqa: E731
-        # Every rank's buffers differ: typed as varying over the axis from the start.
-        vary = lambda tree: jax.tree.map(  # noqa: E731
-            lambda a: jax.lax.pcast(a, (axis_name,), to="varying"), tree
-        )
+        # The buffers differ per rank and hold data that varies over the mesh axes the
+        # inputs and parameters vary over (e.g. "ep" too): typed so from the start.
+        axes = _varying_axes((params, inputs, targets)) | {axis_name}
+        def vary(tree):
+            def leaf(a):
+                missing = tuple(sorted(axes - _varying_axes(a)))
+                return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+            return jax.tree.map(leaf, tree)
+
         buffers = jnp.zeros((params_chunks(params), M) + inputs.shape[1:], inputs.dtype)
-        state = {
-            **vary({"acts": buffers, "grads": buffers, "losses": jnp.zeros((M,), jnp.float32)}),
-            "dparams": jax.tree.map(jnp.zeros_like, params),
-        }
+        state = vary(
+            {
+                "acts": buffers,
+                "grads": buffers,
+                "losses": jnp.zeros((M,), jnp.float32),
+                "dparams": jax.tree.map(jnp.zeros_like, params),
+            }
+        )
         zero = vary(jnp.int32(0))
         nothing = (vary(jnp.zeros(inputs.shape[1:], inputs.dtype)), zero, zero, zero)
         # A message: (payload, valid, receiving local chunk, micro-batch).
@@ -301,7 +311,8 @@ def pipeline_step(
         def idle(state, m, c, bm, bc):
             return state, nothing, zero, nothing, zero
 
-        branches = [idle, do_f, do_b, do_w, do_bw, do_fb]
+        # Every branch's outputs typed alike (lax.switch requires it).
+        branches = [lambda *a, b=b: vary(b(*a)) for b in (idle, do_f, do_b, do_w, do_bw, do_fb)]
 
         def tick(state, row):
             code, m, c, bm, bc = (column[me] for column in row)
@@ -330,6 +341,16 @@ def pipeline_step(
         return losses, jax.tree.map(lambda g: g[None], grads)
 
     return step
+
+
+def _varying_axes(tree: Any) -> set[str]:
+    """The mesh axes any leaf of `tree` varies over (inside shard_map)."""
+    axes: set[str] = set()
+    for leaf in jax.tree.leaves(tree):
+        aval = jax.typeof(leaf)
+        vma = getattr(aval, "vma", None)
+        axes |= set(vma if vma is not None else aval.manual_axis_type.varying)
+    return axes
 
 
 def params_chunks(params: Any) -> int:
