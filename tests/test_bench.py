@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -104,3 +105,22 @@ def test_bench_runs_every_op(tmp_path):
     assert {(r["op"], r["backend"]) for r in record["rows"]} == {
         (op, backend) for op in OPS for backend in jax_ep.backends.BACKENDS
     }
+
+
+def test_bench_prints_the_performance_model(tmp_path):
+    """Each modelled row carries jax_ep.perfmodel's prediction for the chosen hardware."""
+    from jax_ep import perfmodel
+
+    proc, record = _run_bench(tmp_path, "--model", "H800", "--ops", "dispatch", "ll_combine",
+                              "--backends", "xla")
+    assert record["model_hardware"] == "H800" and "--model H800" in record["command"]
+    assert "model: jax_ep.perfmodel's prediction for H800" in " ".join(proc.stdout.split())
+    rows = {r["op"]: r for r in record["rows"]}
+    config = perfmodel.Config(num_tokens=16, hidden=128, num_topk=4, num_experts=16,
+                              num_ranks=8, fp8_dispatch=True)
+    want = perfmodel.predict(config, perfmodel.H800, mode="normal").dispatch_s
+    assert rows["dispatch_fp8"]["model_s"] == want
+    ll = perfmodel.predict(dataclasses.replace(config, num_tokens=8, fp8_dispatch=False),
+                           perfmodel.H800, mode="low_latency")
+    assert rows["ll_combine"]["model_s"] == ll.combine_s
+    assert "layout" not in rows  # not asked for; and the model has no layout row

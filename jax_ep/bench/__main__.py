@@ -76,6 +76,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed calls after the compiling one")
     p.add_argument("--repeat", type=int, help="timed calls per op (default 10 on CPU, 50 on GPU)")
     p.add_argument("--seed", type=int, default=0, help="seed of the routing and the tokens")
+    p.add_argument(
+        "--model",
+        default="auto",
+        choices=("auto", "H800", "H100", "H200"),
+        help="hardware of the performance model's column (jax_ep.perfmodel). auto: this "
+        "machine's copy bandwidth when one memory holds every rank (CPU devices, --virtual), "
+        "else the GPU's preset",
+    )
     p.add_argument("--json", metavar="PATH", help="write every number to PATH")
     args = p.parse_args(argv)
     if (args.repeat is not None and args.repeat < 1) or args.warmup < 0:
@@ -105,6 +113,8 @@ def rerun_command(args: argparse.Namespace, settings: dict[str, Any]) -> str:
         words += ["--ops", *args.ops]
     if args.backends:
         words += ["--backends", *args.backends]
+    if args.model != "auto":
+        words += ["--model", args.model]
     if args.json:
         words += ["--json", args.json]
     return shlex.join(words)
@@ -157,6 +167,50 @@ def run_case(
     }
 
 
+# Which prediction of jax_ep.perfmodel each op is: (mode, FP8 dispatch, parts).
+MODELLED = {
+    "dispatch": ("normal", False, ("dispatch",)),
+    "dispatch_fp8": ("normal", True, ("dispatch",)),
+    "combine": ("normal", False, ("combine",)),
+    "dispatch+combine": ("normal", False, ("dispatch", "combine")),
+    "ll_dispatch": ("low_latency", False, ("dispatch",)),
+    "ll_dispatch_fp8": ("low_latency", True, ("dispatch",)),
+    "ll_combine": ("low_latency", False, ("combine",)),
+    "ll_round_trip": ("low_latency", False, ("dispatch", "combine")),
+}
+
+
+def model_hardware(choice: str, shared: bool, device_kind: str, bandwidth: float) -> Any:
+    """The perfmodel hardware of the "model" column (see --model)."""
+    from jax_ep import perfmodel
+
+    if choice != "auto":
+        return perfmodel.PRESETS[choice]
+    if shared:
+        return perfmodel.SharedDevice("this machine, all ranks", copy_gbps=bandwidth / 1e9)
+    return next((perfmodel.PRESETS[n] for n in ("H800", "H200", "H100") if n in device_kind),
+                perfmodel.H100)
+
+
+def add_predictions(rows: list[dict[str, Any]], setup: Any, hardware: Any) -> None:
+    """Adds model_s, jax_ep.perfmodel's time for the row's op at this run's sizes (uniform
+    routing assumed), to every row whose op the model covers."""
+    from jax_ep import perfmodel
+
+    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[setup.dtype]
+    for r in rows:
+        if r["op"] not in MODELLED:
+            continue
+        mode, use_fp8, parts = MODELLED[r["op"]]
+        low_latency = mode == "low_latency"
+        config = perfmodel.Config(
+            num_tokens=setup.ll_tokens if low_latency else setup.tokens, hidden=setup.hidden,
+            num_topk=setup.top_k, num_experts=setup.experts, num_ranks=setup.ranks,
+            fp8_dispatch=use_fp8, dtype_bytes=2 if low_latency else itemsize)
+        prediction = perfmodel.predict(config, hardware, mode=mode)
+        r["model_s"] = sum(getattr(prediction, f"{part}_s") for part in parts)
+
+
 def add_ratios(rows: list[dict[str, Any]], bandwidth: float, shared_memory_ranks: int) -> None:
     """Adds floor_s, of_floor and vs_xla to the timed rows (vs_xla None where not timed).
 
@@ -181,7 +235,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     """One line per (op, backend); rows not timed show their status ("n/a", "error")."""
     header = (
         f"{'op':<17} {'backend':<8} {'time':>10} {'bytes/rank':>11} {'GB/s':>8} "
-        f"{'floor':>10} {'of floor':>9} {'vs xla':>7}"
+        f"{'floor':>10} {'of floor':>9} {'vs xla':>7} {'model':>10}"
     )
     print(header)
     print("-" * len(header))
@@ -191,14 +245,16 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             print(line + f"{r['status']:>10}")
             continue
         vs_xla = f"{r['vs_xla']:.2f}" if r["vs_xla"] is not None else "-"
+        model = fmt_time(r["model_s"]) if "model_s" in r else "-"
         print(
             line + f"{fmt_time(r['time']['median']):>10} {fmt_bytes(r['bytes_per_rank']):>11} "
             f"{r['gbps']:>8.3g} {fmt_time(r['floor_s']):>10} {r['of_floor']:>9.3g} "
-            f"{vs_xla:>7}"
+            f"{vs_xla:>7} {model:>10}"
         )
 
 
-def footnote(bandwidth: float, shared: bool, backends: list[str], on_cpu: bool) -> list[str]:
+def footnote(bandwidth: float, shared: bool, backends: list[str], on_cpu: bool,
+             hardware: Any) -> list[str]:
     """Paragraphs explaining the table's columns."""
     scope = "all R ranks' bytes: the ranks share one memory" if shared else "per GPU"
     lines = [
@@ -214,6 +270,8 @@ def footnote(bandwidth: float, shared: bool, backends: list[str], on_cpu: bool) 
         f"({bandwidth / 1e9:.1f} GB/s counting read + write; {scope}); of floor = floor / time "
         f"(1.0 = at the floor).",
         "vs xla: time / the xla backend's time for the same op (below 1 = faster than xla).",
+        f"model: jax_ep.perfmodel's prediction for {hardware.name} (uniform routing; "
+        "docs/perfmodel.md; --model picks the hardware).",
         'Timed with on_overflow="drop", on_invalid="mask": the default checks ("error") add a '
         "host callback to every call. The default capacity never drops a row.",
     ]
@@ -327,6 +385,8 @@ def main(argv: list[str]) -> int:
             rows.append(row)
     shared = on_cpu or args.virtual  # one memory moves every rank's bytes
     add_ratios(rows, bandwidth, setup.ranks if shared else 1)
+    hardware = model_hardware(args.model, shared, devices[0].device_kind, bandwidth)
+    add_predictions(rows, setup, hardware)
     notes = notes_for(rows, unavailable)
     elapsed = time.perf_counter() - started
 
@@ -341,7 +401,7 @@ def main(argv: list[str]) -> int:
     print_table(rows)
     print()
     ran = [n for n in names if n not in unavailable]
-    for paragraph in footnote(bandwidth, shared, ran, on_cpu) + notes:
+    for paragraph in footnote(bandwidth, shared, ran, on_cpu, hardware) + notes:
         print(textwrap.fill(paragraph, width=100, subsequent_indent="  "))
     print(f"Total {elapsed:.0f} s.")
 
@@ -360,6 +420,7 @@ def main(argv: list[str]) -> int:
             "jax_ep": jax_ep.__version__,
             "config": {**settings, "ops": ops, "backends": names, **suite.UNCHECKED},
             "copy_bandwidth_Bps": bandwidth,
+            "model_hardware": hardware.name,
             "rows": rows,
             "notes": notes,
             "total_s": elapsed,
