@@ -179,19 +179,17 @@ def apply(block: Sequence[Stage], inputs: Any) -> Any:
 
 
 def _split(inputs: Any, axis: int) -> tuple[Any, Any]:
-    def halves(a):
-        a = jnp.asarray(a)
+    leaves, treedef = jax.tree.flatten(inputs)
+    halves = []
+    for a in map(jnp.asarray, leaves):
         if a.ndim <= axis or a.shape[axis] % 2:
             raise ValueError(
                 f"jax_ep.overlap: every input must have an even size along axis {axis} to "
                 f"split into two micro-batches; got shape {a.shape}. Pad the batch."
             )
-        return jnp.split(a, 2, axis=axis)
-
-    pairs = jax.tree.map(halves, inputs)
-    first = jax.tree.map(lambda p: p[0], pairs, is_leaf=lambda p: isinstance(p, list))
-    second = jax.tree.map(lambda p: p[1], pairs, is_leaf=lambda p: isinstance(p, list))
-    return first, second
+        halves.append(jnp.split(a, 2, axis=axis))
+    return (treedef.unflatten([h[0] for h in halves]),
+            treedef.unflatten([h[1] for h in halves]))
 
 
 def run(
