@@ -972,22 +972,22 @@ _COLORS = {"comm": "#d62728", "compute": "#1f77b4", "other": "#9e9e9e"}
 
 def plot_timeline(device_trace: DeviceTrace, report: Report, path: str | Path) -> None:
     """Writes a PNG: one row per stream (comm/compute/other coloured), phases on top."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A Figure of its own, not pyplot: drawing must not switch the caller's matplotlib backend.
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
     window = report.window
     streams = [s.stream for s in report.streams]
     lanes = _lanes(report.occurrences)
     n_lanes = max(lanes, default=-1) + 1
-    fig, (band, ax) = plt.subplots(
-        2, 1, sharex=True, figsize=(16, 1.2 + 0.55 * len(streams) + 0.35 * max(n_lanes, 1)),
+    fig = Figure(figsize=(16, 1.2 + 0.55 * len(streams) + 0.35 * max(n_lanes, 1)))
+    band, ax = fig.subplots(
+        2, 1, sharex=True,
         gridspec_kw={"height_ratios": [max(n_lanes, 1) * 0.6, len(streams) * 1.0]})
     to_ms = lambda t: (t - window.start) / 1e3  # noqa: E731
 
-    palette = plt.get_cmap("tab20")
+    palette = colormaps["tab20"]
     names = list(dict.fromkeys(o.phase for o in report.occurrences))
     for occurrence, lane in zip(report.occurrences, lanes, strict=True):
         x0, x1 = to_ms(occurrence.start), to_ms(occurrence.end)
@@ -1021,7 +1021,6 @@ def plot_timeline(device_trace: DeviceTrace, report: Report, path: str | Path) -
                    "compute", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
 
 
 def _lanes(occurrences: Sequence[Occurrence]) -> list[int]:

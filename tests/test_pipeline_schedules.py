@@ -455,7 +455,6 @@ def test_deadlock_is_reported():
 
 
 def test_plot_writes_png(tmp_path):
-    pytest.importorskip("matplotlib")
     from jax_ep.pipeline.plot import plot_timeline
 
     path = tmp_path / "dualpipev.png"
