@@ -3,24 +3,30 @@
 #
 #   bash tools/gpu_check.sh [OUT_DIR] [STEP ...]
 #
-# Builds jax_ep against what is installed (pip --no-build-isolation), checks the kernels'
-# registers, runs the whole test suite and the GPU tests, compute-sanitizer (memcheck and
-# racecheck) on small cases, a smoke test of 2 and 4 processes through real NVSHMEM on the one
-# GPU, and the benchmarks (EP1 and 8 virtual ranks), then writes one report (markdown + JSON)
-# under docs/gpu/ (or $JAX_EP_GPU_REPORT_DIR) and OUT_DIR. A failing step is recorded and the next one runs; the exit
-# status is non-zero when any step failed. Name STEPs to run only those (the report covers the
-# steps run): env build ptxas tests gpu_tests memcheck racecheck smoke2 smoke4 bench_ep1
-# bench_virtual. See docs/gpu/README.md.
+# Builds and installs jax_ep against what is installed (no build isolation, no dependency
+# resolution), then runs every check on the installed package from a directory outside the
+# source tree: the kernel cases, the large case (DeepEP's shapes, GPU against the CPU handlers,
+# per-kernel profile), compute-sanitizer (memcheck, synccheck, initcheck, racecheck on jax_ep's
+# kernels), 2 and 4 processes through real NVSHMEM, the benchmarks (which fail unless their cuda
+# rows ran) and the CPU test suite. Writes one report (markdown + JSON) under docs/gpu/ (or
+# $JAX_EP_GPU_REPORT_DIR) and OUT_DIR. A failing step is recorded and the next one runs; the exit
+# status is non-zero when any step failed. Name STEPs to run only those: env build installed
+# ptxas kernels large memcheck synccheck initcheck racecheck smoke2 smoke4 bench_ep1
+# bench_virtual tests. See docs/gpu/README.md.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
 OUT_DIR=${1:-${OUT:-gpu_check_out}}
 shift || true
 mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
 STEPS=("$@")
 STATUS_FILE="$OUT_DIR/steps.tsv"
 : > "$STATUS_FILE"
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-unset JAX_PLATFORMS XLA_FLAGS
+# Python steps run here, so that `import jax_ep` finds the installed package, never the tree.
+RUN_DIR=$(mktemp -d)
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+unset JAX_PLATFORMS XLA_FLAGS PYTHONPATH
 
 wanted() {
   [ ${#STEPS[@]} -eq 0 ] && return 0
@@ -29,44 +35,79 @@ wanted() {
   return 1
 }
 
-# step NAME COMMAND...: runs COMMAND with its output in OUT_DIR/NAME.log; records the status.
+# step NAME COMMAND...: runs COMMAND in RUN_DIR with its output in OUT_DIR/NAME.log; records
+# the status.
 step() {
   local name=$1
   shift
   wanted "$name" || return 0
   echo "== $name: $*"
   local start=$SECONDS
-  "$@" > "$OUT_DIR/$name.log" 2>&1
+  (cd "$RUN_DIR" && "$@") > "$OUT_DIR/$name.log" 2>&1
   local rc=$?
   printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start))" >> "$STATUS_FILE"
   echo "   $name: exit $rc in $((SECONDS - start)) s"
-  tail -n 3 "$OUT_DIR/$name.log" | sed 's/^/   | /'
+  tail -n 4 "$OUT_DIR/$name.log" | sed 's/^/   | /'
 }
 
 environment() {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   nvcc --version | tail -n 2
-  python -c "import sys, jax, jaxlib; print(sys.version.split()[0], jax.__version__, jaxlib.__version__); print(jax.devices())"
-  echo "commit $(git rev-parse HEAD 2>/dev/null) $(git status --porcelain 2>/dev/null | wc -l) files changed"
-  command -v compute-sanitizer
+  python3 -c "import sys, jax, jaxlib; print(sys.version.split()[0], jax.__version__, jaxlib.__version__); print(jax.devices())"
+  python3 -m pip show nvidia-nvshmem-cu13 nanobind scikit-build-core 2>/dev/null | grep -E '^(Name|Version)'
+  echo "commit $(git -C "$ROOT" rev-parse HEAD 2>/dev/null) $(git -C "$ROOT" status --porcelain 2>/dev/null | wc -l) files changed"
+  command -v compute-sanitizer ncu
 }
 
+# The build uses what is installed: no isolated environment (nothing to download) and no
+# dependency resolution (nothing to download either; the dependencies are there already).
+build() {
+  python3 -m pip install --no-build-isolation --no-deps --force-reinstall -v "$ROOT"
+}
+
+# The package every later step imports: installed (not the tree), with the CUDA kernels.
+installed() {
+  python3 - "$ROOT" <<'EOF'
+import os, sys
+import jax_ep
+from jax_ep import _ffi
+where = os.path.dirname(os.path.abspath(jax_ep.__file__))
+print("jax_ep", jax_ep.__version__, "at", where)
+assert not where.startswith(sys.argv[1] + os.sep), "imported from the source tree"
+assert _ffi.cuda_kernels_compiled(), f"no CUDA kernels: {_ffi.IMPORT_ERROR}"
+print(_ffi.EXT.build_info() if hasattr(_ffi.EXT, "build_info") else "")
+EOF
+}
+
+# Only jax_ep's kernels are instrumented; the case script must also print its "ok" line, so a
+# run that checked nothing cannot pass.
 sanitize() {
   compute-sanitizer --tool "$1" --target-processes all --error-exitcode 1 \
-    python tools/gpu_sanitize_case.py
+    --kernel-name kns=jax_ep python3 "$ROOT/tools/gpu_sanitize_case.py" &&
+    echo "sanitizer $1: clean"
+}
+
+bench() {
+  python3 -m jax_ep.bench --fp8 --backends cuda xla --require cuda "$@"
 }
 
 step env environment
-step build pip install --no-build-isolation -v .
-step ptxas python tools/check_ptxas.py
-step tests pytest -q tests --ignore=tests/gpu -p no:cacheprovider
-step gpu_tests pytest -q tests/gpu -m gpu -p no:cacheprovider --junitxml="$OUT_DIR/gpu_tests.xml"
+step build build
+step installed installed
+step ptxas python3 "$ROOT/tools/check_ptxas.py"
+step kernels python3 "$ROOT/tools/gpu_kernels.py" --json "$OUT_DIR/kernels.json"
+step large python3 "$ROOT/tools/gpu_large_case.py" --profile "$RUN_DIR/profile" \
+  --json "$OUT_DIR/large.json"
 step memcheck sanitize memcheck
+step synccheck sanitize synccheck
+step initcheck sanitize initcheck
 step racecheck sanitize racecheck
-step smoke2 python tools/gpu_multiprocess_smoke.py --processes 2
-step smoke4 python tools/gpu_multiprocess_smoke.py --processes 4
-step bench_ep1 python -m jax_ep.bench --fp8 --json "$OUT_DIR/bench_ep1.json"
-step bench_virtual python -m jax_ep.bench --virtual --ranks 8 --fp8 --json "$OUT_DIR/bench_virtual.json"
+step smoke2 python3 "$ROOT/tools/gpu_multiprocess_smoke.py" --processes 2
+step smoke4 python3 "$ROOT/tools/gpu_multiprocess_smoke.py" --processes 4
+step bench_ep1 bench --json "$OUT_DIR/bench_ep1.json"
+step bench_virtual bench --virtual --ranks 8 --json "$OUT_DIR/bench_virtual.json"
+step tests python3 -m pytest -q "$ROOT/tests" --ignore="$ROOT/tests/gpu" -p no:cacheprovider \
+  --rootdir "$ROOT"
 
-python tools/gpu_report.py "$OUT_DIR" "${JAX_EP_GPU_REPORT_DIR:-docs/gpu}"
+python3 tools/gpu_report.py "$OUT_DIR" "${JAX_EP_GPU_REPORT_DIR:-docs/gpu}"
 ! cut -f2 "$STATUS_FILE" | grep -qv '^0$'

@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T, K, E, H, TL = 12, 3, 8, 256, 4
 
 
@@ -102,7 +101,7 @@ def main() -> int:
     env.update(XLA_PYTHON_CLIENT_PREALLOCATE="false", NVSHMEM_DISABLE_NCCL="1",
                XLA_PYTHON_CLIENT_MEM_FRACTION="0.1")
     procs = [subprocess.Popen([sys.executable, __file__, "--processes", str(args.processes),
-                               "--worker", str(i), "--port", str(port)], env=env, cwd=ROOT)
+                               "--worker", str(i), "--port", str(port)], env=env)
              for i in range(args.processes)]
     status = 0
     for proc in procs:

@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import sys
-import xml.etree.ElementTree as ElementTree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,21 +41,14 @@ def steps(out_dir: str) -> list[dict]:
     return rows
 
 
-def junit(path: str) -> dict:
-    """Counts and failures of a JUnit XML file (pytest --junitxml)."""
+SANITIZERS = ("memcheck", "synccheck", "initcheck", "racecheck")
+
+
+def load(path: str):
     if not os.path.exists(path):
-        return {}
-    root = ElementTree.parse(path).getroot()
-    suite = root if root.tag == "testsuite" else root.find("testsuite")
-    failures = []
-    for case in suite.iter("testcase"):
-        for tag in ("failure", "error"):
-            node = case.find(tag)
-            if node is not None:
-                failures.append({"test": case.get("name"),
-                                 "message": (node.text or node.get("message") or "")[-1500:]})
-    return {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")} | {
-        "failed": failures}
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def sanitizer(log: str) -> str | None:
@@ -87,13 +79,28 @@ def markdown(report: dict) -> str:
            f"- environment: {' / '.join(report['environment'])}", "",
            "| step | exit | seconds |", "|---|---|---|"]
     out += [f"| {s['step']} | {s['exit']} | {s['seconds']} |" for s in report["steps"]]
-    tests = report.get("gpu_tests") or {}
-    if tests:
-        out += ["", f"GPU tests: {tests['tests']} run, {tests['failures']} failed, "
-                    f"{tests['errors']} errors, {tests['skipped']} skipped."]
-        for failure in tests["failed"]:
-            out += ["", f"- `{failure['test']}`", "", "```", failure["message"], "```"]
-    for tool in ("memcheck", "racecheck"):
+    kernels = report.get("kernels")
+    if kernels is not None:
+        failed = [k for k in kernels if k["status"] != "ok"]
+        out += ["", f"Kernel cases (tools/gpu_kernels.py): {len(kernels) - len(failed)} passed, "
+                    f"{len(failed)} failed of {len(kernels)}."]
+        for k in failed:
+            out += ["", f"- `{k['test']} {json.dumps(k['args'], sort_keys=True)}` (retried "
+                        f"alone: {k['retry'][:200]})", "", "```", k["error"], "```"]
+    large = report.get("large")
+    if large:
+        out += ["", f"Large case (tools/gpu_large_case.py, seed {large['seed']}), GPU against "
+                    "the CPU handlers:", ""]
+        for name, r in large["cases"].items():
+            verdict = "identical" if r["identical"] else "DIFFERENT: " + "; ".join(
+                r["differences"])
+            out.append(f"- {name}: {r['bytes_compared'] / 1e9:.2f} GB, {verdict}")
+        for name, rows in (large.get("kernels") or {}).items():
+            out += ["", f"Per-kernel device time, {name} (per call):", "",
+                    "| ms | launches | kernel |", "|---|---|---|"]
+            out += [f"| {r['ms_per_call']:.3f} | {r['launches_per_call']:g} | "
+                    f"`{r['kernel'][:100]}` |" for r in rows[:12]]
+    for tool in SANITIZERS:
         if report.get(tool):
             out.append(f"- compute-sanitizer {tool}: {report[tool]}")
     if report["ptxas"]:
@@ -125,9 +132,9 @@ def main(out_dir: str, report_dir: str) -> int:
     date = datetime.date.today().isoformat()
     report = {
         "date": date, "device": device, "commit": commit, "environment": env_log[:4],
-        "steps": steps(out_dir), "gpu_tests": junit(os.path.join(out_dir, "gpu_tests.xml")),
-        "memcheck": sanitizer(read(os.path.join(out_dir, "memcheck.log"))),
-        "racecheck": sanitizer(read(os.path.join(out_dir, "racecheck.log"))),
+        "steps": steps(out_dir), "kernels": load(os.path.join(out_dir, "kernels.json")),
+        "large": load(os.path.join(out_dir, "large.json")),
+        **{tool: sanitizer(read(os.path.join(out_dir, f"{tool}.log"))) for tool in SANITIZERS},
         "ptxas": ptxas_table(read(os.path.join(out_dir, "ptxas.log"))),
         "bench_ep1": bench(os.path.join(out_dir, "bench_ep1.json")),
         "bench_virtual": bench(os.path.join(out_dir, "bench_virtual.json")),

@@ -85,6 +85,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "else the GPU's preset",
     )
     p.add_argument("--json", metavar="PATH", help="write every number to PATH")
+    p.add_argument(
+        "--require",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="exit non-zero unless every op of these backends was timed (no n/a rows): "
+        "e.g. --require cuda, so that a run without the compiled kernels cannot pass",
+    )
     args = p.parse_args(argv)
     if (args.repeat is not None and args.repeat < 1) or args.warmup < 0:
         p.error("--repeat must be at least 1 and --warmup at least 0")
@@ -429,6 +437,12 @@ def main(argv: list[str]) -> int:
             json.dump(record, f, indent=2)
             f.write("\n")
         print(f"wrote {args.json}")
+    missing = [f"{r['op']} {r['backend']}" for r in rows
+               if r["backend"] in args.require and r["status"] != "ok"]
+    missing += [f"backend {n} (not selected)" for n in args.require if n not in names]
+    if missing:
+        print(f"--require: not timed: {', '.join(missing)}", file=sys.stderr)
+        return 1
     return 1 if any(r["status"] == "error" for r in rows) else 0
 
 
