@@ -161,7 +161,7 @@ struct DispatchArgs {
   // Rank whose data sits at index 0 of the per-rank arrays that are not reached through Peers
   // (inputs, workspace, summaries): 0 with virtual ranks (all ranks here), this rank's own
   // number between GPUs (one rank here).
-  int first_rank;
+  int first_rank = 0;
   JAX_EP_HOST_DEVICE int64_t local(int rank) const { return rank - first_rank; }
 
   JAX_EP_HOST_DEVICE int experts_per_rank() const { return num_experts / num_ranks; }
@@ -417,7 +417,7 @@ struct CombineArgs {
   // Rank whose data sits at index 0 of the per-rank arrays that are not reached through Peers
   // (inputs, workspace, summaries): 0 with virtual ranks (all ranks here), this rank's own
   // number between GPUs (one rank here).
-  int first_rank;
+  int first_rank = 0;
   JAX_EP_HOST_DEVICE int64_t local(int rank) const { return rank - first_rank; }
 };
 
@@ -488,7 +488,7 @@ struct LowLatencyArgs {
   // Rank whose data sits at index 0 of the per-rank arrays that are not reached through Peers
   // (inputs, workspace, summaries): 0 with virtual ranks (all ranks here), this rank's own
   // number between GPUs (one rank here).
-  int first_rank;
+  int first_rank = 0;
   JAX_EP_HOST_DEVICE int64_t local(int rank) const { return rank - first_rank; }
 
   JAX_EP_HOST_DEVICE int experts_per_rank() const { return num_experts / num_ranks; }
@@ -624,7 +624,7 @@ struct LowLatencyCombineArgs {
   // Rank whose data sits at index 0 of the per-rank arrays that are not reached through Peers
   // (inputs, workspace, summaries): 0 with virtual ranks (all ranks here), this rank's own
   // number between GPUs (one rank here).
-  int first_rank;
+  int first_rank = 0;
   JAX_EP_HOST_DEVICE int64_t local(int rank) const { return rank - first_rank; }
 };
 

@@ -48,7 +48,7 @@ xffi::Error ParseCombine(xffi::RemainingArgs args, xffi::RemainingRets rets, int
 // The parsed arguments with the rows' real element type.
 template <typename T>
 CombineArgs<T> Retype(const CombineArgs<float>& a) {
-  CombineArgs<T> out;
+  CombineArgs<T> out{};
   out.num_ranks = a.num_ranks;
   out.num_tokens = a.num_tokens;
   out.top_k = a.top_k;
@@ -61,6 +61,7 @@ CombineArgs<T> Retype(const CombineArgs<float>& a) {
   out.row_entries = a.row_entries;
   out.partial = reinterpret_cast<T*>(a.partial);
   out.out = reinterpret_cast<T*>(a.out);
+  out.first_rank = a.first_rank;
   return out;
 }
 
