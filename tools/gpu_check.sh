@@ -83,7 +83,7 @@ EOF
 # run that checked nothing cannot pass.
 sanitize() {
   compute-sanitizer --tool "$1" --target-processes all --error-exitcode 1 \
-    --kernel-name kns=jax_ep python3 "$ROOT/tools/gpu_sanitize_case.py" &&
+    --kernel-name kns=jax_ep ${JAX_EP_SANITIZER_FLAGS:-} python3 "$ROOT/tools/gpu_sanitize_case.py" &&
     echo "sanitizer $1: clean"
 }
 

@@ -104,14 +104,18 @@ def main() -> int:
                                "--worker", str(i), "--port", str(port)], env=env)
              for i in range(args.processes)]
     status = 0
-    for proc in procs:
+    for i, proc in enumerate(procs):
         try:
-            status |= proc.wait(timeout=args.timeout)
+            code = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
             print(f"smoke: no result within {args.timeout} s; killing the processes")
             for p in procs:
                 p.kill()
             return 1
+        if code:
+            how = f"signal {-code}" if code < 0 else f"exit {code}"
+            print(f"process {i}: {how}", flush=True)
+        status |= code != 0
     print(f"smoke with {args.processes} processes: {'ok' if status == 0 else 'FAILED'}")
     return 1 if status else 0
 
