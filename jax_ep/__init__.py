@@ -4,7 +4,8 @@ The DeepEP contract (layout, dispatch, combine, low-latency dispatch/combine, FP
 backward) as shard_map-friendly functions with static shapes. See docs/contract.md.
 """
 
-from jax_ep import backends, eplb, fp8, overlap, profile, runtime, virtual
+from jax_ep import backends, checks, eplb, fp8, overlap, profile, runtime, virtual
+from jax_ep.checks import checked
 from jax_ep.dispatch import combine, dispatch
 from jax_ep.layout import get_dispatch_layout
 from jax_ep.low_latency import (
@@ -34,6 +35,8 @@ __all__ = [
     "LowLatencyReceived",
     "Received",
     "backends",
+    "checked",
+    "checks",
     "combine",
     "dispatch",
     "eplb",

@@ -3,7 +3,7 @@
 Static problems (shapes, dtypes, static arguments, axis names) raise ``ValueError`` or
 ``TypeError`` at trace time, naming the op, the argument, what was expected, what was received
 and how to fix it. Problems that depend on values (expert ids out of range, capacity exceeded)
-can only be seen at run time; see ``jax_ep._runtime_checks``.
+can only be seen at run time; see ``jax_ep.checks``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _checks, _runtime_checks, backends, fp8
+from jax_ep import _checks, backends, checks, fp8
 from jax_ep.profile import scoped
 from jax_ep.structs import DispatchHandle, Received
 
@@ -81,10 +81,11 @@ def dispatch(
         worst case, R*T (R*T*min(K, E/R) when `expert_major`), which never overflows.
       expert_major: return one row per (token, local expert) choice grouped by expert, with
         `group_sizes` for `jax.lax.ragged_dot`, instead of one row per token.
-      on_overflow: "error" raises at run time when a rank needs more than `capacity`;
-        "drop" keeps the first `capacity` rows and reports the rest in `num_dropped`.
-      on_invalid: "error" raises at run time on ids outside [-1, E); "mask" treats them as
-        -1 and reports them in `num_invalid`.
+      on_overflow: what a rank that needs more than `capacity` does: it keeps the first
+        `capacity` rows and reports the rest in `num_dropped` either way; "error" also
+        records a check that `jax_ep.checks.checked` raises (free otherwise); "drop" does not.
+      on_invalid: ids outside [-1, E) are treated as -1 and counted in `num_invalid`;
+        "error" also records a check that `jax_ep.checks.checked` raises, "mask" does not.
       backend: "auto", "xla" or "cuda" (see `jax_ep.backends`).
 
     Returns:
@@ -118,14 +119,10 @@ def dispatch(
     )
     received, handle, needed = _dispatch(config, data, scales, topk_idx, topk_weights)
     if on_invalid == "error":
-        _runtime_checks.check_invalid(
-            op, received.num_invalid, num_experts=num_experts, axis_name=axis_name
-        )
+        checks.invalid_ids(op, received.num_invalid, num_experts=num_experts)
     if on_overflow == "error" and capacity < worst_case:
         what = "expert entries" if expert_major else "token rows"
-        _runtime_checks.check_overflow(
-            op, needed, capacity=capacity, what=what, axis_name=axis_name
-        )
+        checks.overflow(op, needed, capacity=capacity, what=what)
     return received, handle
 
 

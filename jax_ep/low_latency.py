@@ -14,7 +14,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _checks, _runtime_checks, backends, fp8
+from jax_ep import _checks, backends, checks, fp8
 from jax_ep.profile import scoped
 from jax_ep.structs import (
     LowLatencyCombinePending,
@@ -54,9 +54,7 @@ def low_latency_dispatch_send(
     send = backends.function(name, "low_latency_dispatch", "low_latency_dispatch_send")
     data = send(x, topk_idx, num_experts=num_experts, axis_name=axis_name, use_fp8=use_fp8)
     if on_invalid == "error":
-        _runtime_checks.check_invalid(
-            op, data["num_invalid"], num_experts=num_experts, axis_name=axis_name
-        )
+        checks.invalid_ids(op, data["num_invalid"], num_experts=num_experts)
     return LowLatencyDispatchPending(
         data=data, num_experts=num_experts, axis_name=axis_name, backend=name
     )
@@ -95,7 +93,8 @@ def low_latency_dispatch(
       num_experts: E, a multiple of the EP axis size R.
       axis_name: the mesh axis of the expert-parallel group.
       use_fp8: quantize to float8_e4m3fn (one float32 scale per 128 channels) before sending.
-      on_invalid: "error" raises at run time on ids outside [-1, E); "mask" only counts them.
+      on_invalid: ids outside [-1, E) are treated as -1 and counted in `num_invalid`;
+        "error" also records a check that `jax_ep.checks.checked` raises, "mask" does not.
       backend: "auto", "xla" or "cuda".
 
     Returns:

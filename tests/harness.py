@@ -11,6 +11,7 @@ import functools
 import jax
 import numpy as np
 
+import jax_ep
 from jax_ep.bench import suite
 
 
@@ -28,3 +29,19 @@ def sharded(fn, num_ranks: int, jit: bool = True):
 
 def to_numpy(tree):
     return jax.tree.map(np.asarray, tree)
+
+
+def checked(fn, num_ranks: int):
+    """Like `sharded`, through `jax_ep.checked`: jax_ep's value checks raise ValueError."""
+    m = mesh(num_ranks)
+    run = jax_ep.checked(suite.stacked_shard_map(fn, m))
+
+    return lambda *args: run(*suite.put(m, args))
+
+
+def compiled_text(fn, num_ranks: int, *args) -> str:
+    """The optimized HLO of `sharded(fn, num_ranks)` for these arguments."""
+    m = mesh(num_ranks)
+    with jax.set_mesh(m):
+        program = jax.jit(suite.stacked_shard_map(fn, m))
+        return program.lower(*suite.put(m, args)).compile().as_text()

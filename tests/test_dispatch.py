@@ -13,7 +13,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from harness import sharded, to_numpy
+from harness import checked, compiled_text, sharded, to_numpy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -148,8 +148,16 @@ def test_overflow_error_names_capacity_and_needed_size(expert_major):
                                   expert_major=expert_major)
         return recv.x
 
-    with pytest.raises(Exception, match=rf"capacity=3 is too small.*{worst}.*capacity>={worst}"):
-        jax.block_until_ready(sharded(per_shard, num_ranks)(x, idx, w))
+    # Free in an ordinary program: no host callback, no collective; it runs and counts.
+    hlo = compiled_text(per_shard, num_ranks, x, idx, w)
+    assert "callback" not in hlo and "all-reduce" not in hlo
+    jax.block_until_ready(sharded(per_shard, num_ranks)(x, idx, w))
+    # Raised through jax_ep.checked, naming every rank that overflowed.
+    with pytest.raises(ValueError, match=rf"capacity=3 is too small: this rank needs {worst} "
+                                         rf".*capacity>={worst}") as info:
+        checked(per_shard, num_ranks)(x, idx, w)
+    over = (needed["num_tokens"] + needed["num_dropped"]) > 3
+    assert str(info.value).count("is too small") == over.sum()
 
 
 def test_fp8_pair_moves_bit_for_bit():
@@ -184,12 +192,12 @@ def test_invalid_ids_are_counted_or_raise(on_invalid):
         recv, _ = jax_ep.dispatch(x, idx, w, num_experts=num_experts, on_invalid=on_invalid)
         return recv
 
-    run = sharded(per_shard, num_ranks)
     if on_invalid == "error":
-        with pytest.raises(Exception, match=r"topk_idx holds 2 expert id\(s\) outside \[-1, 4\)"):
-            jax.block_until_ready(run(x, idx, w))
-        return
-    got = to_numpy(run(x, idx, w))
+        with pytest.raises(ValueError, match=r"topk_idx holds 1 expert id\(s\) outside "
+                                             r"\[-1, 4\) on this rank") as info:
+            checked(per_shard, num_ranks)(x, idx, w)
+        assert str(info.value).count("topk_idx holds") == 2  # both ranks
+    got = to_numpy(sharded(per_shard, num_ranks)(x, idx, w))
     want = reference.dispatch(x, idx, w, num_experts=num_experts)
     np.testing.assert_array_equal(got.num_invalid, [1, 1])
     _assert_bitwise(got.x, want["x"], "x with invalid ids masked")

@@ -1,7 +1,7 @@
 """Bad input: every case raises a clear error that names the argument (never a crash).
 
 Static problems are raised at trace time as ValueError/TypeError; value problems (ids out of
-range, capacity) at run time (see test_dispatch.py and test_low_latency.py).
+range, capacity) through jax_ep.checked (test_dispatch.py, test_low_latency.py).
 """
 
 from __future__ import annotations

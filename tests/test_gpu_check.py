@@ -19,10 +19,11 @@ def test_report_from_a_partial_run(tmp_path):
     (out / "env.log").write_text("NVIDIA H100 80GB HBM3, 580.0, 81559 MiB\ncuda 13.0\n")
     (out / "memcheck.log").write_text("========= ERROR SUMMARY: 2 errors\n")
     (out / "ptxas.log").write_text("file kernel hot regs\nexchange.cu k yes 40\ncheck_ptxas: ok\n")
-    (out / "gpu_tests.xml").write_text(
-        '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="0">'
-        '<testcase name="a"/><testcase name="b"><failure message="m">boom</failure></testcase>'
-        '<testcase name="c"/></testsuite></testsuites>')
+    (out / "kernels.json").write_text(json.dumps([
+        {"test": "a", "args": {}, "status": "ok"},
+        {"test": "b", "args": {"case": [2, 3]}, "status": "failed", "error": "boom",
+         "retry": "ok"},
+        {"test": "c", "args": {}, "status": "ok"}]))
     reports = tmp_path / "reports"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_report.py"),
                            str(out), str(reports)], capture_output=True, text=True)
@@ -30,7 +31,7 @@ def test_report_from_a_partial_run(tmp_path):
     (md,) = reports.glob("*-nvidia-h100-80gb-hbm3-*.md")
     text = md.read_text()
     assert "| memcheck | 1 | 12 |" in text and "ERROR SUMMARY: 2 errors" in text
-    assert "3 run, 1 failed" in text and "boom" in text
+    assert "2 passed, 1 failed of 3" in text and "boom" in text
     record = json.loads(md.with_suffix(".json").read_text())
     assert record["device"] == "NVIDIA H100 80GB HBM3"
     assert [s["step"] for s in record["steps"]] == ["env", "build", "memcheck"]

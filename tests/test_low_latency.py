@@ -10,7 +10,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from harness import sharded, to_numpy
+from harness import checked, sharded, to_numpy
 from test_dispatch import _assert_bitwise
 
 import jax_ep
@@ -88,13 +88,14 @@ def test_round_trip_with_identity_experts():
     np.testing.assert_allclose(out, weight * x.astype(np.float64), rtol=1e-2, atol=1e-2)
 
 
-def test_invalid_ids_raise_by_default():
+def test_invalid_ids_are_counted_and_checked_by_default():
     rng = np.random.default_rng()
     num_experts, idx, w, x, _ = _case(rng, 2, "uniform")
     idx[1, 0, 0] = 99
 
     def per_shard(x, idx):
-        return jax_ep.low_latency_dispatch(x, idx, num_experts=num_experts)[0].count
+        return jax_ep.low_latency_dispatch(x, idx, num_experts=num_experts)[0].num_invalid
 
-    with pytest.raises(Exception, match=r"topk_idx holds 1 expert id\(s\)"):
-        jax.block_until_ready(sharded(per_shard, 2)(x, idx))
+    np.testing.assert_array_equal(to_numpy(sharded(per_shard, 2)(x, idx)), [0, 1])
+    with pytest.raises(ValueError, match=r"at mapped index 1: .*topk_idx holds 1 expert id\(s\)"):
+        checked(per_shard, 2)(x, idx)

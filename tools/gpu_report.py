@@ -128,7 +128,11 @@ def markdown(report: dict) -> str:
 def main(out_dir: str, report_dir: str) -> int:
     env_log = read(os.path.join(out_dir, "env.log")).splitlines()
     device = env_log[0].split(",")[0].strip() if env_log else "unknown device"
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    # A copy of the tree may carry a stale .git (the last landed commit plus changes): the
+    # caller can name the commit it sent.
+    commit = os.environ.get("JAX_EP_GPU_COMMIT") or git("rev-parse", "--short", "HEAD") or "unknown"
+    if not os.environ.get("JAX_EP_GPU_COMMIT") and git("status", "--porcelain"):
+        commit += "-dirty"
     date = datetime.date.today().isoformat()
     report = {
         "date": date, "device": device, "commit": commit, "environment": env_log[:4],

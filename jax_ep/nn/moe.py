@@ -230,15 +230,14 @@ class MoE(nnx.Module):
             inputs = {"x": x, "valid": valid}
             schedule = jax_ep.overlap.run if self.overlap else jax_ep.overlap.apply
             c = schedule(block, inputs)
+            # Statistics leave per device, [1, ...] each, and are summed outside: the sums
+            # (all-reduces) exist only where a caller uses them, never inside the block.
             valid, idx = c["valid"], c["idx"]
-            load = jax.lax.psum(routing.expert_load(idx, E), axes)
-            count = jax.lax.psum(jnp.sum(valid, dtype=jnp.float32), axes)
-            mean_scores = jax.lax.psum(jnp.sum(c["scores"] * valid[:, None], axis=0), axes)
-            aux = routing.balance_loss(load, mean_scores / jnp.maximum(count, 1.0))
-            dropped = jax.lax.psum(jnp.sum(c["dropped"]), axes)
             here = jax.nn.one_hot(jax.lax.axis_index(ep), self.placement[3], dtype=jnp.int32)
-            rank_load = jax.lax.psum(here * jnp.sum(c["received"]), axes)
-            return c["out"], load, aux, dropped, rank_load
+            stats = (routing.expert_load(idx, E), jnp.sum(valid, dtype=jnp.float32),
+                     jnp.sum(c["scores"] * valid[:, None], axis=0), jnp.sum(c["dropped"]),
+                     here * jnp.sum(c["received"]))
+            return c["out"], *(a[None] for a in stats)
 
         weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
         maps = ()
@@ -251,11 +250,14 @@ class MoE(nnx.Module):
             maps = (log2phy, logcnt)
         specs = (P(axes), P(axes), P(), P(), P(ep), P(ep), P(ep)) + (P(),) * len(maps)
         run = jax.shard_map(per_device, mesh=self.mesh, in_specs=specs,
-                            out_specs=(P(axes), P(), P(), P(), P()))
+                            out_specs=(P(axes),) * 6)
         # Each operand placed as the program expects (a no-op when it already is).
         operands = [jax.reshard(a, spec) for a, spec in zip(
             (tokens, valid, self.router[...], bias, *weights, *maps), specs, strict=True)]
-        out, load, aux, dropped, rank_load = run(*operands)
+        out, *per_device_stats = run(*operands)
+        load, count, score_sums, dropped, rank_load = (
+            jax.reshard(jnp.sum(a, axis=0), P()) for a in per_device_stats)
+        aux = routing.balance_loss(load, score_sums / jnp.maximum(count, 1.0))
         if self.shared is not None:
             out = out + _swiglu(tokens, *(w[...] for w in self.shared))
         out = jax.reshard(out, placed).reshape(shape)
