@@ -51,6 +51,16 @@ def load(path: str):
         return json.load(f)
 
 
+def gpu_name() -> str:
+    """The GPU's name from nvidia-smi (when the env step did not run)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown device"
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else "unknown device"
+
+
 def sanitizer(log: str) -> str | None:
     found = re.findall(r"=========\s*ERROR SUMMARY:.*", log)
     return found[-1].strip("= ") if found else None
@@ -127,7 +137,7 @@ def markdown(report: dict) -> str:
 
 def main(out_dir: str, report_dir: str) -> int:
     env_log = read(os.path.join(out_dir, "env.log")).splitlines()
-    device = env_log[0].split(",")[0].strip() if env_log else "unknown device"
+    device = env_log[0].split(",")[0].strip() if env_log else gpu_name()
     # A copy of the tree may carry a stale .git (the last landed commit plus changes): the
     # caller can name the commit it sent.
     commit = os.environ.get("JAX_EP_GPU_COMMIT") or git("rev-parse", "--short", "HEAD") or "unknown"
