@@ -4,8 +4,29 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <tuple>
 
 namespace jax_ep::cuda {
+
+// Launches kernel<<<blocks, threads, 0, stream>>>(args...) and returns the status of this
+// launch alone (cudaGetLastError after a <<<>>> launch would also report, and clear, an
+// earlier unrelated error of the thread). Errors that poison the context are still reported.
+template <typename... Params, typename... Args>
+cudaError_t launch(void (*kernel)(Params...), unsigned blocks, unsigned threads,
+                   cudaStream_t stream, Args... args) {
+  static_assert(sizeof...(Params) > 0 && sizeof...(Params) == sizeof...(Args),
+                "one argument per kernel parameter");
+  std::tuple<Params...> values(args...);
+  void* pointers[sizeof...(Params)];
+  std::apply(
+      [&pointers](auto&... value) {
+        int i = 0;
+        ((pointers[i++] = &value), ...);
+      },
+      values);
+  return cudaLaunchKernel(reinterpret_cast<const void*>(kernel), dim3(blocks), dim3(threads),
+                          pointers, 0, stream);
+}
 
 constexpr int kWarpSize = 32;
 constexpr unsigned kFullWarpMask = 0xffffffffu;

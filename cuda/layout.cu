@@ -165,18 +165,9 @@ cudaError_t dispatch_layout(const int32_t* topk_idx,
   }
   const int num_expert_blocks = (num_experts + kExpertsPerBlock - 1) / kExpertsPerBlock;
   const int num_rank_blocks = (num_ranks + kRanksPerBlock - 1) / kRanksPerBlock;
-  dispatch_layout_kernel<<<num_expert_blocks + num_rank_blocks, kThreads, 0, stream>>>(
-      topk_idx,
-      num_tokens,
-      top_k,
-      num_experts,
-      num_ranks,
-      num_expert_blocks,
-      num_tokens_per_rank,
-      num_tokens_per_expert,
-      is_token_in_rank,
-      num_invalid);
-  return cudaGetLastError();
+  return launch(dispatch_layout_kernel, num_expert_blocks + num_rank_blocks, kThreads, stream,
+                topk_idx, num_tokens, top_k, num_experts, num_ranks, num_expert_blocks,
+                num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, num_invalid);
 }
 
 }  // namespace jax_ep::cuda

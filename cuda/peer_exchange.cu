@@ -197,9 +197,8 @@ PeerError too_small(int op, size_t needed, size_t bytes) {
 
 cudaError_t barrier(char* symmetric, int me, int n, int op, cudaStream_t stream) {
   State& st = state();
-  barrier_kernel<<<1, kMaxPeers, 0, stream>>>(reinterpret_cast<uint64_t*>(symmetric), st.epoch,
-                                               me, n, st.timeout_ns, st.device_status, op);
-  return cudaGetLastError();
+  return launch(barrier_kernel, 1, kMaxPeers, stream, reinterpret_cast<uint64_t*>(symmetric),
+                st.epoch, me, n, st.timeout_ns, st.device_status, op);
 }
 
 cudaError_t copy(void* dst, const void* src, int64_t bytes, cudaStream_t stream) {

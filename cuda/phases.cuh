@@ -49,9 +49,8 @@ cudaError_t per_thread(const Phase& phase, int first_rank, int ranks, int64_t it
   if (total == 0) return cudaSuccess;
   const int64_t blocks =
       std::min<int64_t>((total + kPhaseThreads - 1) / kPhaseThreads, kMaxPhaseBlocks);
-  per_thread_kernel<<<static_cast<unsigned>(blocks), kPhaseThreads, 0, stream>>>(
-      phase, first_rank, ranks, items);
-  return cudaGetLastError();
+  return launch(per_thread_kernel<Phase>, static_cast<unsigned>(blocks), kPhaseThreads, stream,
+                phase, first_rank, ranks, items);
 }
 
 template <typename Phase>
@@ -61,9 +60,8 @@ cudaError_t per_warp(const Phase& phase, int first_rank, int ranks, int64_t item
   if (total == 0) return cudaSuccess;
   const int64_t blocks =
       std::min<int64_t>((total + kPhaseWarps - 1) / kPhaseWarps, kMaxPhaseBlocks);
-  per_warp_kernel<<<static_cast<unsigned>(blocks), kPhaseThreads, 0, stream>>>(
-      phase, first_rank, ranks, items);
-  return cudaGetLastError();
+  return launch(per_warp_kernel<Phase>, static_cast<unsigned>(blocks), kPhaseThreads, stream,
+                phase, first_rank, ranks, items);
 }
 
 // The phases as function objects (kernel arguments, passed by value).

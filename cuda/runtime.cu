@@ -12,6 +12,7 @@
 #include <string>
 
 #include "cuda/api.h"
+#include "cuda/common.cuh"
 
 namespace jax_ep::cuda {
 namespace {
@@ -23,8 +24,7 @@ __global__ void my_pe_kernel(int* pe) { *pe = nvshmem_my_pe(); }
 
 cudaError_t query_my_pe(int* pe,
                         cudaStream_t stream) {
-  my_pe_kernel<<<1, 1, 0, stream>>>(pe);
-  return cudaGetLastError();
+  return launch(my_pe_kernel, 1, 1, stream, pe);
 }
 
 namespace {

@@ -38,7 +38,6 @@ xffi::Error LayoutCudaImpl(cudaStream_t stream,
                                                    num_invalid->typed_data(),
                                                    stream);
   if (status != cudaSuccess) {
-    // NOTE: cudaGetLastError may also report an earlier asynchronous failure on this device.
     return xffi::Error::Internal(std::string("CUDA error in ") + kLayoutOp + ": " +
                                 cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
   }

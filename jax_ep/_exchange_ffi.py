@@ -22,6 +22,13 @@ def _types(like: jax.Array, shapes) -> list:
     return [base.update(shape=tuple(s), dtype=jnp.dtype(d)) for s, d in shapes]
 
 
+def _exchange_call(target: str, result_types, **kwargs):
+    """An exchange custom call, marked side-effecting: between devices it meets its peers, so
+    XLA must run it exactly once on every rank, in program order (never drop, duplicate or
+    reorder it on one rank only)."""
+    return jax.ffi.ffi_call(target, result_types, has_side_effect=True, **kwargs)
+
+
 def _attrs(**attrs) -> dict:
     return {k: np.int64(int(v)) for k, v in attrs.items()}
 
@@ -51,7 +58,7 @@ def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, ca
         "row_entries": ((V, em_rows, K), i32), "needed": ((V,), i32),
         "workspace": ((workspace,), i32),
     }
-    outs = jax.ffi.ffi_call("jax_ep_dispatch", _types(topk_idx, names_shapes.values()))(
+    outs = _exchange_call("jax_ep_dispatch", _types(topk_idx, names_shapes.values()))(
         data, scales, topk_idx, topk_weights,
         **_attrs(num_ranks=R, num_experts=E, capacity=cap, expert_major=expert_major))
     result = dict(zip(names_shapes, outs, strict=True))
@@ -101,7 +108,7 @@ def combine(y, weights, src_row, row_entries, *, num_ranks, top_k, expert_major)
     if row_entries is None:
         row_entries = jnp.zeros((V, 0, top_k), jnp.int32)
     partial_rows = num_ranks * T if expert_major else 0
-    out, _ = jax.ffi.ffi_call(
+    out, _ = _exchange_call(
         "jax_ep_combine", _types(y, [((V, T, H), y.dtype), ((V, partial_rows, H), y.dtype)])
     )(y, weights, src_row, row_entries,
       **_attrs(num_ranks=num_ranks, expert_major=expert_major))
@@ -120,7 +127,7 @@ def ll_dispatch_send(x, topk_idx, *, num_ranks, num_experts, use_fp8):
         ((*slots, H // fp8.BLOCK if use_fp8 else 0), jnp.float32), ((V, R, T, K), i32),
         ((V, T, K), i32), ((V,), i32), ((R, E), i32), ((V, T, K), i32),
     ]
-    recv_x, recv_scales, src_row, clean_idx, num_invalid, counts, _ = jax.ffi.ffi_call(
+    recv_x, recv_scales, src_row, clean_idx, num_invalid, counts, _ = _exchange_call(
         "jax_ep_ll_dispatch_send", _types(topk_idx, shapes)
     )(x, topk_idx, **_attrs(num_ranks=R, num_experts=E, use_fp8=use_fp8))
     return {"recv_x": recv_x, "recv_scales": recv_scales, "src_row": src_row,
@@ -131,7 +138,7 @@ def ll_dispatch_recv(data, *, num_ranks, num_experts):
     """The receive half: (recv_x, recv_scales or None, src_row, count [V, E/R])."""
     recv_x, recv_scales, src_row = data["recv_x"], data["recv_scales"], data["src_row"]
     V = recv_x.shape[0]
-    recv_x, recv_scales, src_row, count = jax.ffi.ffi_call(
+    recv_x, recv_scales, src_row, count = _exchange_call(
         "jax_ep_ll_dispatch_recv",
         _types(src_row, [(a.shape, a.dtype) for a in (recv_x, recv_scales, src_row)]
                + [((V, num_experts // num_ranks), jnp.int32)]),
@@ -145,7 +152,7 @@ def ll_combine_send(y, src_row, *, num_ranks, num_experts):
     """The send half of low-latency combine: rows [V, T, K, H] staged at their homes."""
     _ffi.register()
     V, _, T, K = src_row.shape
-    return jax.ffi.ffi_call(
+    return _exchange_call(
         "jax_ep_ll_combine_send", _types(y, [((V, T, K, y.shape[3]), jnp.bfloat16)])[0]
     )(y, src_row, **_attrs(num_ranks=num_ranks, num_experts=num_experts))
 
@@ -153,7 +160,7 @@ def ll_combine_send(y, src_row, *, num_ranks, num_experts):
 def ll_combine_recv(staging, clean_idx, topk_weights, *, num_ranks, num_experts):
     """The receive half: the top-k weighted sums, bfloat16 [V, T, H]."""
     V, T, _, H = staging.shape
-    return jax.ffi.ffi_call(
+    return _exchange_call(
         "jax_ep_ll_combine_recv", _types(staging, [((V, T, H), jnp.bfloat16)])[0]
     )(staging, clean_idx, topk_weights,
       **_attrs(num_ranks=num_ranks, num_experts=num_experts))

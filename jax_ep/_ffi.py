@@ -1,8 +1,9 @@
 """Loads the compiled extension (jax_ep._ext) and registers its XLA FFI targets with JAX.
 
-Importing this module only imports the extension. Registration waits until an op needs it:
-JAX's backends must exist before FFI targets are registered, and importing jax_ep must not
-start them.
+Importing this module only imports the extension: the one beside it, or, when jax_ep is
+imported from a source tree without a build, the one of the installed jax-ep distribution.
+Registration waits until an op needs it: JAX's backends must exist before FFI targets are
+registered, and importing jax_ep must not start them.
 
 Names:
   EXT: the extension module, or None when it could not be imported.
@@ -14,17 +15,56 @@ Names:
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
+import os
+import sys
 import threading
+from types import ModuleType
 
 import jax
 
-try:
-    from jax_ep import _ext as EXT
 
-    IMPORT_ERROR: str | None = None
-except ImportError as error:  # e.g. the package is used from a source tree without the build
-    EXT = None
-    IMPORT_ERROR = str(error)
+def _installed_extension() -> str | None:
+    """The compiled extension of the installed jax-ep distribution, if there is one elsewhere.
+
+    Running from the repository root after `pip install .` imports this source tree, which
+    has no build; the extension that install built is the one to use.
+    """
+    try:
+        dist = importlib.metadata.distribution("jax-ep")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    here = os.path.dirname(os.path.abspath(__file__))
+    for file in dist.files or ():
+        path = os.path.abspath(str(dist.locate_file(file)))
+        if (file.name.startswith("_ext.") and file.name.endswith((".so", ".pyd"))
+                and os.path.dirname(path) != here and os.path.exists(path)):
+            return path
+    return None
+
+
+def _load() -> tuple[ModuleType | None, str | None]:
+    try:
+        from jax_ep import _ext
+
+        return _ext, None
+    except ImportError as error:
+        local_error = str(error)
+    path = _installed_extension()
+    if path is None:
+        return None, local_error
+    spec = importlib.util.spec_from_file_location("jax_ep._ext", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as error:
+        return None, f"{local_error}; the installed {path} does not load either: {error}"
+    sys.modules["jax_ep._ext"] = module
+    return module, None
+
+
+EXT, IMPORT_ERROR = _load()
 
 _lock = threading.Lock()
 _registered = False
@@ -37,10 +77,8 @@ def require_extension(op: str) -> None:
 
         raise RuntimeError(
             f"{op}: jax_ep's compiled extension is not available ({IMPORT_ERROR}). jax_ep was "
-            f"imported from {jax_ep.__path__[0]}: build it there with `pip install -e .`, or "
-            f"install with `pip install .` and run from a directory where the source tree does "
-            f"not shadow the installed package (`pytest`, not `python -m pytest`, in the "
-            f"repository root); or use backend='xla'."
+            f"imported from {jax_ep.__path__[0]}, and no installed jax-ep holds one: build it "
+            f"with `pip install .` (or `pip install -e .`), or use backend='xla'."
         )
 
 

@@ -7,6 +7,7 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import harness  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import Phase, settings  # noqa: E402
@@ -27,3 +28,23 @@ def pytest_configure(config):
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
     assert len(jax.devices()) == 8, "tests expect 8 forced host devices"
+
+
+@pytest.fixture(autouse=True)
+def _seeded_inputs(request):
+    """Every test's unseeded np.random.default_rng() draws from one seed, which a failure
+    prints with the command that reruns it on the same inputs."""
+    seed = harness.test_seed()
+    request.node.user_properties.append(("seed", seed))
+    with harness.seeded_default_rng(seed):
+        yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    seeds = [value for name, value in item.user_properties if name == "seed"]
+    if report.failed and seeds:
+        report.sections.append(("random inputs", f"seed {seeds[0]}; rerun on the same inputs "
+                                f"with: JAX_EP_TEST_SEED={seeds[0]} pytest '{item.nodeid}'"))
+    return report

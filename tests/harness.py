@@ -6,7 +6,10 @@ Inputs and outputs are stacked on a leading rank axis ([R, ...]), the layout of
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import secrets
 
 import jax
 import numpy as np
@@ -45,3 +48,26 @@ def compiled_text(fn, num_ranks: int, *args) -> str:
     with jax.set_mesh(m):
         program = jax.jit(suite.stacked_shard_map(fn, m))
         return program.lower(*suite.put(m, args)).compile().as_text()
+
+
+@contextlib.contextmanager
+def seeded_default_rng(seed: int):
+    """`np.random.default_rng()` without a seed draws from `seed` while this is active (each
+    call gets its own child stream), so a run with the same seed sees the same inputs."""
+    original = np.random.default_rng
+    sequence = np.random.SeedSequence(seed)
+
+    def default_rng(seed=None):
+        return original(sequence.spawn(1)[0] if seed is None else seed)
+
+    np.random.default_rng = default_rng
+    try:
+        yield
+    finally:
+        np.random.default_rng = original
+
+
+def test_seed() -> int:
+    """JAX_EP_TEST_SEED when set, else a fresh seed."""
+    value = os.environ.get("JAX_EP_TEST_SEED")
+    return int(value) if value else secrets.randbits(32)

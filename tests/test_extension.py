@@ -254,3 +254,30 @@ def test_lowers_for_cuda_with_attributes():
     hlo = lowered.as_text(dialect="hlo")
     assert f'custom_call_target="{TARGET}"' in hlo, hlo
     assert "api_version=API_VERSION_TYPED_FFI" in hlo, hlo
+
+
+def test_source_tree_without_a_build_uses_the_installed_extension(tmp_path):
+    """`pip install . && python -m jax_ep.bench` from the repository root imports the source
+    tree, which has no extension: the installed one is used, so the cuda rows run."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import jax_ep
+
+    installed = getattr(_ffi.EXT, "__file__", None)
+    if installed is None or os.path.dirname(installed) != os.path.dirname(jax_ep.__file__):
+        pytest.skip("needs jax-ep installed (not editable) with its extension")
+    tree = tmp_path / "jax_ep"
+    shutil.copytree(os.path.dirname(jax_ep.__file__), tree,
+                    ignore=shutil.ignore_patterns("_ext*", "__pycache__"))
+    probe = ("import jax_ep, jax_ep._ffi as f; print(jax_ep.__file__); "
+             "print(f.EXT.__file__ if f.EXT else f.IMPORT_ERROR)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    source, extension = out.stdout.split("\n")[:2]
+    assert source.startswith(str(tree)), source  # the copy of the tree was imported ...
+    assert extension == installed, extension  # ... with the installed extension

@@ -71,7 +71,10 @@ def test_default_ops_never_wait_for_the_host(backend, capacity):
     assert not host_callbacks(hlo), host_callbacks(hlo)
     if backend == "cuda":  # the exchange is the custom calls: nothing else talks to peers
         assert not collectives(hlo), collectives(hlo)
-        assert 'custom_call_target="jax_ep_dispatch"' in hlo
+        # ... and each of them is side-effecting: XLA never drops, duplicates or reorders one.
+        exchange = re.findall(r'[^\n]*custom_call_target="jax_ep_(?!dispatch_layout)[^\n]*', hlo)
+        assert len(exchange) >= 6, exchange
+        assert all("custom_call_has_side_effect=true" in call for call in exchange), exchange
 
 
 def test_checks_still_raise_through_checked():

@@ -45,11 +45,13 @@ def require_installed_gpu_build() -> None:
     print(f"jax_ep {where}; {jax.devices()[0].device_kind}; jax {jax.__version__}", flush=True)
 
 
-def run_in_subprocess(name: str, kwargs: dict, timeout: int = 300) -> str:
+def run_in_subprocess(name: str, kwargs: dict, seed: int, timeout: int = 300) -> str:
     command = [sys.executable, os.path.join(ROOT, "tests", "gpu", "gpu_case.py"), name,
                json.dumps(kwargs)]
+    env = {**os.environ, "JAX_EP_TEST_SEED": str(seed)}  # the same inputs again
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              env=env)
     except subprocess.TimeoutExpired:
         return f"timeout after {timeout} s"
     return "ok" if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr[-1500:]}"
@@ -60,9 +62,9 @@ def main() -> int:
     parser.add_argument("--json", help="write one record per case to this file")
     args = parser.parse_args()
     require_installed_gpu_build()
-    from test_gpu_kernels import CASES
-
+    import harness
     import test_virtual
+    from test_gpu_kernels import CASES
 
     records = []
     for i, (name, kwargs) in enumerate(CASES):
@@ -70,19 +72,21 @@ def main() -> int:
         call = dict(kwargs)
         if "case" in call:
             call["case"] = tuple(call["case"])
-        record = {"test": name, "args": kwargs}
+        seed = harness.test_seed()
+        record = {"test": name, "args": kwargs, "seed": seed}
         try:
-            getattr(test_virtual, name)(**call)
+            with harness.seeded_default_rng(seed):
+                getattr(test_virtual, name)(**call)
             record["status"] = "ok"
         except Exception as error:  # noqa: BLE001  (every failure is reported, then retried)
             record["status"] = "failed"
             record["error"] = f"{type(error).__name__}: {error}"[:2000]
             record["traceback"] = traceback.format_exc()[-3000:]
-            record["retry"] = run_in_subprocess(name, kwargs)
+            record["retry"] = run_in_subprocess(name, kwargs, seed)
         record["seconds"] = round(time.perf_counter() - started, 2)
         records.append(record)
         line = f"[{i + 1}/{len(CASES)}] {record['status']:<6} {record['seconds']:6.2f} s  {name} " \
-               f"{json.dumps(kwargs, sort_keys=True)}"
+               f"{json.dumps(kwargs, sort_keys=True)} seed {seed}"
         print(line, flush=True)
         if record["status"] != "ok":
             print("    " + record["error"].replace("\n", "\n    "), flush=True)

@@ -22,13 +22,16 @@ def main(name: str, kwargs: str) -> int:
     if "gpu" not in platforms:
         print(f"no GPU visible to JAX (platforms: {sorted(platforms)})", file=sys.stderr)
         return 2
+    import harness
     import test_virtual
 
     args = json.loads(kwargs)
     if "case" in args:
         args["case"] = tuple(args["case"])
-    getattr(test_virtual, name)(**args)
-    print(json.dumps({"test": name, "args": args, "ok": True}))
+    seed = harness.test_seed()  # JAX_EP_TEST_SEED reruns the inputs of a failure
+    with harness.seeded_default_rng(seed):
+        getattr(test_virtual, name)(**args)
+    print(json.dumps({"test": name, "args": args, "seed": seed, "ok": True}))
     return 0
 
 

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import test_virtual as tv
 
@@ -68,8 +69,10 @@ def test_kernel_case_on_gpu(name, kwargs):
     if why:
         pytest.skip(why)
     command = [sys.executable, os.path.join(HERE, "gpu_case.py"), name, json.dumps(kwargs)]
+    # The case's inputs follow this test's seed (printed when it fails).
+    env = {**_gpu_env(), "JAX_EP_TEST_SEED": str(np.random.default_rng().integers(2**32))}
     try:
-        proc = subprocess.run(command, env=_gpu_env(), capture_output=True, text=True,
+        proc = subprocess.run(command, env=env, capture_output=True, text=True,
                               timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         pytest.fail(f"{name} {kwargs}: no result within {TIMEOUT_S} s (a hung kernel?)")
