@@ -38,7 +38,6 @@ def checked(fn, num_ranks: int):
     """Like `sharded`, through `jax_ep.checked`: jax_ep's value checks raise ValueError."""
     m = mesh(num_ranks)
     run = jax_ep.checked(suite.stacked_shard_map(fn, m))
-
     return lambda *args: run(*suite.put(m, args))
 
 

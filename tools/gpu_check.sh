@@ -65,18 +65,10 @@ build() {
   python3 -m pip install --no-build-isolation --no-deps --force-reinstall -v "$ROOT"
 }
 
-# The package every later step imports: installed (not the tree), with the CUDA kernels.
+# The package every later step imports: installed (not the tree), with the CUDA kernels, and a
+# GPU that JAX sees.
 installed() {
-  python3 - "$ROOT" <<'EOF'
-import os, sys
-import jax_ep
-from jax_ep import _ffi
-where = os.path.dirname(os.path.abspath(jax_ep.__file__))
-print("jax_ep", jax_ep.__version__, "at", where)
-assert not where.startswith(sys.argv[1] + os.sep), "imported from the source tree"
-assert _ffi.cuda_kernels_compiled(), f"no CUDA kernels: {_ffi.IMPORT_ERROR}"
-print(_ffi.EXT.build_info() if hasattr(_ffi.EXT, "build_info") else "")
-EOF
+  python3 "$ROOT/tools/gpu_kernels.py" --check-install
 }
 
 # Only jax_ep's kernels are instrumented; the case script must also print its "ok" line, so a

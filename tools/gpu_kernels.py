@@ -42,7 +42,8 @@ def require_installed_gpu_build() -> None:
         problems.append(f"no GPU visible to JAX (platforms {platforms})")
     if problems:
         sys.exit("gpu_kernels: " + "; ".join(problems))
-    print(f"jax_ep {where}; {jax.devices()[0].device_kind}; jax {jax.__version__}", flush=True)
+    print(f"jax_ep {where}; {jax.devices()[0].device_kind}; jax {jax.__version__}; "
+          f"{_ffi.EXT.build_info()}", flush=True)
 
 
 def run_in_subprocess(name: str, kwargs: dict, seed: int, timeout: int = 300) -> str:
@@ -60,8 +61,12 @@ def run_in_subprocess(name: str, kwargs: dict, seed: int, timeout: int = 300) ->
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write one record per case to this file")
+    parser.add_argument("--check-install", action="store_true",
+                        help="only check the installed build and the GPU, run no case")
     args = parser.parse_args()
     require_installed_gpu_build()
+    if args.check_install:
+        return 0
     import harness
     import test_virtual
     from test_gpu_kernels import CASES

@@ -96,10 +96,14 @@ def cases(rng):
             (x[:, :LL_T], ll_idx, ll_w)
 
 
+def placed(device, fn, inputs):
+    """`fn` jitted and its inputs on `device` (which then runs it)."""
+    return jax.jit(fn), [jax.device_put(a, device) for a in inputs]
+
+
 def run_on(device, fn, inputs):
-    with jax.default_device(device):
-        args = [jax.device_put(a, device) for a in inputs]
-        return jax.tree.map(np.asarray, jax.block_until_ready(jax.jit(fn)(*args)))
+    jitted, args = placed(device, fn, inputs)
+    return jax.tree.map(np.asarray, jax.block_until_ready(jitted(*args)))
 
 
 def kernel_times(trace_dir: str) -> list[tuple[str, int, float]]:
@@ -123,14 +127,12 @@ def kernel_times(trace_dir: str) -> list[tuple[str, int, float]]:
 def profile(gpu, named_cases, trace_dir: str, calls: int = 5) -> dict:
     report = {}
     for name, fn, inputs in named_cases:
-        jitted = jax.jit(fn)
-        with jax.default_device(gpu):
-            args = [jax.device_put(a, gpu) for a in inputs]
-            jax.block_until_ready(jitted(*args))
-            case_dir = os.path.join(trace_dir, name.replace(" ", "_").replace("+", "_"))
-            with jax.profiler.trace(case_dir):
-                for _ in range(calls):
-                    jax.block_until_ready(jitted(*args))
+        jitted, args = placed(gpu, fn, inputs)
+        jax.block_until_ready(jitted(*args))
+        case_dir = os.path.join(trace_dir, name.replace(" ", "_").replace("+", "_"))
+        with jax.profiler.trace(case_dir):
+            for _ in range(calls):
+                jax.block_until_ready(jitted(*args))
         rows = kernel_times(case_dir)
         report[name] = [{"kernel": n, "launches_per_call": c / calls, "ms_per_call": ms / calls}
                         for n, c, ms in rows]

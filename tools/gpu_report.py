@@ -73,10 +73,9 @@ def ptxas_table(log: str) -> list[str]:
 
 
 def bench(path: str) -> dict | None:
-    if not os.path.exists(path):
+    record = load(path)
+    if record is None:
         return None
-    with open(path) as f:
-        record = json.load(f)
     rows = [{k: r.get(k) for k in ("op", "backend", "status", "gbps", "of_floor", "vs_xla")}
             | {"median_s": r.get("time", {}).get("median")} for r in record["rows"]]
     return {"command": record["command"], "device": record["device"],
