@@ -18,6 +18,8 @@ def test_report_from_a_partial_run(tmp_path):
     (out / "steps.tsv").write_text("env\t0\t1\nbuild\t0\t90\nmemcheck\t1\t12\n")
     (out / "env.log").write_text("NVIDIA H100 80GB HBM3, 580.0, 81559 MiB\ncuda 13.0\n")
     (out / "memcheck.log").write_text("========= ERROR SUMMARY: 2 errors\n")
+    (out / "racecheck.log").write_text(
+        "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n")
     (out / "ptxas.log").write_text("file kernel hot regs\nexchange.cu k yes 40\ncheck_ptxas: ok\n")
     (out / "kernels.json").write_text(json.dumps([
         {"test": "a", "args": {}, "status": "ok"},
@@ -31,6 +33,7 @@ def test_report_from_a_partial_run(tmp_path):
     (md,) = reports.glob("*-nvidia-h100-80gb-hbm3-*.md")
     text = md.read_text()
     assert "| memcheck | 1 | 12 |" in text and "ERROR SUMMARY: 2 errors" in text
+    assert "racecheck: RACECHECK SUMMARY: 0 hazards displayed" in text
     assert "2 passed, 1 failed of 3" in text and "boom" in text
     record = json.loads(md.with_suffix(".json").read_text())
     assert record["device"] == "NVIDIA H100 80GB HBM3"

@@ -62,7 +62,8 @@ def gpu_name() -> str:
 
 
 def sanitizer(log: str) -> str | None:
-    found = re.findall(r"=========\s*ERROR SUMMARY:.*", log)
+    # racecheck writes "RACECHECK SUMMARY: ... hazards", the other tools "ERROR SUMMARY".
+    found = re.findall(r"=========\s*(?:ERROR|RACECHECK) SUMMARY:.*", log)
     return found[-1].strip("= ") if found else None
 
 
