@@ -6,7 +6,7 @@
 // CUDA kernels (cuda/exchange.cu) run the items in parallel, the CPU handlers
 // (ffi/exchange_cpu.cc) in a loop, so CI checks the exact kernel logic bit for bit against the
 // NumPy reference without a GPU. Items move rows with `copy_row(dst, src, bytes, lane, lanes)`:
-// a warp on the GPU (32 lanes), one lane on the CPU.
+// a warp on the GPU (32 lanes); on the CPU one lane, or 32 emulated ones (cuda/host_launch.h).
 //
 // Peers. Every buffer that one rank writes for another is reached through a `Peers` view:
 // `peers.at(base, stride, rank)` is rank's copy of the buffer. With virtual ranks (all R ranks
@@ -69,24 +69,14 @@ JAX_EP_HOST_DEVICE void zero_row(void* dst, int64_t bytes, int lane, int lanes) 
   }
 }
 
-// Counting with cooperating lanes. Every lane of the group calls these with its own
-// predicate (a warp on the GPU: all 32 lanes, same number of calls; one lane on the CPU).
-
-// The number of lanes below this one whose predicate is true; `*total` gets the group's count.
-JAX_EP_HOST_DEVICE int32_t lanes_before(bool pred, int lane, int32_t* total) {
-#if defined(__CUDA_ARCH__)
-  const unsigned votes = __ballot_sync(0xffffffffu, pred);
-  *total = __popc(votes);
-  return __popc(votes & ((1u << lane) - 1u));
-#else
-  (void)lane;
-  *total = pred;
-  return 0;
-#endif
-}
+// Counting with cooperating lanes. Every lane of the group calls this with the same n and
+// pred (a warp on the GPU: all 32 lanes, the same number of calls; on the CPU, lanes run one
+// after another, see cuda/host_launch.h).
 
 // Numbers the indices i in [0, n) for which pred(i) holds, in order: number(i, rank) for each,
-// and returns how many there are.
+// and returns how many there are. Lane `lane` tests indices lane, lane + lanes, ...; the
+// lanes learn each other's results by a ballot on the GPU. On the CPU a lane evaluates the
+// other lanes' predicates itself (pred depends on i only): the same votes, without a warp.
 template <typename Pred, typename Number>
 JAX_EP_HOST_DEVICE int32_t number_in_order(int64_t n, int lane, int lanes, const Pred& pred,
                                            const Number& number) {
@@ -94,8 +84,19 @@ JAX_EP_HOST_DEVICE int32_t number_in_order(int64_t n, int lane, int lanes, const
   for (int64_t base = 0; base < n; base += lanes) {  // the same trip count in every lane
     const int64_t i = base + lane;
     const bool hit = i < n && pred(i);
-    int32_t total;
-    const int32_t before = lanes_before(hit, lane, &total);
+#if defined(__CUDA_ARCH__)
+    const unsigned votes = __ballot_sync(0xffffffffu, hit);
+    const int32_t total = __popc(votes);
+    const int32_t before = __popc(votes & ((1u << lane) - 1u));
+#else
+    int32_t total = 0, before = 0;
+    for (int other = 0; other < lanes; ++other) {
+      const int64_t j = base + other;
+      const bool vote = other == lane ? hit : j < n && pred(j);
+      total += vote;
+      before += vote && other < lane;
+    }
+#endif
     if (hit) number(i, running + before);
     running += total;
   }

@@ -13,7 +13,7 @@
 #include <cstdint>
 
 #include "cuda/common.cuh"
-#include "cuda/exchange.h"
+#include "cuda/phase_functors.h"
 
 namespace jax_ep::cuda {
 
@@ -63,80 +63,5 @@ cudaError_t per_warp(const Phase& phase, int first_rank, int ranks, int64_t item
   return launch(per_warp_kernel<Phase>, static_cast<unsigned>(blocks), kPhaseThreads, stream,
                 phase, first_rank, ranks, items);
 }
-
-// The phases as function objects (kernel arguments, passed by value).
-template <typename Peers>
-struct DispatchCount {
-  DispatchArgs a;
-  __device__ void operator()(int s, int64_t c, int lane, int lanes) const {
-    dispatch_count(a, Peers{}, s, static_cast<int>(c), lane, lanes);
-  }
-};
-struct DispatchBases {
-  DispatchArgs a;
-  __device__ void operator()(int s, int64_t c) const { dispatch_bases(a, s, static_cast<int>(c)); }
-};
-template <typename Peers>
-struct DispatchSend {
-  DispatchArgs a;
-  __device__ void operator()(int s, int64_t t, int lane, int lanes) const {
-    dispatch_send(a, Peers{}, s, static_cast<int>(t), lane, lanes);
-  }
-};
-template <typename Peers>
-struct DispatchFinish {
-  DispatchArgs a;
-  __device__ void operator()(int d, int64_t i, int lane, int lanes) const {
-    dispatch_finish(a, Peers{}, d, static_cast<int>(i), lane, lanes);
-  }
-};
-template <typename T>
-struct CombineReduceEntries {
-  CombineArgs<T> a;
-  __device__ void operator()(int d, int64_t i, int lane, int lanes) const {
-    combine_reduce_entries(a, d, static_cast<int>(i), lane, lanes);
-  }
-};
-template <typename T, typename Peers>
-struct CombineToken {
-  CombineArgs<T> a;
-  __device__ void operator()(int s, int64_t t, int lane, int lanes) const {
-    combine_token(a, Peers{}, s, static_cast<int>(t), lane, lanes);
-  }
-};
-template <typename Peers>
-struct LowLatencyCount {
-  LowLatencyArgs a;
-  __device__ void operator()(int s, int64_t c, int lane, int lanes) const {
-    ll_count(a, Peers{}, s, static_cast<int>(c), lane, lanes);
-  }
-};
-template <typename Peers>
-struct LowLatencySend {
-  LowLatencyArgs a;
-  __device__ void operator()(int s, int64_t t, int lane, int lanes) const {
-    ll_send(a, Peers{}, s, static_cast<int>(t), lane, lanes);
-  }
-};
-template <typename Peers>
-struct LowLatencyFinish {
-  LowLatencyArgs a;
-  __device__ void operator()(int d, int64_t r, int lane, int lanes) const {
-    ll_finish(a, Peers{}, d, r, lane, lanes);
-  }
-};
-template <typename Peers>
-struct LowLatencyCombineSend {
-  LowLatencyCombineArgs a;
-  __device__ void operator()(int d, int64_t src, int lane, int lanes) const {
-    ll_combine_send(a, Peers{}, d, src, lane, lanes);
-  }
-};
-struct LowLatencyCombineToken {
-  LowLatencyCombineArgs a;
-  __device__ void operator()(int s, int64_t t, int lane, int lanes) const {
-    ll_combine_token(a, s, static_cast<int>(t), lane, lanes);
-  }
-};
 
 }  // namespace jax_ep::cuda

@@ -108,6 +108,15 @@ xffi::Error CheckStack(std::string_view op, int64_t stacked, int64_t num_ranks) 
 
 }  // namespace
 
+xffi::Error ParseRanks(std::string_view op, const AnyBuffer& ranks, int64_t stacked,
+                       int64_t num_ranks, bool* between, const int32_t** data) {
+  void* p = nullptr;
+  JAX_EP_RETURN_IF_ERROR(Check(op, "ranks", ranks, DataType::S32, {stacked}, &p));
+  *data = static_cast<const int32_t*>(p);
+  *between = stacked == 1 && num_ranks > 1;
+  return xffi::Error::Success();
+}
+
 xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t num_ranks,
                           int64_t num_experts, int64_t capacity, int64_t expert_major,
                           DispatchArgs* a) {
@@ -318,7 +327,7 @@ xffi::Error ParseLowLatencyDispatchRecv(xffi::RemainingArgs args, xffi::Remainin
   // The results alias the operands (input_output_aliases); anything else is a wiring error.
   if (a->recv_x != in_x || a->recv_scales != in_scales || a->src_row != in_src_row) {
     return xffi::Error::Internal(std::string(op) + ": recv_x, recv_scales and src_row must "
-                                 "alias the operands (input_output_aliases {0: 0, 1: 1, 2: 2})");
+                                 "alias the operands (input_output_aliases {1: 0, 2: 1, 3: 2})");
   }
   a->counts = const_cast<int32_t*>(counts);  // read only in this phase
   return xffi::Error::Success();

@@ -2,7 +2,8 @@
 // results stack V ranks on their leading axis: V = R with virtual ranks (all R ranks of the
 // group in one call), V = 1 between GPUs (one rank per device, peers through NVSHMEM; CUDA
 // only). Shapes below write R for that leading axis. Every target takes the attribute
-// num_ranks (R).
+// num_ranks (R) and, before the operands listed below, `ranks` s32 [R]: the EP rank of each
+// stacked rank (0..R-1 with virtual ranks; the EP axis index between devices).
 //
 // Each target takes its operands and results as variadic lists (the order is documented at
 // the parser below and mirrored by jax_ep/_virtual_ffi.py) and a few int64 attributes. The
@@ -12,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 
 #include "cuda/exchange.h"
 #include "ffi/ffi_helpers.h"
@@ -24,6 +26,11 @@ inline constexpr const char kLowLatencyDispatchSendOp[] = "jax_ep_ll_dispatch_se
 inline constexpr const char kLowLatencyDispatchRecvOp[] = "jax_ep_ll_dispatch_recv";
 inline constexpr const char kLowLatencyCombineSendOp[] = "jax_ep_ll_combine_send";
 inline constexpr const char kLowLatencyCombineRecvOp[] = "jax_ep_ll_combine_recv";
+
+// Checks the `ranks` operand against the stacked count of the op's operands; `*between`
+// tells whether this call is one rank of several devices (stacked 1 < R).
+xffi::Error ParseRanks(std::string_view op, const xffi::AnyBuffer& ranks, int64_t stacked,
+                       int64_t num_ranks, bool* between, const int32_t** data);
 
 // Element type of combine's rows.
 enum class RowType { kF32, kBF16, kF16 };

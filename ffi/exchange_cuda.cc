@@ -15,12 +15,15 @@ namespace {
 
 using Stream = xffi::PlatformStream<cudaStream_t>;
 
-// One rank per device (operand `index` stacks one rank of several): the peers path.
-bool BetweenDevices(const xffi::RemainingArgs& args, size_t index, int num_ranks) {
-  return num_ranks > 1 && args.get<xffi::AnyBuffer>(index)->dimensions()[0] == 1;
+// One rank per device (operand `index` stacks one rank of several): the peers path, which
+// gets the device address of the EP axis index in `*axis_index`.
+xffi::Error Place(const char* op, const xffi::AnyBuffer& ranks, const xffi::RemainingArgs& args,
+                  size_t index, int num_ranks, bool* between, const int32_t** axis_index) {
+  return ParseRanks(op, ranks, args.get<xffi::AnyBuffer>(index)->dimensions()[0], num_ranks,
+                    between, axis_index);
 }
 
-xffi::Error Done(const cuda::PeerError& error) {
+xffi::Error Done(const PeerError& error) {
   return error.ok() ? xffi::Error::Success() : xffi::Error::Internal(error.message);
 }
 
@@ -30,26 +33,32 @@ xffi::Error Launched(const char* op, cudaError_t status) {
                                cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
 }
 
-xffi::Error DispatchCudaImpl(cudaStream_t stream, xffi::RemainingArgs args,
+xffi::Error DispatchCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks, xffi::RemainingArgs args,
                              xffi::RemainingRets rets, int64_t num_ranks, int64_t num_experts,
                              int64_t capacity, int64_t expert_major) {
   DispatchArgs a;
   JAX_EP_RETURN_IF_ERROR(
       ParseDispatch(args, rets, num_ranks, num_experts, capacity, expert_major, &a));
-  if (BetweenDevices(args, 2, a.num_ranks)) return Done(cuda::peer_dispatch(a, stream));
+  bool between;
+  const int32_t* axis;
+  JAX_EP_RETURN_IF_ERROR(Place(kDispatchOp, ranks, args, 2, a.num_ranks, &between, &axis));
+  if (between) return Done(cuda::peer_dispatch(a, axis, stream));
   return Launched(kDispatchOp, cuda::launch_dispatch(a, stream));
 }
 
-xffi::Error CombineCudaImpl(cudaStream_t stream, xffi::RemainingArgs args,
+xffi::Error CombineCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks, xffi::RemainingArgs args,
                             xffi::RemainingRets rets, int64_t num_ranks, int64_t expert_major) {
   CombineArgs<float> a;
   RowType type;
   JAX_EP_RETURN_IF_ERROR(ParseCombine(args, rets, num_ranks, expert_major, &type, &a));
-  if (BetweenDevices(args, 0, a.num_ranks)) {
+  bool between;
+  const int32_t* axis;
+  JAX_EP_RETURN_IF_ERROR(Place(kCombineOp, ranks, args, 0, a.num_ranks, &between, &axis));
+  if (between) {
     switch (type) {
-      case RowType::kF32: return Done(cuda::peer_combine(a, stream));
-      case RowType::kBF16: return Done(cuda::peer_combine(Retype<Bf16>(a), stream));
-      case RowType::kF16: return Done(cuda::peer_combine(Retype<F16>(a), stream));
+      case RowType::kF32: return Done(cuda::peer_combine(a, axis, stream));
+      case RowType::kBF16: return Done(cuda::peer_combine(Retype<Bf16>(a), axis, stream));
+      case RowType::kF16: return Done(cuda::peer_combine(Retype<F16>(a), axis, stream));
     }
   }
   cudaError_t status = cudaSuccess;
@@ -61,40 +70,52 @@ xffi::Error CombineCudaImpl(cudaStream_t stream, xffi::RemainingArgs args,
   return Launched(kCombineOp, status);
 }
 
-xffi::Error LowLatencyDispatchSendCudaImpl(cudaStream_t stream, xffi::RemainingArgs args,
+xffi::Error LowLatencyDispatchSendCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks, xffi::RemainingArgs args,
                                            xffi::RemainingRets rets, int64_t num_ranks,
                                            int64_t num_experts, int64_t use_fp8) {
   LowLatencyArgs a;
   JAX_EP_RETURN_IF_ERROR(
       ParseLowLatencyDispatchSend(args, rets, num_ranks, num_experts, use_fp8, &a));
-  if (BetweenDevices(args, 1, a.num_ranks)) return Done(cuda::peer_ll_dispatch_send(a, stream));
+  bool between;
+  const int32_t* axis;
+  JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyDispatchSendOp, ranks, args, 1, a.num_ranks, &between, &axis));
+  if (between) return Done(cuda::peer_ll_dispatch_send(a, axis, stream));
   return Launched(kLowLatencyDispatchSendOp, cuda::launch_ll_dispatch_send(a, stream));
 }
 
-xffi::Error LowLatencyDispatchRecvCudaImpl(cudaStream_t stream, xffi::RemainingArgs args,
+xffi::Error LowLatencyDispatchRecvCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks, xffi::RemainingArgs args,
                                            xffi::RemainingRets rets, int64_t num_ranks,
                                            int64_t num_experts) {
   LowLatencyArgs a;
   JAX_EP_RETURN_IF_ERROR(ParseLowLatencyDispatchRecv(args, rets, num_ranks, num_experts, &a));
-  if (BetweenDevices(args, 0, a.num_ranks)) return Done(cuda::peer_ll_dispatch_recv(a, stream));
+  bool between;
+  const int32_t* axis;
+  JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyDispatchRecvOp, ranks, args, 0, a.num_ranks, &between, &axis));
+  if (between) return Done(cuda::peer_ll_dispatch_recv(a, axis, stream));
   return Launched(kLowLatencyDispatchRecvOp, cuda::launch_ll_dispatch_recv(a, stream));
 }
 
-xffi::Error LowLatencyCombineSendCudaImpl(cudaStream_t stream, xffi::RemainingArgs args,
+xffi::Error LowLatencyCombineSendCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks, xffi::RemainingArgs args,
                                           xffi::RemainingRets rets, int64_t num_ranks,
                                           int64_t num_experts) {
   LowLatencyCombineArgs a;
   JAX_EP_RETURN_IF_ERROR(ParseLowLatencyCombineSend(args, rets, num_ranks, num_experts, &a));
-  if (BetweenDevices(args, 0, a.num_ranks)) return Done(cuda::peer_ll_combine_send(a, stream));
+  bool between;
+  const int32_t* axis;
+  JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyCombineSendOp, ranks, args, 0, a.num_ranks, &between, &axis));
+  if (between) return Done(cuda::peer_ll_combine_send(a, axis, stream));
   return Launched(kLowLatencyCombineSendOp, cuda::launch_ll_combine_send(a, stream));
 }
 
-xffi::Error LowLatencyCombineRecvCudaImpl(cudaStream_t stream, xffi::RemainingArgs args,
+xffi::Error LowLatencyCombineRecvCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks, xffi::RemainingArgs args,
                                           xffi::RemainingRets rets, int64_t num_ranks,
                                           int64_t num_experts) {
   LowLatencyCombineArgs a;
   JAX_EP_RETURN_IF_ERROR(ParseLowLatencyCombineRecv(args, rets, num_ranks, num_experts, &a));
-  if (BetweenDevices(args, 0, a.num_ranks)) return Done(cuda::peer_ll_combine_recv(a, stream));
+  bool between;
+  const int32_t* axis;
+  JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyCombineRecvOp, ranks, args, 0, a.num_ranks, &between, &axis));
+  if (between) return Done(cuda::peer_ll_combine_recv(a, axis, stream));
   return Launched(kLowLatencyCombineRecvOp, cuda::launch_ll_combine_recv(a, stream));
 }
 
@@ -103,6 +124,7 @@ xffi::Error LowLatencyCombineRecvCudaImpl(cudaStream_t stream, xffi::RemainingAr
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DispatchCuda, DispatchCudaImpl,
                               xffi::Ffi::Bind()
                                   .Ctx<Stream>()
+                                  .Arg<xffi::AnyBuffer>()
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("num_ranks")
@@ -113,6 +135,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DispatchCuda, DispatchCudaImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineCuda, CombineCudaImpl,
                               xffi::Ffi::Bind()
                                   .Ctx<Stream>()
+                                  .Arg<xffi::AnyBuffer>()
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("num_ranks")
@@ -121,6 +144,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineCuda, CombineCudaImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendCuda, LowLatencyDispatchSendCudaImpl,
                               xffi::Ffi::Bind()
                                   .Ctx<Stream>()
+                                  .Arg<xffi::AnyBuffer>()
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("num_ranks")
@@ -130,6 +154,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendCuda, LowLatencyDispatchSend
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecvCuda, LowLatencyDispatchRecvCudaImpl,
                               xffi::Ffi::Bind()
                                   .Ctx<Stream>()
+                                  .Arg<xffi::AnyBuffer>()
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("num_ranks")
@@ -138,6 +163,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecvCuda, LowLatencyDispatchRecv
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendCuda, LowLatencyCombineSendCudaImpl,
                               xffi::Ffi::Bind()
                                   .Ctx<Stream>()
+                                  .Arg<xffi::AnyBuffer>()
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("num_ranks")
@@ -146,6 +172,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendCuda, LowLatencyCombineSendCu
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvCuda, LowLatencyCombineRecvCudaImpl,
                               xffi::Ffi::Bind()
                                   .Ctx<Stream>()
+                                  .Arg<xffi::AnyBuffer>()
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("num_ranks")

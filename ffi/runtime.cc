@@ -1,4 +1,5 @@
-// Python bindings of the CUDA backend's NVSHMEM runtime (jax_ep/runtime.py drives them).
+// Python bindings of the runtimes of the exchange between devices: NVSHMEM (GPUs) and host
+// peers (CPU devices); jax_ep/runtime.py drives them.
 #include "ffi/runtime.h"
 
 #include <nanobind/nanobind.h>
@@ -8,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "cuda/host_peers.h"
 #ifdef JAX_EP_WITH_CUDA
 #include "cuda/api.h"
 #endif
@@ -69,6 +71,11 @@ nb::object State() {
 #endif
 }
 
+void HostPeersInitialize(size_t buffer_bytes) {
+  const std::string error = host::initialize(buffer_bytes);
+  if (!error.empty()) throw std::runtime_error("jax_ep.initialize: " + error);
+}
+
 }  // namespace
 
 void BindRuntime(nb::module_& m) {
@@ -77,6 +84,13 @@ void BindRuntime(nb::module_& m) {
         "Initializes NVSHMEM with rank 0's unique id and allocates the symmetric buffer "
         "(collective). Raises RuntimeError on failure or without CUDA.");
   m.def("runtime_finalize", &Finalize, "Frees the symmetric buffer and finalizes NVSHMEM.");
+  m.def("host_peers_initialize", &HostPeersInitialize, nb::arg("buffer_bytes"),
+        "Sets up host peers (the exchange between the CPU devices of this process) with a "
+        "buffer of `buffer_bytes` per rank.");
+  m.def("host_peers_finalize", &host::finalize,
+        "Frees the host peers' buffers (no exchange may be running).");
+  m.def("host_peers_buffer_bytes", &host::buffer_bytes,
+        "The host peers' buffer bytes per rank, 0 when not initialized.");
   m.def("runtime_state", &State,
         "{'rank', 'num_ranks', 'buffer_bytes'} while initialized, else None.");
 }

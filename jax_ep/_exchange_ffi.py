@@ -3,8 +3,10 @@
 
 Operands and results stack V ranks on their leading axis: V = R with virtual ranks (all ranks
 in one call), V = 1 inside `shard_map` (one rank per device; the handlers then exchange with
-the other devices through NVSHMEM). Result types are derived from an operand's type, so they
-carry shard_map's varying-axis typing.
+the other devices: GPUs through NVSHMEM, CPU devices through host peers). Every call's first
+operand holds the EP rank of each stacked rank: 0..R-1 with virtual ranks (`axis_name`
+None), the index along `axis_name` inside `shard_map`. Result types are derived from an
+operand's type, so they carry shard_map's varying-axis typing.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jax_ep import _ffi, fp8
 from jax_ep.structs import DispatchHandle, Received
@@ -29,12 +32,19 @@ def _exchange_call(target: str, result_types, **kwargs):
     return jax.ffi.ffi_call(target, result_types, has_side_effect=True, **kwargs)
 
 
+def _ranks(axis_name: str | None, stacked: int) -> jax.Array:
+    """The EP rank of each stacked rank: this device's index along `axis_name`, or 0..V-1."""
+    if axis_name is None:
+        return jnp.arange(stacked, dtype=jnp.int32)
+    return lax.axis_index(axis_name).astype(jnp.int32)[None]
+
+
 def _attrs(**attrs) -> dict:
     return {k: np.int64(int(v)) for k, v in attrs.items()}
 
 
 def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, capacity,
-             expert_major):
+             expert_major, axis_name=None):
     """Normal dispatch; returns the 16 results of "jax_ep_dispatch" as a dict."""
     _ffi.register()
     V, T, K = topk_idx.shape
@@ -59,7 +69,7 @@ def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, ca
         "workspace": ((workspace,), i32),
     }
     outs = _exchange_call("jax_ep_dispatch", _types(topk_idx, names_shapes.values()))(
-        data, scales, topk_idx, topk_weights,
+        _ranks(axis_name, V), data, scales, topk_idx, topk_weights,
         **_attrs(num_ranks=R, num_experts=E, capacity=cap, expert_major=expert_major))
     result = dict(zip(names_shapes, outs, strict=True))
     if not S:
@@ -98,7 +108,8 @@ def received_and_handle(out: dict, *, num_ranks, num_experts, capacity, expert_m
     return received, handle
 
 
-def combine(y, weights, src_row, row_entries, *, num_ranks, top_k, expert_major):
+def combine(y, weights, src_row, row_entries, *, num_ranks, top_k, expert_major,
+            axis_name=None):
     """Combine of [V, rows, H] rows; `row_entries` None for the rank-major layout."""
     _ffi.register()
     V, _, H = y.shape
@@ -110,12 +121,12 @@ def combine(y, weights, src_row, row_entries, *, num_ranks, top_k, expert_major)
     partial_rows = num_ranks * T if expert_major else 0
     out, _ = _exchange_call(
         "jax_ep_combine", _types(y, [((V, T, H), y.dtype), ((V, partial_rows, H), y.dtype)])
-    )(y, weights, src_row, row_entries,
+    )(_ranks(axis_name, V), y, weights, src_row, row_entries,
       **_attrs(num_ranks=num_ranks, expert_major=expert_major))
     return out
 
 
-def ll_dispatch_send(x, topk_idx, *, num_ranks, num_experts, use_fp8):
+def ll_dispatch_send(x, topk_idx, *, num_ranks, num_experts, use_fp8, axis_name=None):
     """The send half of low-latency dispatch; a dict for `ll_dispatch_recv`."""
     _ffi.register()
     V, T, K = topk_idx.shape
@@ -129,12 +140,13 @@ def ll_dispatch_send(x, topk_idx, *, num_ranks, num_experts, use_fp8):
     ]
     recv_x, recv_scales, src_row, clean_idx, num_invalid, counts, _ = _exchange_call(
         "jax_ep_ll_dispatch_send", _types(topk_idx, shapes)
-    )(x, topk_idx, **_attrs(num_ranks=R, num_experts=E, use_fp8=use_fp8))
+    )(_ranks(axis_name, V), x, topk_idx,
+      **_attrs(num_ranks=R, num_experts=E, use_fp8=use_fp8))
     return {"recv_x": recv_x, "recv_scales": recv_scales, "src_row": src_row,
             "clean_idx": clean_idx, "num_invalid": num_invalid, "counts": counts}
 
 
-def ll_dispatch_recv(data, *, num_ranks, num_experts):
+def ll_dispatch_recv(data, *, num_ranks, num_experts, axis_name=None):
     """The receive half: (recv_x, recv_scales or None, src_row, count [V, E/R])."""
     recv_x, recv_scales, src_row = data["recv_x"], data["recv_scales"], data["src_row"]
     V = recv_x.shape[0]
@@ -142,25 +154,27 @@ def ll_dispatch_recv(data, *, num_ranks, num_experts):
         "jax_ep_ll_dispatch_recv",
         _types(src_row, [(a.shape, a.dtype) for a in (recv_x, recv_scales, src_row)]
                + [((V, num_experts // num_ranks), jnp.int32)]),
-        input_output_aliases={0: 0, 1: 1, 2: 2},
-    )(recv_x, recv_scales, src_row, data["counts"],
+        input_output_aliases={1: 0, 2: 1, 3: 2},
+    )(_ranks(axis_name, V), recv_x, recv_scales, src_row, data["counts"],
       **_attrs(num_ranks=num_ranks, num_experts=num_experts))
     return recv_x, recv_scales if recv_scales.shape[3] else None, src_row, count
 
 
-def ll_combine_send(y, src_row, *, num_ranks, num_experts):
+def ll_combine_send(y, src_row, *, num_ranks, num_experts, axis_name=None):
     """The send half of low-latency combine: rows [V, T, K, H] staged at their homes."""
     _ffi.register()
     V, _, T, K = src_row.shape
     return _exchange_call(
         "jax_ep_ll_combine_send", _types(y, [((V, T, K, y.shape[3]), jnp.bfloat16)])[0]
-    )(y, src_row, **_attrs(num_ranks=num_ranks, num_experts=num_experts))
+    )(_ranks(axis_name, V), y, src_row,
+      **_attrs(num_ranks=num_ranks, num_experts=num_experts))
 
 
-def ll_combine_recv(staging, clean_idx, topk_weights, *, num_ranks, num_experts):
+def ll_combine_recv(staging, clean_idx, topk_weights, *, num_ranks, num_experts,
+                    axis_name=None):
     """The receive half: the top-k weighted sums, bfloat16 [V, T, H]."""
     V, T, _, H = staging.shape
     return _exchange_call(
         "jax_ep_ll_combine_recv", _types(staging, [((V, T, H), jnp.bfloat16)])[0]
-    )(staging, clean_idx, topk_weights,
+    )(_ranks(axis_name, V), staging, clean_idx, topk_weights,
       **_attrs(num_ranks=num_ranks, num_experts=num_experts))

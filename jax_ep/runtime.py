@@ -1,14 +1,20 @@
-"""Runtime of the CUDA backend: NVSHMEM and its symmetric buffer, one GPU per process.
+"""Runtime of the CUDA backend between devices: the symmetric buffer every rank exchanges
+through.
 
 The portable backend needs no initialization, and neither does the CUDA backend with one rank
-or with virtual ranks (`jax_ep.virtual`). Between GPUs, every process calls
-`jax_ep.initialize()` once after `jax.distributed.initialize()`: process 0 draws an NVSHMEM
-unique id and shares it through the `jax.distributed` key-value store, every process
-initializes NVSHMEM from inside our extension (PE = `jax.process_index()`) and allocates one
-symmetric buffer sized for the largest call it will make (`BufferConfig`,
-`required_bytes`). The EP axis must
-then span every process. NVSHMEM terminates the process when it cannot initialize, so every
-precondition is checked here first and reported as a Python exception.
+or with virtual ranks (`jax_ep.virtual`). Between devices, `jax_ep.initialize()` sets up one
+symmetric buffer per rank, sized for the largest call (`BufferConfig`, `required_bytes`):
+
+- GPUs (one per process): every process calls it once after `jax.distributed.initialize()`.
+  Process 0 draws an NVSHMEM unique id and shares it through the `jax.distributed` key-value
+  store, every process initializes NVSHMEM from inside our extension (PE =
+  `jax.process_index()`) and allocates the buffer. The EP axis must then span every process,
+  in process order. NVSHMEM terminates the process when it cannot initialize, so every
+  precondition is checked here first and reported as a Python exception.
+- CPU devices (one process, e.g. `--xla_force_host_platform_device_count=8`): host peers, a
+  stand-in for NVSHMEM in host memory (cuda/host_peers.h), so that `backend="cuda"` runs
+  between the CPU devices of `shard_map` the ops the GPUs run: same phases, buffer carving
+  and barriers. Buffers are reserved per group size and touched only where written.
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ class BufferConfig:
       hidden: H.
       top_k: K.
       num_experts: E.
-      num_ranks: R, the EP group size; None: every process (`jax.process_count()`).
+      num_ranks: R, the EP group size; None: every device (`jax.device_count()`: one GPU per
+        process, or the CPU devices of this process).
       dtype_bytes: bytes per element of normal-mode rows (2 for bfloat16).
       capacity: normal-mode rows (entries when `expert_major`) per rank; None: the op's default.
       expert_major: size for the expert-major layout too (its default capacity is
@@ -55,7 +62,7 @@ class BufferConfig:
     low_latency_tokens: int = 128
 
     def ranks(self) -> int:
-        return jax.process_count() if self.num_ranks is None else self.num_ranks
+        return jax.device_count() if self.num_ranks is None else self.num_ranks
 
     def check(self) -> None:
         for name in ("num_tokens", "hidden", "top_k", "num_experts", "dtype_bytes"):
@@ -120,21 +127,23 @@ def is_initialized() -> bool:
 
 
 def state() -> dict | None:
-    """{'rank', 'num_ranks', 'buffer_bytes'} while initialized, else None."""
+    """{'platform', 'rank', 'num_ranks', 'buffer_bytes'} while initialized, else None."""
     return dict(_state) if _state else None
 
 
 def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None = None) -> None:
-    """Sets up NVSHMEM for the CUDA backend between GPUs (one GPU per process; collective).
+    """Sets up the CUDA backend between devices: NVSHMEM on GPUs (one GPU per process;
+    collective), host peers on the CPU devices of one process.
 
     Args:
       config: the largest call this process will make (default `BufferConfig()`, DeepEP's
-        shapes); the symmetric buffer gets `jax_ep.runtime.required_bytes(config)` bytes.
+        shapes); each rank's buffer gets `jax_ep.runtime.required_bytes(config)` bytes.
       buffer_bytes: an explicit size instead of `config`.
 
     Raises:
-      RuntimeError: no CUDA GPU, more than one local GPU, an extension without CUDA, already
-        initialized, or NVSHMEM failed (the message says which step).
+      RuntimeError: more than one local GPU, several processes without GPUs, an extension
+        without CUDA (GPUs) or without a build, already initialized, or NVSHMEM failed (the
+        message says which step).
       ValueError: a bad config or both config and buffer_bytes.
     """
     op = "jax_ep.initialize"
@@ -143,26 +152,26 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
     if _state:
         raise RuntimeError(f"{op}: already initialized ({_state}); call jax_ep.finalize() "
                            f"first to change the buffer.")
+    from jax_ep import _ffi
+
+    _ffi.require_extension(op)
     gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
-    if not gpus:
-        raise RuntimeError(
-            f"{op}: no CUDA GPU is visible to JAX (local devices: "
-            f"{[d.platform for d in jax.local_devices()]}). The CUDA backend between GPUs needs "
-            f"one GPU per process; without a GPU use backend='xla', which needs no "
-            f"initialization (jax_ep.virtual needs none either)."
-        )
     if len(gpus) > 1:
         raise RuntimeError(
             f"{op}: this process sees {len(gpus)} GPUs; NVSHMEM allows one GPU per process. "
             f"Start one process per GPU with jax.distributed.initialize(..., "
             f"local_device_ids=[i])."
         )
-    from jax_ep import _ffi
-
-    if not _ffi.cuda_kernels_compiled():
+    if gpus and not _ffi.cuda_kernels_compiled():
         raise RuntimeError(
             f"{op}: jax_ep was built without CUDA kernels. Rebuild with nvcc on PATH: "
             f"pip install -C cmake.define.JAX_EP_CUDA=ON ."
+        )
+    if not gpus and jax.process_count() > 1:
+        raise RuntimeError(
+            f"{op}: {jax.process_count()} processes without GPUs. On CPU the exchange between "
+            f"devices runs inside one process (host peers); use one process with several CPU "
+            f"devices (--xla_force_host_platform_device_count), or backend='xla'."
         )
     if buffer_bytes is None:
         buffer_bytes = required_bytes(config or BufferConfig())
@@ -170,10 +179,15 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
         raise ValueError(f"{op}: buffer_bytes must be an int above {SIGNAL_BYTES}; got "
                          f"{buffer_bytes!r}.")
     rank, num_ranks = jax.process_index(), jax.process_count()
-    unique_id = _share_unique_id(op, rank, num_ranks, _ffi.EXT)
-    _ffi.EXT.runtime_initialize(unique_id, rank, num_ranks, gpus[0].local_hardware_id,
-                                buffer_bytes)
-    _state.update(rank=rank, num_ranks=num_ranks, buffer_bytes=buffer_bytes)
+    if gpus:
+        unique_id = _share_unique_id(op, rank, num_ranks, _ffi.EXT)
+        _ffi.EXT.runtime_initialize(unique_id, rank, num_ranks, gpus[0].local_hardware_id,
+                                    buffer_bytes)
+        _state.update(platform="gpu", rank=rank, num_ranks=num_ranks, buffer_bytes=buffer_bytes)
+    else:
+        _ffi.EXT.host_peers_initialize(buffer_bytes)
+        _state.update(platform="cpu", rank=rank, num_ranks=jax.local_device_count(),
+                      buffer_bytes=buffer_bytes)
 
 
 def _share_unique_id(op: str, rank: int, num_ranks: int, ext) -> bytes:
@@ -202,8 +216,12 @@ def finalize() -> None:
     jax.clear_caches()
     from jax_ep import _ffi
 
+    platform = _state.get("platform")
     _state.clear()
-    _ffi.EXT.runtime_finalize()
+    if platform == "gpu":
+        _ffi.EXT.runtime_finalize()
+    else:
+        _ffi.EXT.host_peers_finalize()
 
 
 atexit.register(finalize)

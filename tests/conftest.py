@@ -30,6 +30,24 @@ def _eight_devices():
     assert len(jax.devices()) == 8, "tests expect 8 forced host devices"
 
 
+HOST_PEER_BYTES = 64 << 20  # per rank: more than any test's largest call
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _host_peers_for_cuda_backend():
+    """With JAX_EP_BACKEND=cuda every op runs the "cuda" backend; on these CPU devices, ops
+    between devices exchange through host peers, which jax_ep.initialize() sets up."""
+    import jax_ep
+    from jax_ep import _ffi
+
+    if os.environ.get("JAX_EP_BACKEND") != "cuda" or _ffi.EXT is None:
+        yield
+        return
+    jax_ep.initialize(buffer_bytes=HOST_PEER_BYTES)
+    yield
+    jax_ep.finalize()
+
+
 @pytest.fixture(autouse=True)
 def _seeded_inputs(request):
     """Every test's unseeded np.random.default_rng() draws from one seed, which a failure

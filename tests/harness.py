@@ -49,6 +49,15 @@ def compiled_text(fn, num_ranks: int, *args) -> str:
         return program.lower(*suite.put(m, args)).compile().as_text()
 
 
+def forget_failed_exchange():
+    """After a test made an exchange fail on purpose: exchanges are side-effecting, so JAX
+    keeps the failed run as its devices' last effect and would raise its error again at
+    exit. Drop that record."""
+    from jax._src import dispatch
+
+    dispatch.runtime_tokens.clear()
+
+
 @contextlib.contextmanager
 def seeded_default_rng(seed: int):
     """`np.random.default_rng()` without a seed draws from `seed` while this is active (each

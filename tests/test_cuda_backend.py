@@ -2,9 +2,10 @@
 
 With one rank (R = 1) its custom calls need no peers, so the CPU handlers run them: forward
 results and gradients through the shared custom_vjp must equal the portable backend's bit for
-bit. With R > 1 the exchange needs GPUs with NVSHMEM: on CPU the call fails with an error that
-says so, and the programs still lower for CUDA (the custom calls, their attributes and the
-V = 1 shapes of one rank per device).
+bit. With R > 1 the exchange needs jax_ep.initialize() (host peers on CPU, tested in
+test_host_peers.py): without it the call fails with an error that says so, and the programs
+still lower for CUDA (the custom calls, their attributes and the V = 1 shapes of one rank per
+device).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from harness import sharded, to_numpy
+from harness import forget_failed_exchange, sharded, to_numpy
 from test_virtual import assert_bitwise, routing
 
 import jax_ep
@@ -107,12 +108,16 @@ def test_one_rank_low_latency_matches_portable_backend(use_fp8):
 
 
 def test_several_ranks_on_cpu_say_what_is_needed():
+    if jax_ep.runtime.is_initialized():
+        pytest.skip("jax_ep.initialize() has run (a JAX_EP_BACKEND=cuda run): host peers work")
     rng = np.random.default_rng()
     idx, w = routing(rng, 2, 4, 2, 4, "uniform")
     x = rng.standard_normal((2, 4, 8)).astype(np.float32)
-    with pytest.raises(Exception, match="virtual ranks only.*NVSHMEM.*backend='xla'"):
+    assert not jax_ep.runtime.is_initialized()
+    with pytest.raises(Exception, match=r"between devices needs jax_ep.initialize\(\) first"):
         to_numpy(sharded(_normal_program("cuda", False, 4, None), 2)(
             x, idx, w, np.ones(2, np.float32)))
+    forget_failed_exchange()
 
 
 @pytest.mark.parametrize("expert_major", [False, True])

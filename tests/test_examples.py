@@ -11,7 +11,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run_example(name: str, *args: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+    # The examples run as a user runs them: their own flags, the default backend (no
+    # JAX_EP_BACKEND=cuda, which between CPU devices would need jax_ep.initialize()).
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "PYTHONPATH", "JAX_EP_BACKEND")}
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", name), *args],
         env=env, capture_output=True, text=True, timeout=300,

@@ -27,7 +27,9 @@ def test_two_processes_match_one(tmp_path):
     seed = int(np.random.default_rng().integers(2**31))
     port = _free_port()
     out = tmp_path / "out.npz"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # Several CPU processes exchange through XLA only (host peers live in one process), so
+    # a JAX_EP_BACKEND=cuda run does not apply here.
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_EP_BACKEND")}
     env["PYTHONPATH"] = HERE  # the harness; jax_ep itself comes from the installation
     procs = [
         subprocess.Popen(

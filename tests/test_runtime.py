@@ -1,4 +1,5 @@
-"""The CUDA backend's runtime on a machine without a GPU: sizes, checks and clear errors.
+"""The CUDA backend's runtime on a machine without a GPU: sizes, checks, clear errors, and
+host peers (jax_ep.initialize() on CPU devices).
 
 NVSHMEM itself is never initialized here (it would end the process without a GPU); the GPU
 check script (tools/gpu_check.sh) runs it.
@@ -44,12 +45,24 @@ def test_bad_config_names_the_field(field, value, message):
         runtime.required_bytes(config)
 
 
-def test_initialize_without_gpu_explains_and_changes_nothing():
-    with pytest.raises(RuntimeError, match="no CUDA GPU.*backend='xla'"):
-        jax_ep.initialize(jax_ep.BufferConfig(num_ranks=1))
-    assert not runtime.is_initialized() and runtime.state() is None
+@pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
+def test_initialize_on_cpu_sets_up_host_peers():
+    if runtime.is_initialized():
+        pytest.skip("jax_ep.initialize() has run for the whole session (JAX_EP_BACKEND=cuda)")
     with pytest.raises(ValueError, match="not both"):
         jax_ep.initialize(jax_ep.BufferConfig(), buffer_bytes=1 << 20)
+    assert not runtime.is_initialized() and runtime.state() is None
+    config = jax_ep.BufferConfig(num_tokens=16, hidden=128, top_k=2, num_experts=8)
+    jax_ep.initialize(config)
+    try:
+        assert runtime.state() == {"platform": "cpu", "rank": 0, "num_ranks": 8,
+                                   "buffer_bytes": runtime.required_bytes(config)}
+        assert _ffi.EXT.host_peers_buffer_bytes() == runtime.required_bytes(config)
+        with pytest.raises(RuntimeError, match="already initialized"):
+            jax_ep.initialize(config)
+    finally:
+        jax_ep.finalize()
+    assert not runtime.is_initialized() and _ffi.EXT.host_peers_buffer_bytes() == 0
     jax_ep.finalize()  # a no-op when not initialized
 
 

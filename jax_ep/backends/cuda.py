@@ -1,11 +1,11 @@
 """The custom-call backend: XLA FFI targets implemented by our extension.
 
 Per shard inside `shard_map`, each op is one custom call with this rank's operands (stacked
-V = 1, see jax_ep/_exchange_ffi.py). With one rank (R = 1) the call needs no peers and runs
-anywhere: the CUDA kernels on a GPU, the CPU handlers (the same kernel bodies) on a CPU. With
-R > 1 the ranks are GPUs that exchange through NVSHMEM, set up by `jax_ep.initialize()` (one
-GPU per process, the EP axis spanning every process); the CPU handlers refuse that case with an
-error pointing to backend="xla" or `jax_ep.virtual`. The layout op is local and runs
+V = 1, see jax_ep/_exchange_ffi.py) and its EP axis index. With one rank (R = 1) the call
+needs no peers and runs anywhere: the CUDA kernels on a GPU, the CPU handlers (the same kernel
+bodies) on a CPU. With R > 1 the ranks exchange after `jax_ep.initialize()`: GPUs through
+NVSHMEM (one GPU per process, the EP axis spanning every process in process order), the CPU
+devices of one process through host peers (cuda/host_peers.h), which run the same ops. The layout op is local and runs
 anywhere. Result types are built from the operand's type (`jax.typeof(x).update(...)`) so that
 they carry shard_map's varying-axis typing and custom_vjp backward passes type-check.
 """
@@ -64,7 +64,8 @@ def dispatch(x, scales, topk_idx, topk_weights, *, num_experts, axis_name, capac
     num_ranks = lax.axis_size(axis_name)
     out = _exchange_ffi.dispatch(_one(x), _one(scales), _one(topk_idx), _one(topk_weights),
                                  num_ranks=num_ranks, num_experts=num_experts,
-                                 capacity=capacity, expert_major=expert_major)
+                                 capacity=capacity, expert_major=expert_major,
+                                 axis_name=axis_name)
     needed = out.pop("needed")[0]
     del out["workspace"]
     received, handle = _exchange_ffi.received_and_handle(
@@ -76,7 +77,8 @@ def dispatch(x, scales, topk_idx, topk_weights, *, num_experts, axis_name, capac
 def combine(y, weights, handle: DispatchHandle):
     out = _exchange_ffi.combine(_one(y), _one(weights), _one(handle.src_row),
                                 _one(handle.row_entries), num_ranks=handle.num_ranks,
-                                top_k=handle.top_k, expert_major=handle.expert_major)
+                                top_k=handle.top_k, expert_major=handle.expert_major,
+                                axis_name=handle.axis_name)
     return out[0]
 
 
@@ -86,7 +88,8 @@ def rows_for_receivers(values, handle: DispatchHandle):
     zeros = jnp.zeros(handle.topk_idx.shape, jnp.float32)
     out = _exchange_ffi.dispatch(_one(values), None, _one(handle.topk_idx), _one(zeros),
                                  num_ranks=handle.num_ranks, num_experts=handle.num_experts,
-                                 capacity=handle.capacity, expert_major=handle.expert_major)
+                                 capacity=handle.capacity, expert_major=handle.expert_major,
+                                 axis_name=handle.axis_name)
     return out["x"][0]
 
 
@@ -101,7 +104,8 @@ def weights_to_sources(d_weights, received_idx, handle: DispatchHandle):
         d_weights = jnp.zeros((num_rows * top_k,), jnp.float32).at[slot].set(
             d_weights, mode="drop").reshape(num_rows, top_k)
     out = _exchange_ffi.combine(_one(d_weights), None, _one(handle.src_row), None,
-                                num_ranks=handle.num_ranks, top_k=top_k, expert_major=False)
+                                num_ranks=handle.num_ranks, top_k=top_k, expert_major=False,
+                                axis_name=handle.axis_name)
     return out[0]
 
 
@@ -112,7 +116,8 @@ def weights_to_sources(d_weights, received_idx, handle: DispatchHandle):
 def low_latency_dispatch_send(x, topk_idx, *, num_experts, axis_name, use_fp8):
     data = _exchange_ffi.ll_dispatch_send(_one(x), _one(topk_idx),
                                           num_ranks=lax.axis_size(axis_name),
-                                          num_experts=num_experts, use_fp8=use_fp8)
+                                          num_experts=num_experts, use_fp8=use_fp8,
+                                          axis_name=axis_name)
     data["num_invalid"] = data["num_invalid"][0]  # checked between the halves
     return data
 
@@ -120,7 +125,7 @@ def low_latency_dispatch_send(x, topk_idx, *, num_experts, axis_name, use_fp8):
 def low_latency_dispatch_recv(data, *, num_experts, axis_name):
     num_ranks = lax.axis_size(axis_name)
     recv_x, recv_scales, src_row, count = _exchange_ffi.ll_dispatch_recv(
-        data, num_ranks=num_ranks, num_experts=num_experts)
+        data, num_ranks=num_ranks, num_experts=num_experts, axis_name=axis_name)
     received = LowLatencyReceived(x=recv_x[0], scales=_first(recv_scales), count=count[0],
                                   num_invalid=data["num_invalid"])
     handle = LowLatencyHandle(topk_idx=data["clean_idx"][0], src_row=src_row[0],
@@ -132,11 +137,13 @@ def low_latency_dispatch_recv(data, *, num_experts, axis_name):
 def low_latency_combine_send(y, handle: LowLatencyHandle):
     return _exchange_ffi.ll_combine_send(_one(y), _one(handle.src_row),
                                          num_ranks=handle.num_ranks,
-                                         num_experts=handle.num_experts)
+                                         num_experts=handle.num_experts,
+                                         axis_name=handle.axis_name)
 
 
 def low_latency_combine_recv(staging, topk_weights, handle: LowLatencyHandle):
     out = _exchange_ffi.ll_combine_recv(staging, _one(handle.topk_idx), _one(topk_weights),
                                         num_ranks=handle.num_ranks,
-                                        num_experts=handle.num_experts)
+                                        num_experts=handle.num_experts,
+                                        axis_name=handle.axis_name)
     return out[0]

@@ -1,0 +1,114 @@
+// Running the phases of cuda/exchange.h on the CPU the way the GPU launches them
+// (cuda/phases.cuh): a grid of blocks of warps of lanes, each unit taking items grid-stride.
+//
+// The default grid (1 block, 1 warp, 1 lane) is a plain loop: the fastest, and what the CPU
+// handlers run unless told otherwise. A GPU-shaped grid (e.g. 2 blocks of 2 warps of 32
+// lanes, $JAX_EP_CPU_GRID) runs the code paths only a GPU would: lane-split copies, the
+// ballot counting of number_in_order, grid-stride loops of several waves. Units run from the
+// last to the first, and the lanes of a warp one after another from the last, so a phase that
+// depended on the order of its items or lanes (a bug on the GPU, where they run concurrently)
+// gives different results here. With several threads a launch's warps are shared among OS
+// threads that join at its end, like a kernel boundary (the ThreadSanitizer test uses this).
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace jax_ep {
+
+struct HostGrid {
+  int blocks = 1;   // blocks of a launch
+  int warps = 1;    // warps per block
+  int lanes = 1;    // lanes per warp (32 on the GPU)
+  int threads = 1;  // OS threads sharing a launch
+
+  int64_t num_warps() const { return static_cast<int64_t>(blocks) * warps; }
+  int64_t num_lanes() const { return num_warps() * lanes; }
+};
+
+// Parses "blocks,warps,lanes[,threads]" (e.g. "2,2,32"); false on a malformed text.
+inline bool parse_host_grid(const char* text, HostGrid* grid) {
+  HostGrid g;
+  int* fields[] = {&g.blocks, &g.warps, &g.lanes, &g.threads};
+  int n = 0;
+  const char* p = text;
+  for (;;) {
+    char* end = nullptr;
+    const long value = std::strtol(p, &end, 10);
+    if (end == p || value < 1 || value > 1024 || n == 4) return false;
+    *fields[n++] = static_cast<int>(value);
+    if (*end == '\0') break;
+    if (*end != ',') return false;
+    p = end + 1;
+  }
+  if (n < 3) return false;
+  *grid = g;
+  return true;
+}
+
+// Runs unit(u) for every unit u of [0, units), from the last, on grid.threads threads.
+template <typename Unit>
+void for_units(int64_t units, int threads, const Unit& unit) {
+  if (threads <= 1 || units <= 1) {
+    for (int64_t u = units - 1; u >= 0; --u) unit(u);
+    return;
+  }
+  std::vector<std::thread> pool;
+  const int n = static_cast<int>(threads < units ? threads : units);
+  pool.reserve(n);
+  for (int t = 0; t < n; ++t) {
+    pool.emplace_back([&, t] {
+      for (int64_t u = units - 1 - t; u >= 0; u -= n) unit(u);
+    });
+  }
+  for (std::thread& thread : pool) thread.join();
+}
+
+// phase(rank, item) for ranks [first_rank, first_rank + ranks) x items [0, items), one item
+// per thread of the grid (cuda/phases.cuh per_thread_kernel).
+template <typename Phase>
+void host_per_thread(const Phase& phase, int first_rank, int ranks, int64_t items,
+                     const HostGrid& grid) {
+  const int64_t total = static_cast<int64_t>(ranks) * items, stride = grid.num_lanes();
+  for_units(stride, grid.threads, [&](int64_t unit) {
+    for (int64_t i = unit; i < total; i += stride) {
+      phase(first_rank + static_cast<int>(i / items), i % items);
+    }
+  });
+}
+
+// phase(rank, item, lane, lanes) with one item per warp (cuda/phases.cuh per_warp_kernel).
+template <typename Phase>
+void host_per_warp(const Phase& phase, int first_rank, int ranks, int64_t items,
+                   const HostGrid& grid) {
+  const int64_t total = static_cast<int64_t>(ranks) * items, stride = grid.num_warps();
+  for_units(stride, grid.threads, [&](int64_t warp) {
+    for (int64_t i = warp; i < total; i += stride) {
+      for (int lane = grid.lanes - 1; lane >= 0; --lane) {
+        phase(first_rank + static_cast<int>(i / items), i % items, lane, grid.lanes);
+      }
+    }
+  });
+}
+
+// The grid of the CPU handlers: $JAX_EP_CPU_GRID ("blocks,warps,lanes[,threads]"), read once
+// per process; a loop (1,1,1) when unset. A malformed value is reported by `error`.
+inline const HostGrid& cpu_handler_grid(std::string* error = nullptr) {
+  static const auto parsed = [] {
+    std::pair<HostGrid, std::string> out;
+    const char* text = std::getenv("JAX_EP_CPU_GRID");
+    if (text != nullptr && *text != '\0' && !parse_host_grid(text, &out.first)) {
+      out.second = std::string("$JAX_EP_CPU_GRID=") + text +
+                   " is not \"blocks,warps,lanes[,threads]\" with each in [1, 1024]";
+    }
+    return out;
+  }();
+  if (error != nullptr) *error = parsed.second;
+  return parsed.first;
+}
+
+}  // namespace jax_ep

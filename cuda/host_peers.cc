@@ -1,0 +1,280 @@
+// Host peers (cuda/host_peers.h): groups of host buffers and the CPU platform of
+// cuda/peer_ops.h.
+#include "cuda/host_peers.h"
+
+#include <sys/mman.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <thread>
+#include <vector>
+
+namespace jax_ep::host {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Signal = std::atomic<uint64_t>;
+
+// What made a rank's group unusable (0: nothing).
+struct RankStatus {
+  int code = 0;  // 1: a barrier timed out
+  int op = 0;
+  int peer = 0;
+};
+
+// Per-rank state that only the rank's own thread touches between barriers.
+struct RankState {
+  uint64_t epoch = 0;  // barriers passed
+  RankStatus status;
+};
+
+// R symmetric buffers in anonymous memory (zero until written, pages on first touch).
+class Group {
+ public:
+  Group(int num_ranks, size_t bytes, uint64_t timeout_ns)
+      : bytes_(bytes), timeout_ns_(timeout_ns), regions_(num_ranks), ranks_(num_ranks) {
+    for (char*& region : regions_) {
+      void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (p == MAP_FAILED) throw std::bad_alloc();
+      region = static_cast<char*>(p);
+      for (int q = 0; q < kMaxPeers; ++q) new (region + q * sizeof(Signal)) Signal(0);
+    }
+  }
+  ~Group() {
+    for (char* region : regions_) munmap(region, bytes_);
+  }
+  Group(const Group&) = delete;
+  Group& operator=(const Group&) = delete;
+
+  int num_ranks() const { return static_cast<int>(regions_.size()); }
+  size_t bytes() const { return bytes_; }
+  uint64_t timeout_ns() const { return timeout_ns_; }
+  char* const* regions() const { return regions_.data(); }
+  RankState& rank(int r) { return ranks_[r]; }
+  // The signal that rank `from` sets in rank `owner`'s buffer.
+  Signal& signal(int owner, int from) {
+    return *reinterpret_cast<Signal*>(regions_[owner] + from * sizeof(Signal));
+  }
+
+ private:
+  size_t bytes_;
+  uint64_t timeout_ns_;
+  std::vector<char*> regions_;
+  std::vector<RankState> ranks_;
+};
+
+// The groups, one per number of ranks. An op finds its group with an atomic load, not under
+// the mutex: a lock taken by every rank on every op would order the ranks' ops as a barrier
+// does, and hide a missing barrier from ThreadSanitizer.
+struct Registry {
+  std::mutex mutex;  // initialize, finalize, creating a group
+  size_t bytes = 0;  // 0: not initialized
+  uint64_t timeout_ns = 60ull * 1000 * 1000 * 1000;
+  std::atomic<Group*> groups[kMaxPeers + 1] = {};
+  std::vector<std::unique_ptr<Group>> owned;
+
+  // The group of `num_ranks` ranks, created on first use; nullptr when not initialized.
+  Group* group(int num_ranks) {
+    Group* g = groups[num_ranks].load(std::memory_order_acquire);
+    if (g != nullptr) return g;
+    std::lock_guard<std::mutex> lock(mutex);
+    g = groups[num_ranks].load(std::memory_order_acquire);
+    if (g == nullptr && bytes != 0) {
+      owned.push_back(std::make_unique<Group>(num_ranks, bytes, timeout_ns));
+      g = owned.back().get();
+      groups[num_ranks].store(g, std::memory_order_release);
+    }
+    return g;
+  }
+};
+
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+// Peers in host memory: the same offset in rank `rank`'s buffer.
+struct HostPeers {
+  char* const* regions;
+  int me;
+  template <typename T>
+  T* at(T* base, int64_t /*stride*/, int rank) const {
+    const uintptr_t offset =
+        reinterpret_cast<uintptr_t>(base) - reinterpret_cast<uintptr_t>(regions[me]);
+    return reinterpret_cast<T*>(reinterpret_cast<uintptr_t>(regions[rank]) + offset);
+  }
+};
+
+// The CPU platform of cuda/peer_ops.h: phases on this thread (or the grid's threads), the
+// barrier of the file comment, copies with memcpy.
+class HostPlatform {
+ public:
+  using Peers = HostPeers;
+
+  explicit HostPlatform(const HostGrid& grid) : grid_(grid) {}
+
+  PeerError open(int op, int num_ranks, int rank) {
+    const std::string name = kPeerOpNames[op];
+    if (num_ranks > kMaxPeers) {
+      return PeerError{name + ": at most " + std::to_string(kMaxPeers) + " ranks are supported"};
+    }
+    if (rank < 0 || rank >= num_ranks) {
+      return PeerError{name + ": EP rank " + std::to_string(rank) + " is outside [0, " +
+                       std::to_string(num_ranks) + ")"};
+    }
+    group_ = registry().group(num_ranks);
+    if (group_ == nullptr) {
+      return PeerError{name + ": the exchange between devices needs jax_ep.initialize() first "
+                              "(on CPU it sets up host buffers standing in for NVSHMEM's)"};
+    }
+    timeout_ns_ = group_->timeout_ns();
+    me_ = rank;
+    const RankStatus& status = group_->rank(me_).status;
+    if (status.code != 0) {
+      return PeerError{name + ": an earlier call of " + kPeerOpNames[status.op] +
+                       " on this rank timed out after " +
+                       std::to_string(timeout_ns_ / 1000000000ull) + " s waiting for peer " +
+                       std::to_string(status.peer) +
+                       " (did every device run the same ops?); the EP group is unusable, call "
+                       "jax_ep.finalize() and jax_ep.initialize() again"};
+    }
+    return PeerError{};
+  }
+
+  Peers peers() const { return Peers{group_->regions(), me_}; }
+  int rank() const { return me_; }
+  char* symmetric() const { return group_->regions()[me_]; }
+  size_t bytes() const { return group_->bytes(); }
+
+  void barrier(int op) {
+    if (!error_.ok()) return;
+    RankState& state = group_->rank(me_);
+    const uint64_t target = ++state.epoch;
+    const int n = group_->num_ranks();
+    for (int p = 0; p < n; ++p) group_->signal(p, me_).store(target, std::memory_order_release);
+    const Clock::time_point start = Clock::now();
+    for (int p = 0; p < n; ++p) {
+      const Signal& arrived = group_->signal(me_, p);
+      for (int spin = 0; arrived.load(std::memory_order_acquire) < target; ++spin) {
+        if (spin < 64) {
+          std::this_thread::yield();
+          continue;
+        }
+        const auto waited =
+            std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start);
+        if (static_cast<uint64_t>(waited.count()) > timeout_ns_) {
+          state.status = RankStatus{1, op, p};
+          error_ = PeerError{std::string(kPeerOpNames[op]) + ": timed out after " +
+                             std::to_string(timeout_ns_ / 1000000000ull) +
+                             " s waiting for peer " + std::to_string(p) +
+                             " (did every device run the same ops?)"};
+          return;
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+    }
+  }
+  template <typename Phase>
+  void per_thread(const Phase& phase, int64_t items) {
+    if (error_.ok()) host_per_thread(phase, me_, 1, items, grid_);
+  }
+  template <typename Phase>
+  void per_warp(const Phase& phase, int64_t items) {
+    if (error_.ok()) host_per_warp(phase, me_, 1, items, grid_);
+  }
+  void copy(void* dst, const void* src, int64_t bytes) {
+    if (error_.ok() && bytes > 0) std::memcpy(dst, src, static_cast<size_t>(bytes));
+  }
+  PeerError result(int /*op*/) const { return error_; }
+
+ private:
+  HostGrid grid_;
+  Group* group_ = nullptr;
+  uint64_t timeout_ns_ = 0;
+  int me_ = 0;
+  PeerError error_;
+};
+
+template <typename Body>
+PeerError with_platform(int op, int num_ranks, int rank, const HostGrid& grid,
+                        const Body& body) {
+  HostPlatform platform(grid);
+  PeerError error = platform.open(op, num_ranks, rank);
+  return error.ok() ? body(platform) : error;
+}
+
+}  // namespace
+
+std::string initialize(size_t bytes_per_rank) {
+  Registry& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mutex);
+  if (reg.bytes != 0) return "host peers are already initialized";
+  if (bytes_per_rank <= kSignalBytes) {
+    return "the buffer must be larger than " + std::to_string(kSignalBytes) + " bytes";
+  }
+  if (const char* env = std::getenv("JAX_EP_TIMEOUT_S")) {
+    const double seconds = std::atof(env);
+    if (seconds > 0) reg.timeout_ns = static_cast<uint64_t>(seconds * 1e9);
+  }
+  reg.bytes = bytes_per_rank;
+  return "";
+}
+
+void finalize() {
+  Registry& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mutex);
+  for (std::atomic<Group*>& group : reg.groups) group.store(nullptr, std::memory_order_release);
+  reg.owned.clear();
+  reg.bytes = 0;
+}
+
+size_t buffer_bytes() {
+  Registry& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mutex);
+  return reg.bytes;
+}
+
+PeerError dispatch(const DispatchArgs& args, int rank, const HostGrid& grid) {
+  return with_platform(kPeerDispatch, args.num_ranks, rank, grid,
+                       [&](HostPlatform& p) { return run_dispatch(p, args); });
+}
+
+template <typename T>
+PeerError combine(const CombineArgs<T>& args, int rank, const HostGrid& grid) {
+  return with_platform(kPeerCombine, args.num_ranks, rank, grid,
+                       [&](HostPlatform& p) { return run_combine(p, args); });
+}
+
+template PeerError combine<float>(const CombineArgs<float>&, int, const HostGrid&);
+template PeerError combine<Bf16>(const CombineArgs<Bf16>&, int, const HostGrid&);
+template PeerError combine<F16>(const CombineArgs<F16>&, int, const HostGrid&);
+
+PeerError ll_dispatch_send(const LowLatencyArgs& args, int rank, const HostGrid& grid) {
+  return with_platform(kPeerLlDispatchSend, args.num_ranks, rank, grid,
+                       [&](HostPlatform& p) { return run_ll_dispatch_send(p, args); });
+}
+
+PeerError ll_dispatch_recv(const LowLatencyArgs& args, int rank, const HostGrid& grid) {
+  return with_platform(kPeerLlDispatchRecv, args.num_ranks, rank, grid,
+                       [&](HostPlatform& p) { return run_ll_dispatch_recv(p, args); });
+}
+
+PeerError ll_combine_send(const LowLatencyCombineArgs& args, int rank, const HostGrid& grid) {
+  return with_platform(kPeerLlCombineSend, args.num_ranks, rank, grid, [&](HostPlatform& p) {
+    return run_ll_combine(p, kPeerLlCombineSend, args);
+  });
+}
+
+PeerError ll_combine_recv(const LowLatencyCombineArgs& args, int rank, const HostGrid& grid) {
+  return with_platform(kPeerLlCombineRecv, args.num_ranks, rank, grid, [&](HostPlatform& p) {
+    return run_ll_combine(p, kPeerLlCombineRecv, args);
+  });
+}
+
+}  // namespace jax_ep::host

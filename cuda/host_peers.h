@@ -1,0 +1,44 @@
+// Host peers: the exchange between the CPU devices of one process, the ops of
+// cuda/peer_ops.h on a host stand-in for NVSHMEM, so that CI runs the code the GPUs run
+// between each other (one rank per device, first_rank = that rank, the buffer carving and
+// the barrier protocol) without a GPU.
+//
+// A group of R ranks has one symmetric buffer per rank in host memory, all the same size
+// (jax_ep.initialize() on CPU sets it). HostPeers turns an address in this rank's buffer into
+// the same offset in a peer's buffer, as nvshmem_ptr does. Each rank runs its ops on its own
+// thread (XLA:CPU runs the devices of a program concurrently), so the ranks of a group meet
+// at barriers built like the GPU's: per-peer signals at the start of each buffer, stored with
+// release and awaited with acquire, every wait bounded by $JAX_EP_TIMEOUT_S (default 60 s).
+// A timeout is remembered, and every later op of that rank reports it.
+//
+// Groups are keyed by R: the programs that exchange through host peers with the same number
+// of ranks must not run at the same time on different devices.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "cuda/host_launch.h"
+#include "cuda/peer_ops.h"
+
+namespace jax_ep::host {
+
+// Sets up host peers with `bytes_per_rank` of symmetric buffer per rank (groups are created
+// on first use); an error message, or empty on success.
+std::string initialize(size_t bytes_per_rank);
+// Frees every group; no op of any group may be running.
+void finalize();
+// The buffer size of initialize(), or 0 when not initialized.
+size_t buffer_bytes();
+
+// The ops of cuda/peer_ops.h for `rank` of args.num_ranks, with the phases run on `grid`.
+PeerError dispatch(const DispatchArgs& args, int rank, const HostGrid& grid);
+template <typename T>
+PeerError combine(const CombineArgs<T>& args, int rank, const HostGrid& grid);
+PeerError ll_dispatch_send(const LowLatencyArgs& args, int rank, const HostGrid& grid);
+PeerError ll_dispatch_recv(const LowLatencyArgs& args, int rank, const HostGrid& grid);
+PeerError ll_combine_send(const LowLatencyCombineArgs& args, int rank, const HostGrid& grid);
+PeerError ll_combine_recv(const LowLatencyCombineArgs& args, int rank, const HostGrid& grid);
+
+}  // namespace jax_ep::host

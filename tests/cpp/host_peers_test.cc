@@ -1,0 +1,377 @@
+// Host peers under ThreadSanitizer: every op of cuda/peer_ops.h between R = 4 ranks, one
+// thread per rank, each launch on a GPU-shaped grid run by several threads per rank, each op
+// twice in a row (so it also meets the previous call's data in the symmetric buffer). The
+// results must equal the virtual-rank run of the same phases on one thread, byte for byte,
+// and TSan must see no race: the barriers alone must order every cross-rank access. A last
+// case checks that a barrier without its peers times out and poisons only its rank.
+//
+// No Python, no XLA: built by tests/cpp/CMakeLists.txt, run by ctest (.ci/run).
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cuda/host_launch.h"
+#include "cuda/host_peers.h"
+#include "cuda/phase_functors.h"
+
+namespace jax_ep {
+namespace {
+
+int failures = 0;
+
+void expect(bool ok, const std::string& what) {
+  if (ok) return;
+  ++failures;
+  std::fprintf(stderr, "FAILED: %s\n", what.c_str());
+}
+
+template <typename T>
+void expect_equal(const std::vector<T>& got, const std::vector<T>& want, const std::string& what) {
+  expect(got.size() == want.size() &&
+             std::memcmp(got.data(), want.data(), got.size() * sizeof(T)) == 0,
+         what + ": host peers differ from virtual ranks");
+}
+
+// Problem sizes of one round.
+struct Shape {
+  int R, T, K, E, H, capacity;
+  bool expert_major, fp8;
+  int El() const { return E / R; }
+  int rows() const { return expert_major ? R * T : capacity; }
+  int cols() const { return expert_major ? 1 : K; }
+};
+
+// Every per-rank array of one op, stacked [R, ...]: the inputs, and the results of either run.
+struct DispatchData {
+  std::vector<float> x, scales, weights;
+  std::vector<int32_t> idx;
+  std::vector<char> recv_x;
+  std::vector<float> recv_scales, recv_weights;
+  std::vector<int32_t> recv_idx, recv_src, src_row, entry_row, entry_choice, row_entries,
+      num_received, tokens_per_expert, num_dropped, num_needed, num_invalid, clean_idx,
+      counts, token_offset, entry_offset, row_base, entry_base;
+
+  explicit DispatchData(const Shape& s) {
+    const int64_t R = s.R, T = s.T, K = s.K, H = s.H, cap = s.capacity, S = s.fp8 ? H / 128 : 0;
+    x.resize(R * T * H);
+    scales.resize(R * T * S);
+    weights.resize(R * T * K);
+    idx.resize(R * T * K);
+    recv_x.resize(R * cap * H * 4);
+    recv_scales.resize(R * cap * S);
+    recv_idx.resize(R * cap * s.cols());
+    recv_weights.resize(R * cap * s.cols());
+    recv_src.resize(R * s.rows());
+    src_row.resize(R * R * T);
+    entry_row.resize(s.expert_major ? R * cap : 0);
+    entry_choice.resize(s.expert_major ? R * cap : 0);
+    row_entries.resize(s.expert_major ? R * R * T * K : 0);
+    num_received.resize(R);
+    tokens_per_expert.resize(R * s.El());
+    num_dropped.resize(R);
+    num_needed.resize(R);
+    num_invalid.resize(R);
+    clean_idx.resize(R * T * K);
+    counts.resize(R * (R + s.E));
+    token_offset.resize(R * T * R);
+    entry_offset.resize(R * T * K);
+    row_base.resize(R * R);
+    entry_base.resize(R * s.E);
+  }
+
+  // The arguments of rank `rank` alone (V = 1), or of every rank (rank < 0).
+  DispatchArgs args(const Shape& s, int rank) {
+    const int64_t v = rank < 0 ? 0 : rank, T = s.T, K = s.K, H = s.H, cap = s.capacity;
+    const int64_t S = s.fp8 ? H / 128 : 0;
+    DispatchArgs a{};
+    a.num_ranks = s.R;
+    a.num_tokens = s.T;
+    a.top_k = s.K;
+    a.num_experts = s.E;
+    a.capacity = s.capacity;
+    a.expert_major = s.expert_major;
+    a.row_bytes = H * 4;
+    a.scale_cols = S;
+    a.x = reinterpret_cast<const char*>(x.data() + v * T * H);
+    a.scales = scales.data() + v * T * S;
+    a.topk_idx = idx.data() + v * T * K;
+    a.topk_weights = weights.data() + v * T * K;
+    a.clean_idx = clean_idx.data() + v * T * K;
+    a.num_invalid = num_invalid.data() + v;
+    a.counts = counts.data();
+    a.token_offset = token_offset.data() + v * T * s.R;
+    a.entry_offset = entry_offset.data() + v * T * K;
+    a.row_base = row_base.data() + v * s.R;
+    a.entry_base = entry_base.data() + v * s.E;
+    a.recv_x = recv_x.data() + v * cap * H * 4;
+    a.recv_scales = recv_scales.data() + v * cap * S;
+    a.recv_idx = recv_idx.data() + v * cap * s.cols();
+    a.recv_weights = recv_weights.data() + v * cap * s.cols();
+    a.recv_src = recv_src.data() + v * s.rows();
+    a.src_row = src_row.data() + v * s.R * T;
+    a.entry_row = entry_row.data() + (s.expert_major ? v * cap : 0);
+    a.entry_choice = entry_choice.data() + (s.expert_major ? v * cap : 0);
+    a.row_entries = row_entries.data() + (s.expert_major ? v * s.R * T * K : 0);
+    a.num_received = num_received.data() + v;
+    a.tokens_per_expert = tokens_per_expert.data() + v * s.El();
+    a.num_dropped = num_dropped.data() + v;
+    a.num_needed = num_needed.data() + v;
+    return a;
+  }
+};
+
+struct CombineData {
+  std::vector<float> y, weights, out, partial;
+  CombineData(const Shape& s, std::mt19937& gen) {
+    const int64_t R = s.R, rows = int64_t{s.R} * s.T;
+    std::normal_distribution<float> normal;
+    y.resize(R * s.capacity * s.H);
+    weights.resize(R * s.capacity);
+    for (float& v : y) v = normal(gen);
+    for (float& v : weights) v = normal(gen);
+    out.resize(R * s.T * s.H);
+    partial.resize(s.expert_major ? R * rows * s.H : 0);
+  }
+  CombineArgs<float> args(const Shape& s, DispatchData& d, int rank) {
+    const int64_t v = rank < 0 ? 0 : rank, rows = int64_t{s.R} * s.T;
+    CombineArgs<float> a{};
+    a.num_ranks = s.R;
+    a.num_tokens = s.T;
+    a.top_k = s.K;
+    a.hidden = s.H;
+    a.capacity = s.capacity;
+    a.expert_major = s.expert_major;
+    a.y = y.data() + v * s.capacity * s.H;
+    a.weights = weights.data() + v * s.capacity;
+    a.src_row = d.src_row.data() + v * rows;
+    a.row_entries = s.expert_major ? d.row_entries.data() + v * rows * s.K : nullptr;
+    a.partial = s.expert_major ? partial.data() + v * rows * s.H : nullptr;
+    a.out = out.data() + v * s.T * s.H;
+    return a;
+  }
+};
+
+struct LowLatencyData {
+  std::vector<Bf16> x, y, staging, out;
+  std::vector<float> weights, recv_scales;
+  std::vector<int32_t> idx, clean_idx, num_invalid, counts, slot_offset, src_row, count;
+  std::vector<uint8_t> recv_x;
+
+  LowLatencyData(const Shape& s, const std::vector<int32_t>& routing, std::mt19937& gen) {
+    const int64_t R = s.R, T = s.T, K = s.K, H = s.H, slots = int64_t{s.El()} * R * T;
+    std::normal_distribution<float> normal;
+    x.resize(R * T * H);
+    for (Bf16& v : x) v = from_float<Bf16>(normal(gen));
+    y.resize(R * slots * H);
+    for (Bf16& v : y) v = from_float<Bf16>(normal(gen));
+    weights.resize(R * T * K);
+    for (float& v : weights) v = normal(gen);
+    idx = routing;
+    clean_idx.resize(R * T * K);
+    num_invalid.resize(R);
+    counts.resize(R * s.E);
+    slot_offset.resize(R * T * K);
+    recv_x.resize(R * slots * H * 2);
+    recv_scales.resize(s.fp8 ? R * slots * (H / 128) : 0);
+    src_row.resize(R * R * T * K);
+    count.resize(R * s.El());
+    staging.resize(R * T * K * H);
+    out.resize(R * T * H);
+  }
+  LowLatencyArgs dispatch_args(const Shape& s, int rank) {
+    const int64_t v = rank < 0 ? 0 : rank, T = s.T, K = s.K, H = s.H;
+    const int64_t slots = int64_t{s.El()} * s.R * T, row = s.fp8 ? H : 2 * H;
+    LowLatencyArgs a{};
+    a.num_ranks = s.R;
+    a.num_tokens = s.T;
+    a.top_k = s.K;
+    a.num_experts = s.E;
+    a.hidden = s.H;
+    a.use_fp8 = s.fp8;
+    a.x = x.data() + v * T * H;
+    a.topk_idx = idx.data() + v * T * K;
+    a.clean_idx = clean_idx.data() + v * T * K;
+    a.num_invalid = num_invalid.data() + v;
+    a.counts = counts.data();
+    a.slot_offset = slot_offset.data() + v * T * K;
+    a.recv_x = recv_x.data() + v * slots * row;
+    a.recv_scales = recv_scales.data() + (s.fp8 ? v * slots * (H / 128) : 0);
+    a.src_row = src_row.data() + v * s.R * T * K;
+    a.count = count.data() + v * s.El();
+    return a;
+  }
+  LowLatencyCombineArgs combine_args(const Shape& s, int rank) {
+    const int64_t v = rank < 0 ? 0 : rank, T = s.T, K = s.K, H = s.H;
+    const int64_t slots = int64_t{s.El()} * s.R * T;
+    LowLatencyCombineArgs a{};
+    a.num_ranks = s.R;
+    a.num_tokens = s.T;
+    a.top_k = s.K;
+    a.num_experts = s.E;
+    a.hidden = s.H;
+    a.y = y.data() + v * slots * H;
+    a.src_row = src_row.data() + v * s.R * T * K;
+    a.clean_idx = clean_idx.data() + v * T * K;
+    a.topk_weights = weights.data() + v * T * K;
+    a.staging = staging.data() + v * T * K * H;
+    a.out = out.data() + v * T * H;
+    return a;
+  }
+};
+
+// The inputs of a round: routing with masked (-1), invalid and repeated choices.
+void fill_inputs(const Shape& s, DispatchData& d, std::mt19937& gen) {
+  std::normal_distribution<float> normal;
+  std::uniform_int_distribution<int> expert(0, s.E - 1), roll(0, 19);
+  for (float& v : d.x) v = normal(gen);
+  for (float& v : d.scales) v = normal(gen);
+  for (float& v : d.weights) v = normal(gen);
+  for (int32_t& id : d.idx) {
+    const int r = roll(gen);
+    id = r == 0 ? -1 : r == 1 ? s.E + 3 : expert(gen);
+  }
+}
+
+// Runs every op for all ranks: virtual ranks on this thread, or one thread per rank through
+// host peers. The ops and their order are those of a training step plus a decoding step.
+void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& ll, bool peers,
+               const HostGrid& grid) {
+  if (!peers) {
+    const VirtualPeers p{};
+    DispatchArgs a = d.args(s, -1);
+    host_per_warp(DispatchCount<VirtualPeers>{a, p}, 0, s.R, a.num_counters() + 1, grid);
+    host_per_thread(DispatchBases{a}, 0, s.R, a.num_counters(), grid);
+    host_per_warp(DispatchSend<VirtualPeers>{a, p}, 0, s.R, s.T, grid);
+    host_per_warp(DispatchFinish<VirtualPeers>{a, p}, 0, s.R,
+                  std::max({s.capacity, s.rows(), s.El()}), grid);
+    CombineArgs<float> ca = c.args(s, d, -1);
+    if (s.expert_major) {
+      host_per_warp(CombineReduceEntries<float>{ca}, 0, s.R, int64_t{s.R} * s.T, grid);
+    }
+    host_per_warp(CombineToken<float, VirtualPeers>{ca, p}, 0, s.R, s.T, grid);
+    LowLatencyArgs la = ll.dispatch_args(s, -1);
+    host_per_warp(LowLatencyCount<VirtualPeers>{la, p}, 0, s.R, s.E + 1, grid);
+    host_per_warp(LowLatencySend<VirtualPeers>{la, p}, 0, s.R, s.T, grid);
+    host_per_warp(LowLatencyFinish<VirtualPeers>{la, p}, 0, s.R, int64_t{s.El()} * s.R * s.T,
+                  grid);
+    LowLatencyCombineArgs lc = ll.combine_args(s, -1);
+    host_per_warp(LowLatencyCombineSend<VirtualPeers>{lc, p}, 0, s.R, int64_t{s.R} * s.T, grid);
+    host_per_warp(LowLatencyCombineToken{lc}, 0, s.R, s.T, grid);
+    return;
+  }
+  std::vector<std::thread> ranks;
+  std::vector<std::string> errors(s.R);
+  for (int r = 0; r < s.R; ++r) {
+    ranks.emplace_back([&, r] {
+      auto check = [&](const PeerError& e) {
+        if (!e.ok() && errors[r].empty()) errors[r] = e.message;
+      };
+      // Each op twice in a row: the second meets the first's data in the symmetric buffer,
+      // with no other op's barriers in between.
+      for (int i = 0; i < 2; ++i) check(host::dispatch(d.args(s, r), r, grid));
+      for (int i = 0; i < 2; ++i) check(host::combine(c.args(s, d, r), r, grid));
+      for (int i = 0; i < 2; ++i) {
+        check(host::ll_dispatch_send(ll.dispatch_args(s, r), r, grid));
+        check(host::ll_dispatch_recv(ll.dispatch_args(s, r), r, grid));
+      }
+      for (int i = 0; i < 2; ++i) {
+        check(host::ll_combine_send(ll.combine_args(s, r), r, grid));
+        check(host::ll_combine_recv(ll.combine_args(s, r), r, grid));
+      }
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  for (int r = 0; r < s.R; ++r) expect(errors[r].empty(), "rank " + std::to_string(r) + ": " + errors[r]);
+}
+
+void check_round(const Shape& s, uint32_t seed, const HostGrid& grid) {
+  DispatchData dv(s), dp(s);
+  std::mt19937 gen(seed);
+  fill_inputs(s, dv, gen);
+  dp.x = dv.x, dp.scales = dv.scales, dp.weights = dv.weights, dp.idx = dv.idx;
+  std::mt19937 gen_c(seed + 1), gen_c2(seed + 1), gen_l(seed + 2), gen_l2(seed + 2);
+  CombineData cv(s, gen_c), cp(s, gen_c2);
+  LowLatencyData lv(s, dv.idx, gen_l), lp(s, dv.idx, gen_l2);
+  run_round(s, dv, cv, lv, false, HostGrid{});
+  run_round(s, dp, cp, lp, true, grid);
+  const std::string at = " (R " + std::to_string(s.R) + ", T " + std::to_string(s.T) +
+                         ", capacity " + std::to_string(s.capacity) +
+                         (s.expert_major ? ", expert-major" : "") + (s.fp8 ? ", fp8" : "") +
+                         ", seed " + std::to_string(seed) + ")";
+  expect_equal(dp.recv_x, dv.recv_x, "dispatch recv_x" + at);
+  expect_equal(dp.recv_scales, dv.recv_scales, "dispatch recv_scales" + at);
+  expect_equal(dp.recv_idx, dv.recv_idx, "dispatch recv_idx" + at);
+  expect_equal(dp.recv_weights, dv.recv_weights, "dispatch recv_weights" + at);
+  expect_equal(dp.recv_src, dv.recv_src, "dispatch recv_src" + at);
+  expect_equal(dp.src_row, dv.src_row, "dispatch src_row" + at);
+  expect_equal(dp.entry_row, dv.entry_row, "dispatch entry_row" + at);
+  expect_equal(dp.entry_choice, dv.entry_choice, "dispatch entry_choice" + at);
+  expect_equal(dp.row_entries, dv.row_entries, "dispatch row_entries" + at);
+  expect_equal(dp.num_received, dv.num_received, "dispatch num_received" + at);
+  expect_equal(dp.tokens_per_expert, dv.tokens_per_expert, "dispatch tokens_per_expert" + at);
+  expect_equal(dp.num_dropped, dv.num_dropped, "dispatch num_dropped" + at);
+  expect_equal(dp.num_needed, dv.num_needed, "dispatch num_needed" + at);
+  expect_equal(dp.num_invalid, dv.num_invalid, "dispatch num_invalid" + at);
+  expect_equal(cp.out, cv.out, "combine out" + at);
+  const size_t slots = size_t(s.El()) * s.R * s.T, row = s.fp8 ? s.H : 2 * s.H;
+  lp.recv_x.resize(s.R * slots * row);  // the FP8 rows fill the first half
+  lv.recv_x.resize(s.R * slots * row);
+  expect_equal(lp.recv_x, lv.recv_x, "low-latency recv_x" + at);
+  expect_equal(lp.recv_scales, lv.recv_scales, "low-latency recv_scales" + at);
+  expect_equal(lp.src_row, lv.src_row, "low-latency src_row" + at);
+  expect_equal(lp.count, lv.count, "low-latency count" + at);
+  expect_equal(lp.num_invalid, lv.num_invalid, "low-latency num_invalid" + at);
+  expect_equal(lp.out, lv.out, "low-latency combine out" + at);
+}
+
+// A barrier whose peers never come times out, and only this rank's later ops report it.
+void check_timeout() {
+  Shape s{2, 3, 2, 4, 128, 6, false, false};
+  DispatchData d(s);
+  std::mt19937 gen(7);
+  fill_inputs(s, d, gen);
+  const PeerError first = host::dispatch(d.args(s, 0), 0, HostGrid{});
+  expect(first.message.find("timed out after") != std::string::npos,
+         "a lone rank times out: got '" + first.message + "'");
+  const PeerError again = host::dispatch(d.args(s, 0), 0, HostGrid{});
+  expect(again.message.find("an earlier call of jax_ep_dispatch on this rank timed out") !=
+             std::string::npos,
+         "the timeout is remembered: got '" + again.message + "'");
+}
+
+}  // namespace
+}  // namespace jax_ep
+
+int main() {
+  using namespace jax_ep;
+  const char* seed_text = std::getenv("JAX_EP_TEST_SEED");
+  const uint32_t seed = seed_text ? static_cast<uint32_t>(std::strtoul(seed_text, nullptr, 10))
+                                  : std::random_device{}();
+  std::printf("host peers test: seed %u (rerun with JAX_EP_TEST_SEED=%u)\n", seed, seed);
+  if (!host::initialize(8 << 20).empty()) return 2;
+  const HostGrid warps{2, 2, 32, 3};  // 2 blocks of 2 warps of 32 lanes, on 3 threads per rank
+  const HostGrid loop{};              // the CPU handlers' default
+  const int R = 4;
+  const Shape shapes[] = {
+      {R, 13, 3, 8, 256, 20, false, false},   // capacity cuts rank-major rows
+      {R, 13, 3, 8, 256, 52, false, true},    // every row kept, FP8 scales
+      {R, 11, 4, 12, 128, 30, true, false},   // expert-major, entries cut
+      {R, 7, 2, 4, 384, 56, true, true},      // expert-major, all kept, FP8
+  };
+  uint32_t round = 0;
+  for (const Shape& s : shapes) {
+    for (const HostGrid& grid : {warps, loop}) check_round(s, seed + 10 * round++, grid);
+  }
+  host::finalize();
+  setenv("JAX_EP_TIMEOUT_S", "0.2", 1);
+  if (!host::initialize(1 << 20).empty()) return 2;
+  check_timeout();
+  host::finalize();
+  std::printf("host peers test: %s\n", failures ? "FAILED" : "passed");
+  return failures ? 1 : 0;
+}

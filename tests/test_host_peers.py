@@ -1,0 +1,152 @@
+"""backend="cuda" between the CPU devices of this process: host peers (cuda/host_peers.h).
+
+After jax_ep.initialize() on CPU, each device of a shard_map runs its own rank of every
+exchange (V = 1, first_rank = its EP index) through the ops of cuda/peer_ops.h, the code the
+GPUs run between each other: the symmetric buffer's carving, the barriers, the phases with
+peer addresses. Every op must give results bitwise equal to backend="xla" at R in
+{2, 3, 4, 8}; gradients to the last bits XLA's own arithmetic allows (test_cuda_backend.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import HOST_PEER_BYTES
+from harness import forget_failed_exchange, sharded, to_numpy
+from test_virtual import assert_bitwise, routing
+
+import jax_ep
+from jax_ep import _ffi, reference, runtime
+
+pytestmark = pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
+RANKS = [2, 3, 4, 8]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def host_peers():
+    if runtime.is_initialized():  # the session's (JAX_EP_BACKEND=cuda)
+        yield
+        return
+    jax_ep.initialize(buffer_bytes=HOST_PEER_BYTES)
+    yield
+    jax_ep.finalize()
+
+
+def assert_trees_bitwise(got, want):
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want),
+                            strict=True):
+        assert_bitwise(g, w, jax.tree_util.keystr(path))
+
+
+def both_backends(program, R, *args):
+    return [to_numpy(sharded(program(backend), R)(*args)) for backend in ("cuda", "xla")]
+
+
+@pytest.mark.parametrize("R", RANKS)
+@pytest.mark.parametrize("expert_major, fp8", [(False, False), (True, False), (False, True)])
+def test_normal_ops_match_portable_backend(R, expert_major, fp8):
+    rng = np.random.default_rng()
+    T, K, E, H = int(rng.integers(5, 14)), 3, 2 * R, 128
+    idx, w = routing(rng, R, T, K, E, str(rng.choice(["uniform", "hot_expert", "empty_ranks", "duplicates"])),
+                     invalid=True)
+    x = rng.standard_normal((R, T, H)).astype(np.float32)
+    data = reference.quantize(x) if fp8 else (x.astype(ml_dtypes.bfloat16),)
+    full = R * T * min(K, E // R) if expert_major else R * T
+    capacity = int(rng.integers(max(1, full // 3), full + 1))  # often cuts
+
+    def program(backend):
+        def per_shard(*args):
+            *data, idx, w = args
+            recv, handle = jax_ep.dispatch(tuple(data) if fp8 else data[0], idx, w,
+                                           num_experts=E, capacity=capacity,
+                                           expert_major=expert_major, on_overflow="drop",
+                                           on_invalid="mask", backend=backend)
+            rows = recv.x.astype(jnp.float32) * 0.5 if fp8 else recv.x
+            weights = recv.topk_weights if expert_major else None
+            return recv, jax_ep.combine(rows, handle, topk_weights=weights, backend=backend)
+
+        return per_shard
+
+    got, want = both_backends(program, R, *data, idx, w)
+    assert_trees_bitwise(got, want)
+
+
+@pytest.mark.parametrize("R", RANKS)
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_low_latency_split_matches_portable_backend(R, use_fp8):
+    rng = np.random.default_rng()
+    T, K, E, H = int(rng.integers(3, 9)), 3, 2 * R, 256
+    idx, w = routing(rng, R, T, K, E, "duplicates")
+    x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+
+    def program(backend):
+        def per_shard(x, idx, w):
+            pending = jax_ep.low_latency_dispatch_send(x, idx, num_experts=E, use_fp8=use_fp8,
+                                                       backend=backend)
+            recv, handle = jax_ep.low_latency_dispatch_recv(pending)
+            y = (recv.x.astype(jnp.float32) * 2).astype(jnp.bfloat16)
+            sent = jax_ep.low_latency_combine_send(y, idx, w, handle, backend=backend)
+            return recv, jax_ep.low_latency_combine_recv(sent)
+
+        return per_shard
+
+    got, want = both_backends(program, R, x, idx, w)
+    assert_trees_bitwise(got, want)
+
+
+@pytest.mark.parametrize("R", [3, 8])
+@pytest.mark.parametrize("expert_major", [False, True])
+def test_gradients_match_portable_backend(R, expert_major):
+    rng = np.random.default_rng()
+    T, K, E, H = 7, 2, 2 * R, 16
+    idx, w = routing(rng, R, T, K, E, "masked")
+    x = rng.standard_normal((R, T, H)).astype(np.float32)
+    target = rng.standard_normal((R, T, H)).astype(np.float32)
+
+    def program(backend):
+        def per_shard(x, w, idx, target):
+            def loss(x, w):
+                recv, handle = jax_ep.dispatch(x, idx, w, num_experts=E,
+                                               expert_major=expert_major, backend=backend)
+                weights = recv.topk_weights if expert_major else None
+                out = jax_ep.combine(jnp.tanh(recv.x), handle, topk_weights=weights,
+                                     backend=backend)
+                return jnp.sum((out - target) ** 2)
+
+            return jax.grad(loss, argnums=(0, 1))(x, w)
+
+        return per_shard
+
+    (gx, gw), (want_x, want_w) = both_backends(program, R, x, w, idx, target)
+    np.testing.assert_allclose(gx, want_x, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(gw, want_w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_call_larger_than_the_buffer_says_how_to_grow():
+    if runtime.state()["buffer_bytes"] != HOST_PEER_BYTES:
+        pytest.skip("another buffer size is set up")
+    R, T, K, E, H = 2, 64, 2, 4, 4096  # 2*64 rows of 16 KiB: 2 MiB of rows, over 1 MiB
+    rng = np.random.default_rng()
+    idx, w = routing(rng, R, T, K, E, "uniform")
+    x = rng.standard_normal((R, T, H)).astype(np.float32)
+    jax_ep.finalize()
+    jax_ep.initialize(buffer_bytes=1 << 20)
+    try:
+        run = sharded(lambda x, i, w: jax_ep.dispatch(x, i, w, num_experts=E,
+                                                      backend="cuda")[0].x, R)
+        with pytest.raises(Exception, match=r"jax_ep_dispatch: needs \d+ bytes of symmetric "
+                                            r"buffer, but jax_ep.initialize\(\) allocated "
+                                            r"1048576.*BufferConfig"):
+            jax.block_until_ready(run(x, idx, w))
+    finally:
+        forget_failed_exchange()
+        jax_ep.finalize()
+        jax_ep.initialize(buffer_bytes=HOST_PEER_BYTES)
+    # Large enough now.
+    got = np.asarray(run(x, idx, w))
+    want = np.asarray(sharded(lambda x, i, w: jax_ep.dispatch(x, i, w, num_experts=E,
+                                                              backend="xla")[0].x, R)(x, idx, w))
+    assert_bitwise(got, want, "x after initialize() with a larger buffer")
