@@ -46,6 +46,7 @@ int nvshmem_unique_id(uint8_t* id);
 struct SymmetricBuffer {
   void* ptr;
   size_t bytes;
+  size_t low_latency_offset;  // where the low-latency regions start (cuda/peer_ops.h)
   int rank;
   int num_ranks;
   int generation;  // counts initializations: per-buffer state elsewhere starts over on a change
@@ -54,11 +55,12 @@ const SymmetricBuffer* symmetric_buffer();
 
 // Initializes NVSHMEM on CUDA device `device` as PE `rank` of `num_ranks` with the unique id of
 // rank 0, checks the host and device views of the PE numbering, and allocates a zeroed
-// symmetric buffer of `buffer_bytes`. Collective: every rank calls it. Returns an empty string
+// symmetric buffer of `buffer_bytes` whose last `low_latency_bytes` hold the low-latency
+// regions. Collective: every rank calls it. Returns an empty string
 // on success, else what failed. NVSHMEM ends the process when its bootstrap fails, so the
 // caller checks every precondition first.
 std::string runtime_initialize(const uint8_t* unique_id, int rank, int num_ranks, int device,
-                               size_t buffer_bytes);
+                               size_t buffer_bytes, size_t low_latency_bytes);
 
 // Frees the symmetric buffer and finalizes NVSHMEM (collective). Empty string on success.
 std::string runtime_finalize();

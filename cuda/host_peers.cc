@@ -36,8 +36,12 @@ struct RankState {
 // R symmetric buffers in anonymous memory (zero until written, pages on first touch).
 class Group {
  public:
-  Group(int num_ranks, size_t bytes, uint64_t timeout_ns)
-      : bytes_(bytes), timeout_ns_(timeout_ns), regions_(num_ranks), ranks_(num_ranks) {
+  Group(int num_ranks, size_t bytes, size_t low_latency_offset, uint64_t timeout_ns)
+      : bytes_(bytes),
+        low_latency_offset_(low_latency_offset),
+        timeout_ns_(timeout_ns),
+        regions_(num_ranks),
+        ranks_(num_ranks) {
     for (char*& region : regions_) {
       void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -54,6 +58,7 @@ class Group {
 
   int num_ranks() const { return static_cast<int>(regions_.size()); }
   size_t bytes() const { return bytes_; }
+  size_t low_latency_offset() const { return low_latency_offset_; }
   uint64_t timeout_ns() const { return timeout_ns_; }
   char* const* regions() const { return regions_.data(); }
   RankState& rank(int r) { return ranks_[r]; }
@@ -63,7 +68,7 @@ class Group {
   }
 
  private:
-  size_t bytes_;
+  size_t bytes_, low_latency_offset_;
   uint64_t timeout_ns_;
   std::vector<char*> regions_;
   std::vector<RankState> ranks_;
@@ -75,6 +80,7 @@ class Group {
 struct Registry {
   std::mutex mutex;  // initialize, finalize, creating a group
   size_t bytes = 0;  // 0: not initialized
+  size_t low_latency_offset = 0;
   uint64_t timeout_ns = 60ull * 1000 * 1000 * 1000;
   std::atomic<Group*> groups[kMaxPeers + 1] = {};
   std::vector<std::unique_ptr<Group>> owned;
@@ -86,7 +92,7 @@ struct Registry {
     std::lock_guard<std::mutex> lock(mutex);
     g = groups[num_ranks].load(std::memory_order_acquire);
     if (g == nullptr && bytes != 0) {
-      owned.push_back(std::make_unique<Group>(num_ranks, bytes, timeout_ns));
+      owned.push_back(std::make_unique<Group>(num_ranks, bytes, low_latency_offset, timeout_ns));
       g = owned.back().get();
       groups[num_ranks].store(g, std::memory_order_release);
     }
@@ -151,6 +157,7 @@ class HostPlatform {
   int rank() const { return me_; }
   char* symmetric() const { return group_->regions()[me_]; }
   size_t bytes() const { return group_->bytes(); }
+  size_t low_latency_offset() const { return group_->low_latency_offset(); }
 
   void barrier(int op) {
     if (!error_.ok()) return;
@@ -211,18 +218,18 @@ PeerError with_platform(int op, int num_ranks, int rank, const HostGrid& grid,
 
 }  // namespace
 
-std::string initialize(size_t bytes_per_rank) {
+std::string initialize(size_t bytes_per_rank, size_t low_latency_bytes) {
   Registry& reg = registry();
   std::lock_guard<std::mutex> lock(reg.mutex);
   if (reg.bytes != 0) return "host peers are already initialized";
-  if (bytes_per_rank <= kSignalBytes) {
-    return "the buffer must be larger than " + std::to_string(kSignalBytes) + " bytes";
-  }
+  const std::string layout = check_layout(bytes_per_rank, low_latency_bytes);
+  if (!layout.empty()) return layout;
   if (const char* env = std::getenv("JAX_EP_TIMEOUT_S")) {
     const double seconds = std::atof(env);
     if (seconds > 0) reg.timeout_ns = static_cast<uint64_t>(seconds * 1e9);
   }
   reg.bytes = bytes_per_rank;
+  reg.low_latency_offset = low_latency_offset(bytes_per_rank, low_latency_bytes);
   return "";
 }
 
@@ -257,12 +264,16 @@ template PeerError combine<F16>(const CombineArgs<F16>&, int, const HostGrid&);
 
 PeerError ll_dispatch_send(const LowLatencyArgs& args, int rank, const HostGrid& grid) {
   return with_platform(kPeerLlDispatchSend, args.num_ranks, rank, grid,
-                       [&](HostPlatform& p) { return run_ll_dispatch_send(p, args); });
+                       [&](HostPlatform& p) {
+                         return run_ll_dispatch(p, kPeerLlDispatchSend, args);
+                       });
 }
 
 PeerError ll_dispatch_recv(const LowLatencyArgs& args, int rank, const HostGrid& grid) {
   return with_platform(kPeerLlDispatchRecv, args.num_ranks, rank, grid,
-                       [&](HostPlatform& p) { return run_ll_dispatch_recv(p, args); });
+                       [&](HostPlatform& p) {
+                         return run_ll_dispatch(p, kPeerLlDispatchRecv, args);
+                       });
 }
 
 PeerError ll_combine_send(const LowLatencyCombineArgs& args, int rank, const HostGrid& grid) {

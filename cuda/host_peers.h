@@ -24,9 +24,10 @@
 
 namespace jax_ep::host {
 
-// Sets up host peers with `bytes_per_rank` of symmetric buffer per rank (groups are created
-// on first use); an error message, or empty on success.
-std::string initialize(size_t bytes_per_rank);
+// Sets up host peers with `bytes_per_rank` of symmetric buffer per rank, the last
+// `low_latency_bytes` of it for the low-latency regions (groups are created on first use); an
+// error message, or empty on success.
+std::string initialize(size_t bytes_per_rank, size_t low_latency_bytes);
 // Frees every group; no op of any group may be running.
 void finalize();
 // The buffer size of initialize(), or 0 when not initialized.

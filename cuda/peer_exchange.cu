@@ -114,7 +114,7 @@ __global__ void barrier_kernel(uint64_t* signals, uint64_t* epoch, int me, int n
 
 // The peers-mode preconditions; fills rank/size and the symmetric base, or an error message.
 PeerError prepare(int op, int num_ranks, int* me, char** symmetric, size_t* bytes,
-                  int* group_size) {
+                  size_t* low_latency_offset, int* group_size) {
   const SymmetricBuffer* buffer = symmetric_buffer();
   if (buffer == nullptr) {
     return PeerError{std::string(kPeerOpNames[op]) +
@@ -186,6 +186,7 @@ PeerError prepare(int op, int num_ranks, int* me, char** symmetric, size_t* byte
   *group_size = num_ranks;
   *symmetric = static_cast<char*>(buffer->ptr);
   *bytes = buffer->bytes;
+  *low_latency_offset = buffer->low_latency_offset;
   return PeerError{};
 }
 
@@ -199,13 +200,15 @@ class DevicePlatform {
   PeerError open(int op, int num_ranks, const int32_t* axis_index, cudaStream_t stream) {
     axis_index_ = axis_index;
     stream_ = stream;
-    return prepare(op, num_ranks, &me_, &symmetric_, &bytes_, &num_ranks_);
+    return prepare(op, num_ranks, &me_, &symmetric_, &bytes_, &low_latency_offset_,
+                   &num_ranks_);
   }
 
   Peers peers() const { return Peers{}; }
   int rank() const { return me_; }
   char* symmetric() const { return symmetric_; }
   size_t bytes() const { return bytes_; }
+  size_t low_latency_offset() const { return low_latency_offset_; }
 
   void barrier(int op) {
     if (status_ != cudaSuccess) return;
@@ -239,7 +242,7 @@ class DevicePlatform {
   cudaError_t status_ = cudaSuccess;
   int me_ = 0, num_ranks_ = 0;
   char* symmetric_ = nullptr;
-  size_t bytes_ = 0;
+  size_t bytes_ = 0, low_latency_offset_ = 0;
 };
 
 // Opens the platform for `op` and runs `body(platform)`.
@@ -273,27 +276,33 @@ template PeerError peer_combine<F16>(const CombineArgs<F16>&, const int32_t*, cu
 PeerError peer_ll_dispatch_send(const LowLatencyArgs& args, const int32_t* axis_index,
                                 cudaStream_t stream) {
   return with_platform(kPeerLlDispatchSend, args.num_ranks, axis_index, stream,
-                       [&](DevicePlatform& p) { return run_ll_dispatch_send(p, args); });
+                       [&](DevicePlatform& p) {
+                         return run_ll_dispatch(p, kPeerLlDispatchSend, args);
+                       });
 }
 
 PeerError peer_ll_dispatch_recv(const LowLatencyArgs& args, const int32_t* axis_index,
                                 cudaStream_t stream) {
   return with_platform(kPeerLlDispatchRecv, args.num_ranks, axis_index, stream,
-                       [&](DevicePlatform& p) { return run_ll_dispatch_recv(p, args); });
+                       [&](DevicePlatform& p) {
+                         return run_ll_dispatch(p, kPeerLlDispatchRecv, args);
+                       });
 }
 
 PeerError peer_ll_combine_send(const LowLatencyCombineArgs& args, const int32_t* axis_index,
                                cudaStream_t stream) {
-  return with_platform(kPeerLlCombineSend, args.num_ranks, axis_index, stream, [&](DevicePlatform& p) {
-    return run_ll_combine(p, kPeerLlCombineSend, args);
-  });
+  return with_platform(kPeerLlCombineSend, args.num_ranks, axis_index, stream,
+                       [&](DevicePlatform& p) {
+                         return run_ll_combine(p, kPeerLlCombineSend, args);
+                       });
 }
 
 PeerError peer_ll_combine_recv(const LowLatencyCombineArgs& args, const int32_t* axis_index,
                                cudaStream_t stream) {
-  return with_platform(kPeerLlCombineRecv, args.num_ranks, axis_index, stream, [&](DevicePlatform& p) {
-    return run_ll_combine(p, kPeerLlCombineRecv, args);
-  });
+  return with_platform(kPeerLlCombineRecv, args.num_ranks, axis_index, stream,
+                       [&](DevicePlatform& p) {
+                         return run_ll_combine(p, kPeerLlCombineRecv, args);
+                       });
 }
 
 }  // namespace jax_ep::cuda

@@ -4,16 +4,22 @@
 // cuda/exchange.h; this file adds what the ranks must agree on: the carving of the symmetric
 // buffer, the order of phases and barriers, and the copies out to the results XLA owns.
 //
-// Symmetric buffer: the same size on every rank, and each rank's buffer reachable by the
-// others through the platform's Peers view. Layout: [0, 4 KiB) barrier signals (one uint64
-// per peer); normal-mode regions from 4 KiB upwards; low-latency regions at the end, so that a
-// split low-latency dispatch or combine in flight is not overwritten by normal-mode ops.
+// Symmetric buffer: the same size and layout on every rank, and each rank's buffer reachable
+// by the others through the platform's Peers view. Layout, fixed by jax_ep.initialize():
+//   [0, 4 KiB)                        barrier signals (one uint64 per peer)
+//   [4 KiB, low_latency_offset)       normal-mode regions (dispatch, combine)
+//   [low_latency_offset, bytes)       low-latency regions
+// so that no normal-mode call, however large, reaches a split low-latency dispatch or combine
+// in flight. The carve_* functions below are the one description of the regions: the ops
+// carve with them, and buffer_region_bytes sizes a configuration with them
+// (jax_ep.runtime.buffer_regions).
 //
 // A Platform P provides:
 //   using Peers; Peers peers() const;        the view that turns a symmetric address into a
 //                                             peer's copy of it
 //   int rank() const;                         this rank
 //   char* symmetric() const; size_t bytes() const;   this rank's symmetric buffer
+//   size_t low_latency_offset() const;        where its low-latency regions start
 //   void barrier(int op);                     every rank meets; earlier writes are visible
 //   void per_thread(phase, items), per_warp(phase, items)   runs a phase for this rank
 //   void copy(void* dst, const void* src, int64_t bytes)
@@ -45,82 +51,166 @@ inline const char* const kPeerOpNames[] = {
     "jax_ep_dispatch", "jax_ep_combine", "jax_ep_ll_dispatch_send",
     "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send", "jax_ep_ll_combine_recv"};
 
-// Consecutive, aligned pieces of a symmetric region.
+inline size_t align_up(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+// Where the low-latency regions start in a buffer of `bytes` whose last `low_latency_bytes`
+// hold them.
+inline size_t low_latency_offset(size_t bytes, size_t low_latency_bytes) {
+  return (bytes - low_latency_bytes) / kAlign * kAlign;
+}
+
+// Why a buffer of `bytes` cannot be laid out with `low_latency_bytes` of low-latency regions,
+// or empty when it can.
+inline std::string check_layout(size_t bytes, size_t low_latency_bytes) {
+  if (low_latency_bytes <= bytes && low_latency_offset(bytes, low_latency_bytes) >= kSignalBytes) {
+    return "";
+  }
+  return "a buffer of " + std::to_string(bytes) + " bytes cannot hold " +
+         std::to_string(kSignalBytes) + " bytes of barrier signals and " +
+         std::to_string(low_latency_bytes) + " bytes of low-latency regions";
+}
+
+// Consecutive, aligned pieces of a region. A null base sizes the pieces without a buffer.
 class Carver {
  public:
-  explicit Carver(char* base) : base_(base) {}
+  explicit Carver(char* base) : base_(reinterpret_cast<uintptr_t>(base)) {}
   template <typename T>
   T* take(int64_t count) {
-    used_ = (used_ + kAlign - 1) / kAlign * kAlign;
+    used_ = align_up(used_);
     T* out = reinterpret_cast<T*>(base_ + used_);
     used_ += static_cast<size_t>(count) * sizeof(T);
     return out;
   }
-  size_t used() const { return used_; }
+  size_t used() const { return align_up(used_); }
 
  private:
-  char* base_;
+  uintptr_t base_;
   size_t used_ = 0;
 };
 
-inline PeerError too_small(int op, size_t needed, size_t bytes) {
-  return PeerError{std::string(kPeerOpNames[op]) + ": needs " + std::to_string(needed) +
-                   " bytes of symmetric buffer, but jax_ep.initialize() allocated " +
-                   std::to_string(bytes) +
+// An error unless `used` bytes of the named region fit in the `reserved` ones.
+inline PeerError fits(int op, const char* region, size_t used, size_t reserved) {
+  if (used <= reserved) return PeerError{};
+  return PeerError{std::string(kPeerOpNames[op]) + ": needs " + std::to_string(used) +
+                   " bytes of " + region + " region in the symmetric buffer, but "
+                   "jax_ep.initialize() reserved " + std::to_string(reserved) +
                    "; initialize with a configuration as large as this call "
                    "(jax_ep.runtime.BufferConfig)"};
 }
 
-// Low-latency regions sit at the end of the buffer: [end - bytes, end).
+// Dispatch: what peers write into this rank (the counts, the received rows and metadata).
+inline size_t carve_dispatch(char* base, DispatchArgs* a) {
+  const int R = a->num_ranks, cap = a->capacity, K = a->top_k, rows = a->rows();
+  const int cols = a->idx_cols();
+  const bool em = a->expert_major;
+  Carver c(base);
+  a->counts = c.take<int32_t>(static_cast<int64_t>(R) * a->num_counters());
+  a->recv_x = c.take<char>(cap * a->row_bytes);
+  a->recv_scales = c.take<float>(cap * a->scale_cols);
+  a->recv_idx = c.take<int32_t>(static_cast<int64_t>(cap) * cols);
+  a->recv_weights = c.take<float>(static_cast<int64_t>(cap) * cols);
+  a->recv_src = c.take<int32_t>(rows);
+  a->src_row = c.take<int32_t>(static_cast<int64_t>(R) * a->num_tokens);
+  a->entry_row = c.take<int32_t>(em ? cap : 0);
+  a->entry_choice = c.take<int32_t>(em ? cap : 0);
+  a->row_entries = c.take<int32_t>(em ? static_cast<int64_t>(rows) * K : 0);
+  return c.used();
+}
+
+// Combine: what peers read from this rank (the rows or per-row partial sums, their weights,
+// src_row).
+template <typename T>
+struct CombineRegions {
+  T* y;
+  float* weights;
+  int32_t* src_row;
+  T* partial;
+};
+
+template <typename T>
+size_t carve_combine(char* base, const CombineArgs<T>& a, CombineRegions<T>* r) {
+  const int64_t H = a.hidden, rows = static_cast<int64_t>(a.num_ranks) * a.num_tokens;
+  const bool em = a.expert_major;
+  Carver c(base);
+  r->y = c.take<T>(em ? 0 : a.capacity * H);
+  r->weights = c.take<float>(!em && a.weights ? a.capacity : 0);
+  r->src_row = c.take<int32_t>(rows);
+  r->partial = c.take<T>(em ? rows * H : 0);
+  return c.used();
+}
+
+// Low-latency dispatch and combine (both halves of each reach them).
 struct LowLatencyRegions {
   int32_t* counts;
   char* recv_x;
   float* recv_scales;
   int32_t* src_row;
   Bf16* staging;
-  size_t bytes;
 };
 
-inline LowLatencyRegions ll_regions(char* symmetric, size_t total, int R, int T, int K, int E,
-                                    int H, bool fp8) {
+inline size_t carve_low_latency(char* base, int R, int T, int K, int E, int H, bool fp8,
+                                LowLatencyRegions* r) {
   const int64_t slots = static_cast<int64_t>(E / R) * R * T;
-  LowLatencyRegions r{};
-  auto carve = [&](char* base) {
-    Carver c(base);
-    r.counts = c.take<int32_t>(static_cast<int64_t>(R) * E);
-    r.recv_x = c.take<char>(slots * (fp8 ? H : 2 * H));
-    r.recv_scales = c.take<float>(fp8 ? slots * (H / kFp8Block) : 0);
-    r.src_row = c.take<int32_t>(static_cast<int64_t>(R) * T * K);
-    r.staging = c.take<Bf16>(static_cast<int64_t>(T) * K * H);
-    return c.used();
-  };
-  r.bytes = (carve(symmetric) + kAlign - 1) / kAlign * kAlign;  // the size first
-  if (r.bytes + kSignalBytes <= total) carve(symmetric + (total - r.bytes) / kAlign * kAlign);
-  return r;
+  Carver c(base);
+  r->counts = c.take<int32_t>(static_cast<int64_t>(R) * E);
+  r->recv_x = c.take<char>(slots * (fp8 ? H : 2 * H));
+  r->recv_scales = c.take<float>(fp8 ? slots * (H / kFp8Block) : 0);
+  r->src_row = c.take<int32_t>(static_cast<int64_t>(R) * T * K);
+  r->staging = c.take<Bf16>(static_cast<int64_t>(T) * K * H);
+  return c.used();
+}
+
+// The regions a configuration needs: its largest normal-mode call (dispatch with FP8 scales
+// and combine with weights, rank-major and, with expert_major, expert-major; capacity 0 is
+// the ops' default) and its low-latency calls (FP8 or not) with ll_tokens tokens.
+struct RegionBytes {
+  size_t signals, normal, low_latency;
+};
+
+inline RegionBytes buffer_region_bytes(int R, int T, int K, int E, int H, int dtype_bytes,
+                                       int64_t capacity, bool expert_major, int ll_tokens) {
+  size_t normal = 0;
+  for (const bool em : {false, true}) {
+    if (em && !expert_major) continue;
+    const int64_t full = em ? static_cast<int64_t>(R) * T * std::min(K, E / R)
+                            : static_cast<int64_t>(R) * T;
+    DispatchArgs d{};
+    d.num_ranks = R, d.num_tokens = T, d.top_k = K, d.num_experts = E;
+    d.capacity = static_cast<int>(capacity > 0 ? capacity : full);
+    d.expert_major = em;
+    d.row_bytes = static_cast<int64_t>(H) * dtype_bytes;
+    d.scale_cols = H / kFp8Block;
+    CombineArgs<char> c{};
+    c.num_ranks = R, c.num_tokens = T, c.top_k = K;
+    c.hidden = H * dtype_bytes;  // rows of dtype_bytes-wide elements, counted in bytes
+    c.capacity = d.capacity;
+    c.expert_major = em;
+    c.weights = reinterpret_cast<const float*>(kAlign);  // any non-null: with weights
+    CombineRegions<char> regions;
+    normal = std::max({normal, carve_dispatch(nullptr, &d), carve_combine(nullptr, c, &regions)});
+  }
+  size_t low_latency = 0;
+  if (ll_tokens > 0) {
+    LowLatencyRegions r;
+    for (const bool fp8 : {false, true}) {
+      low_latency =
+          std::max(low_latency, carve_low_latency(nullptr, R, ll_tokens, K, E, H, fp8, &r));
+    }
+  }
+  return RegionBytes{kSignalBytes, normal, low_latency};
 }
 
 template <typename Platform>
 PeerError run_dispatch(Platform& p, const DispatchArgs& out) {
   constexpr int op = kPeerDispatch;
-  const int R = out.num_ranks, me = p.rank();
+  const int R = out.num_ranks;
   DispatchArgs a = out;
-  a.first_rank = me;
+  a.first_rank = p.rank();
   const int cap = a.capacity, K = a.top_k, rows = a.rows(), cols = a.idx_cols();
   const bool em = a.expert_major;
-  Carver c(p.symmetric() + kSignalBytes);
-  a.counts = c.take<int32_t>(static_cast<int64_t>(R) * a.num_counters());
-  a.recv_x = c.take<char>(cap * a.row_bytes);
-  a.recv_scales = c.take<float>(cap * a.scale_cols);
-  a.recv_idx = c.take<int32_t>(static_cast<int64_t>(cap) * cols);
-  a.recv_weights = c.take<float>(static_cast<int64_t>(cap) * cols);
-  a.recv_src = c.take<int32_t>(rows);
-  a.src_row = c.take<int32_t>(static_cast<int64_t>(R) * a.num_tokens);
-  a.entry_row = c.take<int32_t>(em ? cap : 0);
-  a.entry_choice = c.take<int32_t>(em ? cap : 0);
-  a.row_entries = c.take<int32_t>(em ? static_cast<int64_t>(rows) * K : 0);
-  if (kSignalBytes + c.used() > p.bytes()) {
-    return too_small(op, kSignalBytes + c.used(), p.bytes());
-  }
+  const size_t used = carve_dispatch(p.symmetric() + kSignalBytes, &a);
+  PeerError error = fits(op, "normal-mode", used, p.low_latency_offset() - kSignalBytes);
+  if (!error.ok()) return error;
   using Peers = typename Platform::Peers;
   p.barrier(op);  // peers are done with the last op's data
   p.per_warp(DispatchCount<Peers>{a, p.peers()}, a.num_counters() + 1);
@@ -152,25 +242,20 @@ PeerError run_combine(Platform& p, const CombineArgs<T>& in) {
   a.first_rank = p.rank();
   const int64_t H = a.hidden, rows = static_cast<int64_t>(R) * a.num_tokens;
   const bool em = a.expert_major;
-  // What peers read: the rows (or the per-row partial sums), their weights, src_row.
-  Carver c(p.symmetric() + kSignalBytes);
-  T* y = c.take<T>(em ? 0 : a.capacity * H);
-  float* weights = c.take<float>(!em && a.weights ? a.capacity : 0);
-  int32_t* src_row = c.take<int32_t>(rows);
-  T* partial = c.take<T>(em ? rows * H : 0);
-  if (kSignalBytes + c.used() > p.bytes()) {
-    return too_small(op, kSignalBytes + c.used(), p.bytes());
-  }
+  CombineRegions<T> r;
+  const size_t used = carve_combine(p.symmetric() + kSignalBytes, a, &r);
+  PeerError error = fits(op, "normal-mode", used, p.low_latency_offset() - kSignalBytes);
+  if (!error.ok()) return error;
   p.barrier(op);  // peers are done reading the last op's data
-  if (!em) p.copy(y, in.y, a.capacity * H * int64_t{sizeof(T)});
-  if (!em && a.weights) p.copy(weights, in.weights, int64_t{4} * a.capacity);
-  p.copy(src_row, in.src_row, int64_t{4} * rows);
-  a.src_row = src_row;
+  if (!em) p.copy(r.y, in.y, a.capacity * H * int64_t{sizeof(T)});
+  if (!em && a.weights) p.copy(r.weights, in.weights, int64_t{4} * a.capacity);
+  p.copy(r.src_row, in.src_row, int64_t{4} * rows);
+  a.src_row = r.src_row;
   if (!em) {
-    a.y = y;
-    a.weights = a.weights ? weights : nullptr;
+    a.y = r.y;
+    a.weights = a.weights ? r.weights : nullptr;
   } else {
-    a.partial = partial;  // reduce_entries reads the local y, row_entries and weights
+    a.partial = r.partial;  // reduce_entries reads the local y, row_entries and weights
     p.per_warp(CombineReduceEntries<T>{a}, rows);
   }
   p.barrier(op);  // every rank's rows are in place
@@ -182,16 +267,16 @@ PeerError run_combine(Platform& p, const CombineArgs<T>& in) {
 template <typename Platform>
 PeerError open_ll(Platform& p, int op, int R, int T, int K, int E, int H, bool fp8,
                   LowLatencyRegions* r) {
-  *r = ll_regions(p.symmetric(), p.bytes(), R, T, K, E, H, fp8);
-  if (r->bytes + kSignalBytes > p.bytes()) {
-    return too_small(op, r->bytes + kSignalBytes, p.bytes());
-  }
-  return PeerError{};
+  const size_t used =
+      carve_low_latency(p.symmetric() + p.low_latency_offset(), R, T, K, E, H, fp8, r);
+  return fits(op, "low-latency", used, p.bytes() - p.low_latency_offset());
 }
 
+// Both halves of low-latency dispatch: the send counts, then writes each message into its
+// expert's slot on the expert's rank (after that rank is done with the last dispatch's data);
+// the receive fills the slots past the counts (after every message arrived) and copies out.
 template <typename Platform>
-PeerError run_ll_dispatch_send(Platform& p, const LowLatencyArgs& out) {
-  constexpr int op = kPeerLlDispatchSend;
+PeerError run_ll_dispatch(Platform& p, int op, const LowLatencyArgs& out) {
   LowLatencyRegions r;
   PeerError error = open_ll(p, op, out.num_ranks, out.num_tokens, out.top_k, out.num_experts,
                             out.hidden, out.use_fp8, &r);
@@ -203,29 +288,17 @@ PeerError run_ll_dispatch_send(Platform& p, const LowLatencyArgs& out) {
   a.recv_scales = r.recv_scales;
   a.src_row = r.src_row;
   using Peers = typename Platform::Peers;
-  p.barrier(op);  // peers are done with the last low-latency dispatch's data
-  p.per_warp(LowLatencyCount<Peers>{a, p.peers()}, a.num_experts + 1);
-  p.barrier(op);  // every rank's counts are here
-  p.per_warp(LowLatencySend<Peers>{a, p.peers()}, a.num_tokens);
-  return p.result(op);
-}
-
-template <typename Platform>
-PeerError run_ll_dispatch_recv(Platform& p, const LowLatencyArgs& out) {
-  constexpr int op = kPeerLlDispatchRecv;
-  LowLatencyRegions r;
-  PeerError error = open_ll(p, op, out.num_ranks, out.num_tokens, out.top_k, out.num_experts,
-                            out.hidden, out.use_fp8, &r);
-  if (!error.ok()) return error;
-  LowLatencyArgs a = out;
-  a.first_rank = p.rank();
-  a.counts = r.counts;
-  a.recv_x = r.recv_x;
-  a.recv_scales = r.recv_scales;
+  if (op == kPeerLlDispatchSend) {
+    p.barrier(op);  // peers are done with the last low-latency dispatch's data
+    p.per_warp(LowLatencyCount<Peers>{a, p.peers()}, a.num_experts + 1);
+    p.barrier(op);  // every rank's counts are here
+    p.per_warp(LowLatencySend<Peers>{a, p.peers()}, a.num_tokens);
+    return p.result(op);
+  }
   const int64_t slots = a.experts_per_rank() * a.slots();
   const int64_t scale_bytes = a.use_fp8 ? slots * (a.hidden / kFp8Block) * 4 : 0;
   p.barrier(op);  // every message has arrived
-  p.per_warp(LowLatencyFinish<typename Platform::Peers>{a, p.peers()}, slots);
+  p.per_warp(LowLatencyFinish<Peers>{a, p.peers()}, slots);
   p.copy(out.recv_x, r.recv_x, slots * a.row_bytes());
   p.copy(out.recv_scales, r.recv_scales, scale_bytes);
   p.copy(out.src_row, r.src_row, int64_t{4} * a.num_ranks * a.num_tokens * a.top_k);

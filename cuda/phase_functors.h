@@ -20,7 +20,9 @@ struct DispatchCount {
 };
 struct DispatchBases {
   DispatchArgs a;
-  JAX_EP_HOST_DEVICE void operator()(int s, int64_t c) const { dispatch_bases(a, s, static_cast<int>(c)); }
+  JAX_EP_HOST_DEVICE void operator()(int s, int64_t c) const {
+    dispatch_bases(a, s, static_cast<int>(c));
+  }
 };
 template <typename Peers>
 struct DispatchSend {

@@ -13,6 +13,7 @@
 
 #include "cuda/api.h"
 #include "cuda/common.cuh"
+#include "cuda/peer_ops.h"
 
 namespace jax_ep::cuda {
 namespace {
@@ -42,8 +43,10 @@ std::string cuda_failure(const char* what, cudaError_t status) {
 const SymmetricBuffer* symmetric_buffer() { return g_initialized ? &g_buffer : nullptr; }
 
 std::string runtime_initialize(const uint8_t* unique_id, int rank, int num_ranks, int device,
-                               size_t buffer_bytes) {
+                               size_t buffer_bytes, size_t low_latency_bytes) {
   if (g_initialized) return "NVSHMEM is already initialized by jax_ep";
+  const std::string layout = check_layout(buffer_bytes, low_latency_bytes);
+  if (!layout.empty()) return layout;
   cudaError_t status = cudaSetDevice(device);
   if (status != cudaSuccess) return cuda_failure("cudaSetDevice", status);
   nvshmemx_uniqueid_t uid = NVSHMEMX_UNIQUEID_INITIALIZER;
@@ -82,7 +85,9 @@ std::string runtime_initialize(const uint8_t* unique_id, int rank, int num_ranks
   if (status == cudaSuccess) status = cudaDeviceSynchronize();
   if (status != cudaSuccess) return cuda_failure("clearing the symmetric buffer", status);
   nvshmem_barrier_all();  // every rank's buffer is clear before anyone signals into it
-  g_buffer = SymmetricBuffer{buffer, buffer_bytes, rank, num_ranks, ++g_generation};
+  g_buffer = SymmetricBuffer{buffer, buffer_bytes,
+                             low_latency_offset(buffer_bytes, low_latency_bytes), rank,
+                             num_ranks, ++g_generation};
   g_initialized = true;
   return "";
 }

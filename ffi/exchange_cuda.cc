@@ -41,7 +41,8 @@ xffi::Error DispatchCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks, xffi::R
       ParseDispatch(args, rets, num_ranks, num_experts, capacity, expert_major, &a));
   bool between;
   const int32_t* axis;
-  JAX_EP_RETURN_IF_ERROR(Place(kDispatchOp, ranks, args, 2, a.num_ranks, &between, &axis));
+  JAX_EP_RETURN_IF_ERROR(
+      Place(kDispatchOp, ranks, args, 2, a.num_ranks, &between, &axis));
   if (between) return Done(cuda::peer_dispatch(a, axis, stream));
   return Launched(kDispatchOp, cuda::launch_dispatch(a, stream));
 }
@@ -53,7 +54,8 @@ xffi::Error CombineCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks, xffi::Re
   JAX_EP_RETURN_IF_ERROR(ParseCombine(args, rets, num_ranks, expert_major, &type, &a));
   bool between;
   const int32_t* axis;
-  JAX_EP_RETURN_IF_ERROR(Place(kCombineOp, ranks, args, 0, a.num_ranks, &between, &axis));
+  JAX_EP_RETURN_IF_ERROR(
+      Place(kCombineOp, ranks, args, 0, a.num_ranks, &between, &axis));
   if (between) {
     switch (type) {
       case RowType::kF32: return Done(cuda::peer_combine(a, axis, stream));
@@ -70,51 +72,56 @@ xffi::Error CombineCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks, xffi::Re
   return Launched(kCombineOp, status);
 }
 
-xffi::Error LowLatencyDispatchSendCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks, xffi::RemainingArgs args,
-                                           xffi::RemainingRets rets, int64_t num_ranks,
-                                           int64_t num_experts, int64_t use_fp8) {
+xffi::Error LowLatencyDispatchSendCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks,
+                                           xffi::RemainingArgs args, xffi::RemainingRets rets,
+                                           int64_t num_ranks, int64_t num_experts,
+                                           int64_t use_fp8) {
   LowLatencyArgs a;
   JAX_EP_RETURN_IF_ERROR(
       ParseLowLatencyDispatchSend(args, rets, num_ranks, num_experts, use_fp8, &a));
   bool between;
   const int32_t* axis;
-  JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyDispatchSendOp, ranks, args, 1, a.num_ranks, &between, &axis));
+  JAX_EP_RETURN_IF_ERROR(
+      Place(kLowLatencyDispatchSendOp, ranks, args, 1, a.num_ranks, &between, &axis));
   if (between) return Done(cuda::peer_ll_dispatch_send(a, axis, stream));
   return Launched(kLowLatencyDispatchSendOp, cuda::launch_ll_dispatch_send(a, stream));
 }
 
-xffi::Error LowLatencyDispatchRecvCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks, xffi::RemainingArgs args,
-                                           xffi::RemainingRets rets, int64_t num_ranks,
-                                           int64_t num_experts) {
+xffi::Error LowLatencyDispatchRecvCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks,
+                                           xffi::RemainingArgs args, xffi::RemainingRets rets,
+                                           int64_t num_ranks, int64_t num_experts) {
   LowLatencyArgs a;
   JAX_EP_RETURN_IF_ERROR(ParseLowLatencyDispatchRecv(args, rets, num_ranks, num_experts, &a));
   bool between;
   const int32_t* axis;
-  JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyDispatchRecvOp, ranks, args, 0, a.num_ranks, &between, &axis));
+  JAX_EP_RETURN_IF_ERROR(
+      Place(kLowLatencyDispatchRecvOp, ranks, args, 0, a.num_ranks, &between, &axis));
   if (between) return Done(cuda::peer_ll_dispatch_recv(a, axis, stream));
   return Launched(kLowLatencyDispatchRecvOp, cuda::launch_ll_dispatch_recv(a, stream));
 }
 
-xffi::Error LowLatencyCombineSendCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks, xffi::RemainingArgs args,
-                                          xffi::RemainingRets rets, int64_t num_ranks,
-                                          int64_t num_experts) {
+xffi::Error LowLatencyCombineSendCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks,
+                                          xffi::RemainingArgs args, xffi::RemainingRets rets,
+                                          int64_t num_ranks, int64_t num_experts) {
   LowLatencyCombineArgs a;
   JAX_EP_RETURN_IF_ERROR(ParseLowLatencyCombineSend(args, rets, num_ranks, num_experts, &a));
   bool between;
   const int32_t* axis;
-  JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyCombineSendOp, ranks, args, 0, a.num_ranks, &between, &axis));
+  JAX_EP_RETURN_IF_ERROR(
+      Place(kLowLatencyCombineSendOp, ranks, args, 0, a.num_ranks, &between, &axis));
   if (between) return Done(cuda::peer_ll_combine_send(a, axis, stream));
   return Launched(kLowLatencyCombineSendOp, cuda::launch_ll_combine_send(a, stream));
 }
 
-xffi::Error LowLatencyCombineRecvCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks, xffi::RemainingArgs args,
-                                          xffi::RemainingRets rets, int64_t num_ranks,
-                                          int64_t num_experts) {
+xffi::Error LowLatencyCombineRecvCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks,
+                                          xffi::RemainingArgs args, xffi::RemainingRets rets,
+                                          int64_t num_ranks, int64_t num_experts) {
   LowLatencyCombineArgs a;
   JAX_EP_RETURN_IF_ERROR(ParseLowLatencyCombineRecv(args, rets, num_ranks, num_experts, &a));
   bool between;
   const int32_t* axis;
-  JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyCombineRecvOp, ranks, args, 0, a.num_ranks, &between, &axis));
+  JAX_EP_RETURN_IF_ERROR(
+      Place(kLowLatencyCombineRecvOp, ranks, args, 0, a.num_ranks, &between, &axis));
   if (between) return Done(cuda::peer_ll_combine_recv(a, axis, stream));
   return Launched(kLowLatencyCombineRecvOp, cuda::launch_ll_combine_recv(a, stream));
 }

@@ -25,7 +25,8 @@ namespace {
       "nvcc on PATH (pip install -C cmake.define.JAX_EP_CUDA=ON .) or use backend='xla'");
 }
 
-void Initialize(nb::bytes unique_id, int rank, int num_ranks, int device, size_t buffer_bytes) {
+void Initialize(nb::bytes unique_id, int rank, int num_ranks, int device, size_t buffer_bytes,
+                size_t low_latency_bytes) {
 #ifdef JAX_EP_WITH_CUDA
   if (unique_id.size() != static_cast<size_t>(cuda::kNvshmemUniqueIdBytes)) {
     throw std::invalid_argument("runtime_initialize: unique_id must be " +
@@ -35,11 +36,12 @@ void Initialize(nb::bytes unique_id, int rank, int num_ranks, int device, size_t
   {
     nb::gil_scoped_release release;  // the bootstrap waits for every other process
     error = cuda::runtime_initialize(reinterpret_cast<const uint8_t*>(unique_id.c_str()), rank,
-                                     num_ranks, device, buffer_bytes);
+                                     num_ranks, device, buffer_bytes, low_latency_bytes);
   }
   if (!error.empty()) throw std::runtime_error("jax_ep.initialize: " + error);
 #else
   (void)unique_id, (void)rank, (void)num_ranks, (void)device, (void)buffer_bytes;
+  (void)low_latency_bytes;
   NoCuda();
 #endif
 }
@@ -71,9 +73,22 @@ nb::object State() {
 #endif
 }
 
-void HostPeersInitialize(size_t buffer_bytes) {
-  const std::string error = host::initialize(buffer_bytes);
+void HostPeersInitialize(size_t buffer_bytes, size_t low_latency_bytes) {
+  const std::string error = host::initialize(buffer_bytes, low_latency_bytes);
   if (!error.empty()) throw std::runtime_error("jax_ep.initialize: " + error);
+}
+
+nb::dict BufferRegions(int num_ranks, int num_tokens, int top_k, int num_experts, int hidden,
+                       int dtype_bytes, int64_t capacity, bool expert_major,
+                       int low_latency_tokens) {
+  const RegionBytes r = buffer_region_bytes(num_ranks, num_tokens, top_k, num_experts, hidden,
+                                            dtype_bytes, capacity, expert_major,
+                                            low_latency_tokens);
+  nb::dict out;
+  out["signals"] = r.signals;
+  out["normal"] = r.normal;
+  out["low_latency"] = r.low_latency;
+  return out;
 }
 
 }  // namespace
@@ -81,12 +96,21 @@ void HostPeersInitialize(size_t buffer_bytes) {
 void BindRuntime(nb::module_& m) {
   m.def("runtime_initialize", &Initialize, nb::arg("unique_id"), nb::arg("rank"),
         nb::arg("num_ranks"), nb::arg("device"), nb::arg("buffer_bytes"),
-        "Initializes NVSHMEM with rank 0's unique id and allocates the symmetric buffer "
-        "(collective). Raises RuntimeError on failure or without CUDA.");
+        nb::arg("low_latency_bytes"),
+        "Initializes NVSHMEM with rank 0's unique id and allocates the symmetric buffer, its "
+        "last low_latency_bytes for low-latency regions (collective). Raises RuntimeError on "
+        "failure or without CUDA.");
   m.def("runtime_finalize", &Finalize, "Frees the symmetric buffer and finalizes NVSHMEM.");
   m.def("host_peers_initialize", &HostPeersInitialize, nb::arg("buffer_bytes"),
+        nb::arg("low_latency_bytes"),
         "Sets up host peers (the exchange between the CPU devices of this process) with a "
-        "buffer of `buffer_bytes` per rank.");
+        "buffer of `buffer_bytes` per rank, its last low_latency_bytes for low-latency "
+        "regions.");
+  m.def("buffer_regions", &BufferRegions, nb::arg("num_ranks"), nb::arg("num_tokens"),
+        nb::arg("top_k"), nb::arg("num_experts"), nb::arg("hidden"), nb::arg("dtype_bytes"),
+        nb::arg("capacity"), nb::arg("expert_major"), nb::arg("low_latency_tokens"),
+        "Bytes of each region of the symmetric buffer for the largest calls of a "
+        "configuration, as the ops carve them (cuda/peer_ops.h); capacity 0: the default.");
   m.def("host_peers_finalize", &host::finalize,
         "Frees the host peers' buffers (no exchange may be running).");
   m.def("host_peers_buffer_bytes", &host::buffer_bytes,

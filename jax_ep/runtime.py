@@ -22,11 +22,13 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import itertools
+import os
+import sys
+import threading
 
 import jax
 
-SIGNAL_BYTES = 4096  # barrier signals at the start of the buffer (cuda/peer_exchange.cu)
-ALIGN = 256  # every region starts on this boundary
+SIGNAL_BYTES = 4096  # barrier signals at the start of the buffer (cuda/peer_ops.h)
 KEY_TIMEOUT_MS = 10 * 60 * 1000
 
 _state: dict[str, object] = {}
@@ -80,40 +82,22 @@ class BufferConfig:
             raise ValueError("BufferConfig.low_latency_tokens must be >= 0.")
 
 
-def _aligned(*sizes: int) -> int:
-    return sum(-(-size // ALIGN) * ALIGN for size in sizes)
-
-
 def buffer_regions(config: BufferConfig) -> dict[str, int]:
-    """Bytes of each region of the symmetric buffer (as cuda/peer_exchange.cu carves it)."""
+    """Bytes of each region of the symmetric buffer: {'signals', 'normal', 'low_latency'}.
+
+    Computed by the extension from the carving the ops use (cuda/peer_ops.h), so the sizes
+    here are the sizes there. The normal-mode region holds the largest dispatch (with FP8
+    scales) or combine (with weights) of the config; the low-latency region its low-latency
+    calls, and no normal-mode call reaches into it.
+    """
     config.check()
-    R, T, K, E, H = config.ranks(), config.num_tokens, config.top_k, config.num_experts, \
-        config.hidden
-    b, S, El = config.dtype_bytes, H // 128, E // R
+    from jax_ep import _ffi
 
-    def dispatch(cap: int, em: bool) -> int:  # counts, rows (+ FP8 scales), metadata
-        cols = 1 if em else K
-        rows = R * T if em else cap
-        return _aligned(R * (R + E) * 4, cap * H * b, cap * S * 4, cap * cols * 4,
-                        cap * cols * 4, rows * 4, R * T * 4, cap * 4 * em, cap * 4 * em,
-                        rows * K * 4 * em)
-
-    def combine(cap: int, em: bool) -> int:  # rows (or per-row partials), weights, src_row
-        return _aligned(0 if em else cap * H * b, 0 if em else cap * 4, R * T * 4,
-                        R * T * H * b if em else 0)
-
-    rank_major = config.capacity or R * T
-    normal = max(dispatch(rank_major, False), combine(rank_major, False))
-    if config.expert_major:
-        entries = config.capacity or R * T * min(K, El)
-        normal = max(normal, dispatch(entries, True), combine(entries, True))
-    TL = config.low_latency_tokens
-    low_latency = 0
-    if TL:
-        slots = El * R * TL
-        low_latency = _aligned(R * E * 4, slots * H * 2, slots * S * 4, R * TL * K * 4,
-                               TL * K * H * 2) + ALIGN
-    return {"signals": SIGNAL_BYTES, "normal": normal, "low_latency": low_latency}
+    _ffi.require_extension("jax_ep.runtime.buffer_regions")
+    return dict(_ffi.EXT.buffer_regions(
+        config.ranks(), config.num_tokens, config.top_k, config.num_experts, config.hidden,
+        config.dtype_bytes, config.capacity or 0, config.expert_major,
+        config.low_latency_tokens))
 
 
 def required_bytes(config: BufferConfig) -> int:
@@ -127,18 +111,23 @@ def is_initialized() -> bool:
 
 
 def state() -> dict | None:
-    """{'platform', 'rank', 'num_ranks', 'buffer_bytes'} while initialized, else None."""
+    """{'platform', 'rank', 'num_ranks', 'buffer_bytes', 'low_latency_bytes'} while
+    initialized, else None."""
     return dict(_state) if _state else None
 
 
-def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None = None) -> None:
+def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None = None,
+               low_latency_bytes: int = 0) -> None:
     """Sets up the CUDA backend between devices: NVSHMEM on GPUs (one GPU per process;
     collective), host peers on the CPU devices of one process.
 
     Args:
       config: the largest call this process will make (default `BufferConfig()`, DeepEP's
-        shapes); each rank's buffer gets `jax_ep.runtime.required_bytes(config)` bytes.
+        shapes); each rank's buffer gets `jax_ep.runtime.required_bytes(config)` bytes, laid
+        out as `buffer_regions(config)` says.
       buffer_bytes: an explicit size instead of `config`.
+      low_latency_bytes: with `buffer_bytes`, how many of them (at the end) hold the
+        low-latency regions; normal-mode calls get the rest.
 
     Raises:
       RuntimeError: more than one local GPU, several processes without GPUs, an extension
@@ -174,20 +163,23 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
             f"devices (--xla_force_host_platform_device_count), or backend='xla'."
         )
     if buffer_bytes is None:
-        buffer_bytes = required_bytes(config or BufferConfig())
-    if not isinstance(buffer_bytes, int) or buffer_bytes <= SIGNAL_BYTES:
-        raise ValueError(f"{op}: buffer_bytes must be an int above {SIGNAL_BYTES}; got "
-                         f"{buffer_bytes!r}.")
+        regions = buffer_regions(config or BufferConfig())
+        buffer_bytes, low_latency_bytes = sum(regions.values()), regions["low_latency"]
+    if not isinstance(buffer_bytes, int) or not isinstance(low_latency_bytes, int) or \
+            low_latency_bytes < 0 or buffer_bytes - low_latency_bytes <= SIGNAL_BYTES:
+        raise ValueError(f"{op}: buffer_bytes must be an int above {SIGNAL_BYTES} + "
+                         f"low_latency_bytes (an int >= 0); got {buffer_bytes!r} and "
+                         f"{low_latency_bytes!r}.")
     rank, num_ranks = jax.process_index(), jax.process_count()
     if gpus:
         unique_id = _share_unique_id(op, rank, num_ranks, _ffi.EXT)
         _ffi.EXT.runtime_initialize(unique_id, rank, num_ranks, gpus[0].local_hardware_id,
-                                    buffer_bytes)
-        _state.update(platform="gpu", rank=rank, num_ranks=num_ranks, buffer_bytes=buffer_bytes)
+                                    buffer_bytes, low_latency_bytes)
+        _state.update(platform="gpu", rank=rank, num_ranks=num_ranks)
     else:
-        _ffi.EXT.host_peers_initialize(buffer_bytes)
-        _state.update(platform="cpu", rank=rank, num_ranks=jax.local_device_count(),
-                      buffer_bytes=buffer_bytes)
+        _ffi.EXT.host_peers_initialize(buffer_bytes, low_latency_bytes)
+        _state.update(platform="cpu", rank=rank, num_ranks=jax.local_device_count())
+    _state.update(buffer_bytes=buffer_bytes, low_latency_bytes=low_latency_bytes)
 
 
 def _share_unique_id(op: str, rank: int, num_ranks: int, ext) -> bytes:
@@ -224,4 +216,35 @@ def finalize() -> None:
         _ffi.EXT.host_peers_finalize()
 
 
-atexit.register(finalize)
+EXIT_TIMEOUT_S = 10.0
+
+
+def _finalize_at_exit(timeout_s: float | None = None) -> bool:
+    """`finalize()` at interpreter exit, given up after `timeout_s` ($JAX_EP_EXIT_TIMEOUT_S,
+    default 10 s): between GPUs it is collective, and a peer that died (or exits without
+    finalizing) would hang the survivors' exit forever. Returns whether it finished."""
+    if not _state:
+        return True
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("JAX_EP_EXIT_TIMEOUT_S", EXIT_TIMEOUT_S))
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            finalize()
+        except BaseException as error:  # reported below, never raised at exit
+            errors.append(error)
+
+    worker = threading.Thread(target=run, name="jax_ep.finalize", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        print(f"jax_ep: finalize() did not finish within {timeout_s:g} s at exit (a peer "
+              f"process gone?); exiting without it", file=sys.stderr)
+        return False
+    if errors:
+        print(f"jax_ep: finalize() at exit failed: {errors[0]}", file=sys.stderr)
+    return not errors
+
+
+atexit.register(_finalize_at_exit)

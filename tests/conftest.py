@@ -30,7 +30,8 @@ def _eight_devices():
     assert len(jax.devices()) == 8, "tests expect 8 forced host devices"
 
 
-HOST_PEER_BYTES = 64 << 20  # per rank: more than any test's largest call
+HOST_PEER_BYTES = 64 << 20  # per rank: more than any test's largest call ...
+HOST_PEER_LOW_LATENCY_BYTES = 16 << 20  # ... and low-latency call
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -43,7 +44,7 @@ def _host_peers_for_cuda_backend():
     if os.environ.get("JAX_EP_BACKEND") != "cuda" or _ffi.EXT is None:
         yield
         return
-    jax_ep.initialize(buffer_bytes=HOST_PEER_BYTES)
+    jax_ep.initialize(buffer_bytes=HOST_PEER_BYTES, low_latency_bytes=HOST_PEER_LOW_LATENCY_BYTES)
     yield
     jax_ep.finalize()
 

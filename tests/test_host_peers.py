@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import HOST_PEER_BYTES
+from conftest import HOST_PEER_BYTES, HOST_PEER_LOW_LATENCY_BYTES
 from harness import forget_failed_exchange, sharded, to_numpy
 from test_virtual import assert_bitwise, routing
 
@@ -30,9 +30,13 @@ def host_peers():
     if runtime.is_initialized():  # the session's (JAX_EP_BACKEND=cuda)
         yield
         return
-    jax_ep.initialize(buffer_bytes=HOST_PEER_BYTES)
+    initialize_for_tests()
     yield
     jax_ep.finalize()
+
+
+def initialize_for_tests():
+    jax_ep.initialize(buffer_bytes=HOST_PEER_BYTES, low_latency_bytes=HOST_PEER_LOW_LATENCY_BYTES)
 
 
 def assert_trees_bitwise(got, want):
@@ -137,16 +141,57 @@ def test_a_call_larger_than_the_buffer_says_how_to_grow():
     try:
         run = sharded(lambda x, i, w: jax_ep.dispatch(x, i, w, num_experts=E,
                                                       backend="cuda")[0].x, R)
-        with pytest.raises(Exception, match=r"jax_ep_dispatch: needs \d+ bytes of symmetric "
-                                            r"buffer, but jax_ep.initialize\(\) allocated "
-                                            r"1048576.*BufferConfig"):
+        with pytest.raises(Exception, match=r"jax_ep_dispatch: needs \d+ bytes of normal-mode "
+                                            r"region in the symmetric buffer, but "
+                                            r"jax_ep.initialize\(\) reserved \d+.*BufferConfig"):
             jax.block_until_ready(run(x, idx, w))
     finally:
         forget_failed_exchange()
         jax_ep.finalize()
-        jax_ep.initialize(buffer_bytes=HOST_PEER_BYTES)
+        initialize_for_tests()
     # Large enough now.
     got = np.asarray(run(x, idx, w))
     want = np.asarray(sharded(lambda x, i, w: jax_ep.dispatch(x, i, w, num_experts=E,
                                                               backend="xla")[0].x, R)(x, idx, w))
     assert_bitwise(got, want, "x after initialize() with a larger buffer")
+
+
+def test_normal_calls_never_reach_a_low_latency_exchange_in_flight():
+    """The low-latency regions have their own part of the buffer: a normal-mode call larger
+    than its own part fails rather than overwrite a split low-latency dispatch in flight."""
+    if runtime.state()["buffer_bytes"] != HOST_PEER_BYTES:
+        pytest.skip("another buffer size is set up")
+    R, T, K, E, H = 2, 4, 2, 4, 256
+    config = jax_ep.BufferConfig(num_tokens=T, hidden=H, top_k=K, num_experts=E, num_ranks=R,
+                                 low_latency_tokens=64)
+    regions = runtime.buffer_regions(config)
+    assert regions["low_latency"] > 4 * regions["normal"]  # room for a much larger call
+    rng = np.random.default_rng()
+    idx, w = routing(rng, R, T, K, E, "uniform")
+    x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+    big_idx, big_w = routing(rng, R, 4 * T, K, E, "uniform")
+    big_x = rng.standard_normal((R, 4 * T, H)).astype(np.float32)
+
+    def program(backend, big):
+        def per_shard(x, idx, w, big_x, big_idx, big_w):
+            pending = jax_ep.low_latency_dispatch_send(x, idx, num_experts=E, backend=backend)
+            n_x, n_idx, n_w = (big_x, big_idx, big_w) if big else (x, idx, w)
+            recv, _ = jax_ep.dispatch(n_x, n_idx, n_w, num_experts=E, backend=backend)
+            ll, _ = jax_ep.low_latency_dispatch_recv(pending)
+            return recv.x, ll
+
+        return per_shard
+
+    jax_ep.finalize()
+    jax_ep.initialize(config)
+    try:
+        args = (x, idx, w, big_x, big_idx, big_w)
+        got, want = (to_numpy(sharded(program(b, big=False), R)(*args)) for b in ("cuda", "xla"))
+        assert_trees_bitwise(got, want)  # a call that fits, between the halves
+        with pytest.raises(Exception, match=r"jax_ep_dispatch: needs \d+ bytes of normal-mode "
+                                            r"region"):
+            jax.block_until_ready(sharded(program("cuda", big=True), R)(*args))
+        forget_failed_exchange()
+    finally:
+        jax_ep.finalize()
+        initialize_for_tests()

@@ -7,24 +7,30 @@ check script (tools/gpu_check.sh) runs it.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 import jax_ep
 from jax_ep import _ffi, runtime
 
 
+@pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
 def test_buffer_bytes_by_hand():
-    # R=2, T=4, K=2, E=4, H=128, bf16, T_ll=2; every region rounded up to 256 bytes.
+    # R=2, T=4, K=2, E=4, H=128, bf16, T_ll=2; every piece starts on a 256-byte boundary.
     config = runtime.BufferConfig(num_tokens=4, hidden=128, top_k=2, num_experts=4, num_ranks=2,
                                   low_latency_tokens=2)
-    # Normal dispatch, 8 rows: counts 48, rows 2048, scales 32, idx 64, weights 64,
+    # Normal dispatch, 8 rows: counts 48, rows 2048, FP8 scales 32, idx 64, weights 64,
     # recv_src 32, src_row 32 -> 256 + 2048 + 5 * 256 (combine needs less: 2560).
-    # Low latency, 8 slots: counts 32, rows 2048, scales 32, src_row 32, staging 1024, + 256.
+    # Low latency, 8 slots: counts 32, bf16 rows 2048, src_row 32, staging 1024 -> 256 +
+    # 2048 + 256 + 1024 (FP8: rows 1024 and scales 32, less).
     assert runtime.buffer_regions(config) == {"signals": 4096, "normal": 3584,
-                                              "low_latency": 4096}
-    assert runtime.required_bytes(config) == 11776
+                                              "low_latency": 3584}
+    assert runtime.required_bytes(config) == 11264
 
 
+@pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
 def test_expert_major_and_capacity_change_the_size():
     base = dict(num_tokens=64, hidden=256, top_k=4, num_experts=16, num_ranks=4)
     rank_major = runtime.required_bytes(runtime.BufferConfig(**base))
@@ -55,8 +61,10 @@ def test_initialize_on_cpu_sets_up_host_peers():
     config = jax_ep.BufferConfig(num_tokens=16, hidden=128, top_k=2, num_experts=8)
     jax_ep.initialize(config)
     try:
-        assert runtime.state() == {"platform": "cpu", "rank": 0, "num_ranks": 8,
-                                   "buffer_bytes": runtime.required_bytes(config)}
+        assert runtime.state() == {
+            "platform": "cpu", "rank": 0, "num_ranks": 8,
+            "buffer_bytes": runtime.required_bytes(config),
+            "low_latency_bytes": runtime.buffer_regions(config)["low_latency"]}
         assert _ffi.EXT.host_peers_buffer_bytes() == runtime.required_bytes(config)
         with pytest.raises(RuntimeError, match="already initialized"):
             jax_ep.initialize(config)
@@ -71,8 +79,24 @@ def test_extension_runtime_bindings_without_gpu():
     assert _ffi.EXT.runtime_state() is None
     if not _ffi.cuda_kernels_compiled():
         with pytest.raises(RuntimeError, match="without the CUDA kernels"):
-            _ffi.EXT.runtime_initialize(b"\0" * 128, 0, 1, 0, 1 << 20)
+            _ffi.EXT.runtime_initialize(b"\0" * 128, 0, 1, 0, 1 << 20, 0)
     else:
         with pytest.raises(ValueError, match="128 bytes"):
-            _ffi.EXT.runtime_initialize(b"\0" * 3, 0, 1, 0, 1 << 20)
+            _ffi.EXT.runtime_initialize(b"\0" * 3, 0, 1, 0, 1 << 20, 0)
         _ffi.EXT.runtime_finalize()  # nothing to finalize: no error
+
+
+def test_exit_never_waits_long_for_a_finalize_that_hangs(monkeypatch, capsys):
+    """At exit, finalize() is collective between GPUs: a dead peer must not hang the others."""
+    release = threading.Event()
+    monkeypatch.setattr(runtime, "finalize", lambda: release.wait())
+    monkeypatch.setattr(runtime, "_state", {"platform": "gpu"})
+    start = time.monotonic()
+    try:
+        assert runtime._finalize_at_exit(0.2) is False
+    finally:
+        release.set()
+    assert time.monotonic() - start < 5
+    assert "did not finish within 0.2 s at exit" in capsys.readouterr().err
+    monkeypatch.setattr(runtime, "finalize", lambda: None)
+    assert runtime._finalize_at_exit(5) is True

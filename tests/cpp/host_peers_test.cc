@@ -286,7 +286,9 @@ void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& 
     });
   }
   for (std::thread& t : ranks) t.join();
-  for (int r = 0; r < s.R; ++r) expect(errors[r].empty(), "rank " + std::to_string(r) + ": " + errors[r]);
+  for (int r = 0; r < s.R; ++r) {
+    expect(errors[r].empty(), "rank " + std::to_string(r) + ": " + errors[r]);
+  }
 }
 
 void check_round(const Shape& s, uint32_t seed, const HostGrid& grid) {
@@ -353,7 +355,7 @@ int main() {
   const uint32_t seed = seed_text ? static_cast<uint32_t>(std::strtoul(seed_text, nullptr, 10))
                                   : std::random_device{}();
   std::printf("host peers test: seed %u (rerun with JAX_EP_TEST_SEED=%u)\n", seed, seed);
-  if (!host::initialize(8 << 20).empty()) return 2;
+  if (!host::initialize(8 << 20, 2 << 20).empty()) return 2;
   const HostGrid warps{2, 2, 32, 3};  // 2 blocks of 2 warps of 32 lanes, on 3 threads per rank
   const HostGrid loop{};              // the CPU handlers' default
   const int R = 4;
@@ -369,7 +371,7 @@ int main() {
   }
   host::finalize();
   setenv("JAX_EP_TIMEOUT_S", "0.2", 1);
-  if (!host::initialize(1 << 20).empty()) return 2;
+  if (!host::initialize(1 << 20, 0).empty()) return 2;
   check_timeout();
   host::finalize();
   std::printf("host peers test: %s\n", failures ? "FAILED" : "passed");
