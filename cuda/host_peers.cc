@@ -22,9 +22,10 @@ using Signal = std::atomic<uint64_t>;
 
 // What made a rank's group unusable (0: nothing).
 struct RankStatus {
-  int code = 0;  // 1: a barrier timed out
+  bool timed_out = false;  // a barrier gave up waiting for `peer` in `op`
   int op = 0;
   int peer = 0;
+  Wait wait = Wait::kInOp;
 };
 
 // Per-rank state that only the rank's own thread touches between barriers.
@@ -36,10 +37,10 @@ struct RankState {
 // R symmetric buffers in anonymous memory (zero until written, pages on first touch).
 class Group {
  public:
-  Group(int num_ranks, size_t bytes, size_t low_latency_offset, uint64_t timeout_ns)
+  Group(int num_ranks, size_t bytes, size_t low_latency_offset, const Timeouts& timeouts)
       : bytes_(bytes),
         low_latency_offset_(low_latency_offset),
-        timeout_ns_(timeout_ns),
+        timeouts_(timeouts),
         regions_(num_ranks),
         ranks_(num_ranks) {
     for (char*& region : regions_) {
@@ -59,7 +60,7 @@ class Group {
   int num_ranks() const { return static_cast<int>(regions_.size()); }
   size_t bytes() const { return bytes_; }
   size_t low_latency_offset() const { return low_latency_offset_; }
-  uint64_t timeout_ns() const { return timeout_ns_; }
+  const Timeouts& timeouts() const { return timeouts_; }
   char* const* regions() const { return regions_.data(); }
   RankState& rank(int r) { return ranks_[r]; }
   // The signal that rank `from` sets in rank `owner`'s buffer.
@@ -69,7 +70,7 @@ class Group {
 
  private:
   size_t bytes_, low_latency_offset_;
-  uint64_t timeout_ns_;
+  Timeouts timeouts_;
   std::vector<char*> regions_;
   std::vector<RankState> ranks_;
 };
@@ -81,7 +82,7 @@ struct Registry {
   std::mutex mutex;  // initialize, finalize, creating a group
   size_t bytes = 0;  // 0: not initialized
   size_t low_latency_offset = 0;
-  uint64_t timeout_ns = 60ull * 1000 * 1000 * 1000;
+  Timeouts timeouts;
   std::atomic<Group*> groups[kMaxPeers + 1] = {};
   std::vector<std::unique_ptr<Group>> owned;
 
@@ -92,7 +93,8 @@ struct Registry {
     std::lock_guard<std::mutex> lock(mutex);
     g = groups[num_ranks].load(std::memory_order_acquire);
     if (g == nullptr && bytes != 0) {
-      owned.push_back(std::make_unique<Group>(num_ranks, bytes, low_latency_offset, timeout_ns));
+      owned.push_back(
+          std::make_unique<Group>(num_ranks, bytes, low_latency_offset, timeouts));
       g = owned.back().get();
       groups[num_ranks].store(g, std::memory_order_release);
     }
@@ -139,16 +141,11 @@ class HostPlatform {
       return PeerError{name + ": the exchange between devices needs jax_ep.initialize() first "
                               "(on CPU it sets up host buffers standing in for NVSHMEM's)"};
     }
-    timeout_ns_ = group_->timeout_ns();
     me_ = rank;
     const RankStatus& status = group_->rank(me_).status;
-    if (status.code != 0) {
-      return PeerError{name + ": an earlier call of " + kPeerOpNames[status.op] +
-                       " on this rank timed out after " +
-                       std::to_string(timeout_ns_ / 1000000000ull) + " s waiting for peer " +
-                       std::to_string(status.peer) +
-                       " (did every device run the same ops?); the EP group is unusable, call "
-                       "jax_ep.finalize() and jax_ep.initialize() again"};
+    if (status.timed_out) {
+      return after_timeout(op, status.op, status.peer, status.wait, group_->timeouts(),
+                           "call jax_ep.finalize() and jax_ep.initialize() again");
     }
     return PeerError{};
   }
@@ -159,8 +156,9 @@ class HostPlatform {
   size_t bytes() const { return group_->bytes(); }
   size_t low_latency_offset() const { return group_->low_latency_offset(); }
 
-  void barrier(int op) {
+  void barrier(int op, Wait wait) {
     if (!error_.ok()) return;
+    const uint64_t timeout_ns = group_->timeouts().of(wait);
     RankState& state = group_->rank(me_);
     const uint64_t target = ++state.epoch;
     const int n = group_->num_ranks();
@@ -175,11 +173,12 @@ class HostPlatform {
         }
         const auto waited =
             std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start);
-        if (static_cast<uint64_t>(waited.count()) > timeout_ns_) {
-          state.status = RankStatus{1, op, p};
+        if (static_cast<uint64_t>(waited.count()) > timeout_ns) {
+          state.status = RankStatus{true, op, p, wait};
           error_ = PeerError{std::string(kPeerOpNames[op]) + ": timed out after " +
-                             std::to_string(timeout_ns_ / 1000000000ull) +
-                             " s waiting for peer " + std::to_string(p) +
+                             seconds_text(timeout_ns) + " waiting for peer " +
+                             std::to_string(p) +
+                             (wait == Wait::kStart ? " to start it" : " inside it") +
                              " (did every device run the same ops?)"};
           return;
         }
@@ -203,7 +202,6 @@ class HostPlatform {
  private:
   HostGrid grid_;
   Group* group_ = nullptr;
-  uint64_t timeout_ns_ = 0;
   int me_ = 0;
   PeerError error_;
 };
@@ -224,10 +222,7 @@ std::string initialize(size_t bytes_per_rank, size_t low_latency_bytes) {
   if (reg.bytes != 0) return "host peers are already initialized";
   const std::string layout = check_layout(bytes_per_rank, low_latency_bytes);
   if (!layout.empty()) return layout;
-  if (const char* env = std::getenv("JAX_EP_TIMEOUT_S")) {
-    const double seconds = std::atof(env);
-    if (seconds > 0) reg.timeout_ns = static_cast<uint64_t>(seconds * 1e9);
-  }
+  reg.timeouts = timeouts_from_env();
   reg.bytes = bytes_per_rank;
   reg.low_latency_offset = low_latency_offset(bytes_per_rank, low_latency_bytes);
   return "";

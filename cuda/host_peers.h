@@ -8,8 +8,9 @@
 // the same offset in a peer's buffer, as nvshmem_ptr does. Each rank runs its ops on its own
 // thread (XLA:CPU runs the devices of a program concurrently), so the ranks of a group meet
 // at barriers built like the GPU's: per-peer signals at the start of each buffer, stored with
-// release and awaited with acquire, every wait bounded by $JAX_EP_TIMEOUT_S (default 60 s).
-// A timeout is remembered, and every later op of that rank reports it.
+// release and awaited with acquire, every wait bounded (cuda/peer_ops.h, Wait: peers starting
+// an op get $JAX_EP_START_TIMEOUT_S, peers inside it $JAX_EP_TIMEOUT_S). A timeout is
+// remembered, and every later op of that rank reports it.
 //
 // Groups are keyed by R: the programs that exchange through host peers with the same number
 // of ranks must not run at the same time on different devices.

@@ -11,9 +11,10 @@
 // every barrier compares the two on the device and a mismatch (a mesh whose EP order differs
 // from the process order) is recorded and reported by the next call, like a timeout.
 //
-// Safety: every wait is bounded. A barrier that waits longer than the timeout
-// ($JAX_EP_TIMEOUT_S, default 60 s) for a peer records (op, peer) in a status word in host
-// memory and gives up; the next call of any op on this process reports it as an error.
+// Safety: every wait is bounded (cuda/peer_ops.h, Wait: the op's first barrier by the start
+// timeout, the later ones by the op timeout). A barrier that waits longer for a peer records
+// (op, peer) in a status word in host memory and gives up; the next call of any op on this
+// process reports it as an error.
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -44,7 +45,9 @@ struct NvshmemPeers {
 
 // What went wrong in a barrier. In mapped host memory.
 struct PeerStatus {
-  int code;  // 0 ok, 1 timeout (waiting for `peer`), 2 rank mismatch (EP axis index `peer`)
+  // 0 ok; 1 or 3: a barrier gave up waiting for `peer` inside the op (1) or to start it (3);
+  // 2: rank mismatch (EP axis index `peer`).
+  int code;
   int op;
   int peer;
 };
@@ -53,7 +56,7 @@ struct State {
   PeerStatus* status = nullptr;         // host pointer (mapped)
   PeerStatus* device_status = nullptr;  // the same memory, as the device sees it
   uint64_t* epoch = nullptr;            // device counter of barriers passed
-  uint64_t timeout_ns = 60ull * 1000 * 1000 * 1000;
+  Timeouts timeouts;
   int generation = 0;                   // the symmetric buffer the state above belongs to
 };
 
@@ -73,7 +76,7 @@ __device__ __forceinline__ uint64_t global_ns() {
 // also checks that the op's EP axis index is this PE.
 __global__ void barrier_kernel(uint64_t* signals, uint64_t* epoch, int me, int n,
                                const int32_t* axis_index, uint64_t timeout_ns,
-                               PeerStatus* status, int op) {
+                               int timeout_code, PeerStatus* status, int op) {
   __shared__ uint64_t target;
   if (threadIdx.x == 0) {
     target = *epoch + 1;
@@ -103,7 +106,7 @@ __global__ void barrier_kernel(uint64_t* signals, uint64_t* epoch, int me, int n
         report->op = op;
         report->peer = p;
         __threadfence_system();
-        report->code = 1;
+        report->code = timeout_code;
         break;
       }
       __nanosleep(200);
@@ -141,10 +144,7 @@ PeerError prepare(int op, int num_ranks, int* me, char** symmetric, size_t* byte
       return PeerError{std::string(kPeerOpNames[op]) + ": cannot allocate the barrier state"};
     }
     st.status = static_cast<PeerStatus*>(host);
-    if (const char* env = std::getenv("JAX_EP_TIMEOUT_S")) {
-      const double seconds = std::atof(env);
-      if (seconds > 0) st.timeout_ns = static_cast<uint64_t>(seconds * 1e9);
-    }
+    st.timeouts = timeouts_from_env();
   }
   if (st.generation != buffer->generation) {
     // A new initialize(): its buffer's signals are zero, so barriers count from zero again,
@@ -165,13 +165,10 @@ PeerError prepare(int op, int num_ranks, int* me, char** symmetric, size_t* byte
     st.generation = buffer->generation;
   }
   const volatile PeerStatus* report = st.status;  // written by the device
-  if (report->code == 1) {
-    return PeerError{std::string(kPeerOpNames[op]) + ": an earlier call of " +
-                     kPeerOpNames[report->op] + " on this rank timed out after " +
-                     std::to_string(st.timeout_ns / 1000000000ull) + " s waiting for peer " +
-                     std::to_string(report->peer) +
-                     " (did every process run the same ops?); the EP group is unusable, "
-                     "restart the processes"};
+  if (report->code == 1 || report->code == 3) {
+    return after_timeout(op, report->op, report->peer,
+                         report->code == 3 ? Wait::kStart : Wait::kInOp, st.timeouts,
+                         "restart the processes");
   }
   if (report->code == 2) {
     return PeerError{std::string(kPeerOpNames[op]) + ": an earlier call of " +
@@ -210,12 +207,13 @@ class DevicePlatform {
   size_t bytes() const { return bytes_; }
   size_t low_latency_offset() const { return low_latency_offset_; }
 
-  void barrier(int op) {
+  void barrier(int op, Wait wait) {
     if (status_ != cudaSuccess) return;
     State& st = state();
     status_ = launch(barrier_kernel, 1, kMaxPeers, stream_,
                      reinterpret_cast<uint64_t*>(symmetric_), st.epoch, me_, num_ranks_,
-                     axis_index_, st.timeout_ns, st.device_status, op);
+                     axis_index_, st.timeouts.of(wait), wait == Wait::kStart ? 3 : 1,
+                     st.device_status, op);
   }
   template <typename Phase>
   void per_thread(const Phase& phase, int64_t items) {

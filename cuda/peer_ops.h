@@ -20,7 +20,7 @@
 //   int rank() const;                         this rank
 //   char* symmetric() const; size_t bytes() const;   this rank's symmetric buffer
 //   size_t low_latency_offset() const;        where its low-latency regions start
-//   void barrier(int op);                     every rank meets; earlier writes are visible
+//   void barrier(int op, Wait wait);          every rank meets; earlier writes are visible
 //   void per_thread(phase, items), per_warp(phase, items)   runs a phase for this rank
 //   void copy(void* dst, const void* src, int64_t bytes)
 //   PeerError result(int op);                 the first failure of the steps above, if any
@@ -30,6 +30,8 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "cuda/phase_functors.h"
@@ -50,6 +52,52 @@ enum PeerOp { kPeerDispatch, kPeerCombine, kPeerLlDispatchSend, kPeerLlDispatchR
 inline const char* const kPeerOpNames[] = {
     "jax_ep_dispatch", "jax_ep_combine", "jax_ep_ll_dispatch_send",
     "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send", "jax_ep_ll_combine_recv"};
+
+// What a barrier waits for, and so how long it may wait. The first barrier of an op waits for
+// peers that may not have started it yet (a process still compiling, or busy with other
+// work): bounded by the start timeout, $JAX_EP_START_TIMEOUT_S (default 600 s). Every later
+// barrier of the op waits for peers that all started it: bounded by the op timeout,
+// $JAX_EP_TIMEOUT_S (default 60 s). So a slow start never poisons the group, and a peer that
+// stops inside an op is still found within the op timeout.
+enum class Wait { kStart, kInOp };
+
+struct Timeouts {
+  uint64_t start_ns = 600ull * 1000 * 1000 * 1000;
+  uint64_t in_op_ns = 60ull * 1000 * 1000 * 1000;
+  uint64_t of(Wait wait) const { return wait == Wait::kStart ? start_ns : in_op_ns; }
+};
+
+// The timeouts of the environment (positive seconds; others keep the defaults).
+inline Timeouts timeouts_from_env() {
+  Timeouts t;
+  auto read = [](const char* name, uint64_t* ns) {
+    const char* text = std::getenv(name);
+    const double seconds = text ? std::atof(text) : 0.0;
+    if (seconds > 0) *ns = static_cast<uint64_t>(seconds * 1e9);
+  };
+  read("JAX_EP_START_TIMEOUT_S", &t.start_ns);
+  read("JAX_EP_TIMEOUT_S", &t.in_op_ns);
+  return t;
+}
+
+// "60 s", "0.2 s".
+inline std::string seconds_text(uint64_t ns) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g s", static_cast<double>(ns) / 1e9);
+  return text;
+}
+
+// The error of every call after a barrier of `timed_out_op` gave up waiting for `peer`.
+inline PeerError after_timeout(int op, int timed_out_op, int peer, Wait wait,
+                               const Timeouts& timeouts, const char* restart) {
+  const std::string what = wait == Wait::kStart ? " to start it ($JAX_EP_START_TIMEOUT_S)"
+                                                : " inside it ($JAX_EP_TIMEOUT_S)";
+  return PeerError{std::string(kPeerOpNames[op]) + ": an earlier call of " +
+                   kPeerOpNames[timed_out_op] + " on this rank timed out after " +
+                   seconds_text(timeouts.of(wait)) + " waiting for peer " +
+                   std::to_string(peer) + what +
+                   " (did every rank run the same ops?); the EP group is unusable, " + restart};
+}
 
 inline size_t align_up(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
@@ -212,12 +260,12 @@ PeerError run_dispatch(Platform& p, const DispatchArgs& out) {
   PeerError error = fits(op, "normal-mode", used, p.low_latency_offset() - kSignalBytes);
   if (!error.ok()) return error;
   using Peers = typename Platform::Peers;
-  p.barrier(op);  // peers are done with the last op's data
+  p.barrier(op, Wait::kStart);  // peers are done with the last op's data
   p.per_warp(DispatchCount<Peers>{a, p.peers()}, a.num_counters() + 1);
-  p.barrier(op);  // every rank's counts are here
+  p.barrier(op, Wait::kInOp);  // every rank's counts are here
   p.per_thread(DispatchBases{a}, a.num_counters());
   p.per_warp(DispatchSend<Peers>{a, p.peers()}, a.num_tokens);
-  p.barrier(op);  // every row has arrived
+  p.barrier(op, Wait::kInOp);  // every row has arrived
   p.per_warp(DispatchFinish<Peers>{a, p.peers()}, std::max({cap, rows, a.experts_per_rank()}));
   // Copy out what XLA owns.
   p.copy(out.recv_x, a.recv_x, cap * a.row_bytes);
@@ -246,7 +294,7 @@ PeerError run_combine(Platform& p, const CombineArgs<T>& in) {
   const size_t used = carve_combine(p.symmetric() + kSignalBytes, a, &r);
   PeerError error = fits(op, "normal-mode", used, p.low_latency_offset() - kSignalBytes);
   if (!error.ok()) return error;
-  p.barrier(op);  // peers are done reading the last op's data
+  p.barrier(op, Wait::kStart);  // peers are done reading the last op's data
   if (!em) p.copy(r.y, in.y, a.capacity * H * int64_t{sizeof(T)});
   if (!em && a.weights) p.copy(r.weights, in.weights, int64_t{4} * a.capacity);
   p.copy(r.src_row, in.src_row, int64_t{4} * rows);
@@ -258,7 +306,7 @@ PeerError run_combine(Platform& p, const CombineArgs<T>& in) {
     a.partial = r.partial;  // reduce_entries reads the local y, row_entries and weights
     p.per_warp(CombineReduceEntries<T>{a}, rows);
   }
-  p.barrier(op);  // every rank's rows are in place
+  p.barrier(op, Wait::kInOp);  // every rank's rows are in place
   p.per_warp(CombineToken<T, typename Platform::Peers>{a, p.peers()}, a.num_tokens);
   return p.result(op);
 }
@@ -289,15 +337,15 @@ PeerError run_ll_dispatch(Platform& p, int op, const LowLatencyArgs& out) {
   a.src_row = r.src_row;
   using Peers = typename Platform::Peers;
   if (op == kPeerLlDispatchSend) {
-    p.barrier(op);  // peers are done with the last low-latency dispatch's data
+    p.barrier(op, Wait::kStart);  // peers are done with the last low-latency dispatch's data
     p.per_warp(LowLatencyCount<Peers>{a, p.peers()}, a.num_experts + 1);
-    p.barrier(op);  // every rank's counts are here
+    p.barrier(op, Wait::kInOp);  // every rank's counts are here
     p.per_warp(LowLatencySend<Peers>{a, p.peers()}, a.num_tokens);
     return p.result(op);
   }
   const int64_t slots = a.experts_per_rank() * a.slots();
   const int64_t scale_bytes = a.use_fp8 ? slots * (a.hidden / kFp8Block) * 4 : 0;
-  p.barrier(op);  // every message has arrived
+  p.barrier(op, Wait::kStart);  // every message has arrived (peers sent it in their send)
   p.per_warp(LowLatencyFinish<Peers>{a, p.peers()}, slots);
   p.copy(out.recv_x, r.recv_x, slots * a.row_bytes());
   p.copy(out.recv_scales, r.recv_scales, scale_bytes);
@@ -316,7 +364,7 @@ PeerError run_ll_combine(Platform& p, int op, const LowLatencyCombineArgs& in) {
   LowLatencyCombineArgs a = in;
   a.first_rank = p.rank();
   a.staging = r.staging;
-  p.barrier(op);
+  p.barrier(op, Wait::kStart);  // the homes are done with their slots / every row is here
   if (op == kPeerLlCombineSend) {
     p.per_warp(LowLatencyCombineSend<typename Platform::Peers>{a, p.peers()},
                int64_t{a.num_ranks} * a.num_tokens);

@@ -2,10 +2,12 @@
 // thread per rank, each launch on a GPU-shaped grid run by several threads per rank, each op
 // twice in a row (so it also meets the previous call's data in the symmetric buffer). The
 // results must equal the virtual-rank run of the same phases on one thread, byte for byte,
-// and TSan must see no race: the barriers alone must order every cross-rank access. A last
-// case checks that a barrier without its peers times out and poisons only its rank.
+// and TSan must see no race: the barriers alone must order every cross-rank access. The last
+// cases check the timeouts: a peer that starts late is waited for, one that never comes is
+// reported, to this rank only.
 //
 // No Python, no XLA: built by tests/cpp/CMakeLists.txt, run by ctest (.ci/run).
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -331,14 +333,34 @@ void check_round(const Shape& s, uint32_t seed, const HostGrid& grid) {
   expect_equal(lp.out, lv.out, "low-latency combine out" + at);
 }
 
-// A barrier whose peers never come times out, and only this rank's later ops report it.
+// Run with a start timeout of 2 s and an op timeout of 0.2 s (main). A peer that starts an op
+// 0.6 s after the other (a slow compile) is waited for: only the op's first barrier waits for
+// peers to start, under the start timeout.
+void check_late_peer() {
+  Shape s{2, 3, 2, 4, 128, 6, false, false};
+  DispatchData d(s);
+  std::mt19937 gen(5);
+  fill_inputs(s, d, gen);
+  PeerError errors[2];
+  std::thread late([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(600));
+    errors[1] = host::dispatch(d.args(s, 1), 1, HostGrid{});
+  });
+  errors[0] = host::dispatch(d.args(s, 0), 0, HostGrid{});
+  late.join();
+  for (const PeerError& e : errors) expect(e.ok(), "a late peer is waited for: got " + e.message);
+}
+
+// A barrier whose peer never comes times out (the start timeout: the peer never started the
+// op), and only this rank's later ops report it.
 void check_timeout() {
   Shape s{2, 3, 2, 4, 128, 6, false, false};
   DispatchData d(s);
   std::mt19937 gen(7);
   fill_inputs(s, d, gen);
   const PeerError first = host::dispatch(d.args(s, 0), 0, HostGrid{});
-  expect(first.message.find("timed out after") != std::string::npos,
+  expect(first.message.find("timed out after 2 s waiting for peer 1 to start it") !=
+             std::string::npos,
          "a lone rank times out: got '" + first.message + "'");
   const PeerError again = host::dispatch(d.args(s, 0), 0, HostGrid{});
   expect(again.message.find("an earlier call of jax_ep_dispatch on this rank timed out") !=
@@ -370,8 +392,10 @@ int main() {
     for (const HostGrid& grid : {warps, loop}) check_round(s, seed + 10 * round++, grid);
   }
   host::finalize();
+  setenv("JAX_EP_START_TIMEOUT_S", "2", 1);
   setenv("JAX_EP_TIMEOUT_S", "0.2", 1);
   if (!host::initialize(1 << 20, 0).empty()) return 2;
+  check_late_peer();
   check_timeout();
   host::finalize();
   std::printf("host peers test: %s\n", failures ? "FAILED" : "passed");
