@@ -175,11 +175,8 @@ class HostPlatform {
             std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start);
         if (static_cast<uint64_t>(waited.count()) > timeout_ns) {
           state.status = RankStatus{true, op, p, wait};
-          error_ = PeerError{std::string(kPeerOpNames[op]) + ": timed out after " +
-                             seconds_text(timeout_ns) + " waiting for peer " +
-                             std::to_string(p) +
-                             (wait == Wait::kStart ? " to start it" : " inside it") +
-                             " (did every device run the same ops?)"};
+          error_ = PeerError{std::string(kPeerOpNames[op]) + ": " +
+                             timed_out(p, wait, group_->timeouts())};
           return;
         }
         std::this_thread::sleep_for(std::chrono::microseconds(20));

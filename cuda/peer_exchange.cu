@@ -115,9 +115,9 @@ __global__ void barrier_kernel(uint64_t* signals, uint64_t* epoch, int me, int n
   __threadfence_system();
 }
 
-// The peers-mode preconditions; fills rank/size and the symmetric base, or an error message.
-PeerError prepare(int op, int num_ranks, int* me, char** symmetric, size_t* bytes,
-                  size_t* low_latency_offset, int* group_size) {
+// The peers-mode preconditions; on success `*out` is the symmetric buffer of
+// jax_ep.initialize(), whose group has `num_ranks` ranks.
+PeerError prepare(int op, int num_ranks, const SymmetricBuffer** out) {
   const SymmetricBuffer* buffer = symmetric_buffer();
   if (buffer == nullptr) {
     return PeerError{std::string(kPeerOpNames[op]) +
@@ -179,11 +179,7 @@ PeerError prepare(int op, int num_ranks, int* me, char** symmetric, size_t* byte
                      "process i at EP index i); the EP group is unusable, restart the "
                      "processes"};
   }
-  *me = buffer->rank;
-  *group_size = num_ranks;
-  *symmetric = static_cast<char*>(buffer->ptr);
-  *bytes = buffer->bytes;
-  *low_latency_offset = buffer->low_latency_offset;
+  *out = buffer;
   return PeerError{};
 }
 
@@ -197,31 +193,30 @@ class DevicePlatform {
   PeerError open(int op, int num_ranks, const int32_t* axis_index, cudaStream_t stream) {
     axis_index_ = axis_index;
     stream_ = stream;
-    return prepare(op, num_ranks, &me_, &symmetric_, &bytes_, &low_latency_offset_,
-                   &num_ranks_);
+    return prepare(op, num_ranks, &buffer_);
   }
 
   Peers peers() const { return Peers{}; }
-  int rank() const { return me_; }
-  char* symmetric() const { return symmetric_; }
-  size_t bytes() const { return bytes_; }
-  size_t low_latency_offset() const { return low_latency_offset_; }
+  int rank() const { return buffer_->rank; }
+  char* symmetric() const { return static_cast<char*>(buffer_->ptr); }
+  size_t bytes() const { return buffer_->bytes; }
+  size_t low_latency_offset() const { return buffer_->low_latency_offset; }
 
   void barrier(int op, Wait wait) {
     if (status_ != cudaSuccess) return;
     State& st = state();
     status_ = launch(barrier_kernel, 1, kMaxPeers, stream_,
-                     reinterpret_cast<uint64_t*>(symmetric_), st.epoch, me_, num_ranks_,
-                     axis_index_, st.timeouts.of(wait), wait == Wait::kStart ? 3 : 1,
-                     st.device_status, op);
+                     reinterpret_cast<uint64_t*>(symmetric()), st.epoch, rank(),
+                     buffer_->num_ranks, axis_index_, st.timeouts.of(wait),
+                     wait == Wait::kStart ? 3 : 1, st.device_status, op);
   }
   template <typename Phase>
   void per_thread(const Phase& phase, int64_t items) {
-    if (status_ == cudaSuccess) status_ = cuda::per_thread(phase, me_, 1, items, stream_);
+    if (status_ == cudaSuccess) status_ = cuda::per_thread(phase, rank(), 1, items, stream_);
   }
   template <typename Phase>
   void per_warp(const Phase& phase, int64_t items) {
-    if (status_ == cudaSuccess) status_ = cuda::per_warp(phase, me_, 1, items, stream_);
+    if (status_ == cudaSuccess) status_ = cuda::per_warp(phase, rank(), 1, items, stream_);
   }
   void copy(void* dst, const void* src, int64_t bytes) {
     if (status_ != cudaSuccess || bytes == 0) return;
@@ -238,9 +233,7 @@ class DevicePlatform {
   const int32_t* axis_index_ = nullptr;
   cudaStream_t stream_ = nullptr;
   cudaError_t status_ = cudaSuccess;
-  int me_ = 0, num_ranks_ = 0;
-  char* symmetric_ = nullptr;
-  size_t bytes_ = 0, low_latency_offset_ = 0;
+  const SymmetricBuffer* buffer_ = nullptr;
 };
 
 // Opens the platform for `op` and runs `body(platform)`.

@@ -87,16 +87,21 @@ inline std::string seconds_text(uint64_t ns) {
   return text;
 }
 
+// "timed out after 60 s waiting for peer 3 inside it ($JAX_EP_TIMEOUT_S)".
+inline std::string timed_out(int peer, Wait wait, const Timeouts& timeouts) {
+  return "timed out after " + seconds_text(timeouts.of(wait)) + " waiting for peer " +
+         std::to_string(peer) +
+         (wait == Wait::kStart ? " to start it ($JAX_EP_START_TIMEOUT_S)"
+                               : " inside it ($JAX_EP_TIMEOUT_S)") +
+         " (did every rank run the same ops?)";
+}
+
 // The error of every call after a barrier of `timed_out_op` gave up waiting for `peer`.
 inline PeerError after_timeout(int op, int timed_out_op, int peer, Wait wait,
                                const Timeouts& timeouts, const char* restart) {
-  const std::string what = wait == Wait::kStart ? " to start it ($JAX_EP_START_TIMEOUT_S)"
-                                                : " inside it ($JAX_EP_TIMEOUT_S)";
   return PeerError{std::string(kPeerOpNames[op]) + ": an earlier call of " +
-                   kPeerOpNames[timed_out_op] + " on this rank timed out after " +
-                   seconds_text(timeouts.of(wait)) + " waiting for peer " +
-                   std::to_string(peer) + what +
-                   " (did every rank run the same ops?); the EP group is unusable, " + restart};
+                   kPeerOpNames[timed_out_op] + " on this rank " +
+                   timed_out(peer, wait, timeouts) + "; the EP group is unusable, " + restart};
 }
 
 inline size_t align_up(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }

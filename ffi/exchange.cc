@@ -108,8 +108,10 @@ xffi::Error CheckStack(std::string_view op, int64_t stacked, int64_t num_ranks) 
 
 }  // namespace
 
-xffi::Error ParseRanks(std::string_view op, const AnyBuffer& ranks, int64_t stacked,
+xffi::Error ParseRanks(std::string_view op, const AnyBuffer& ranks,
+                       const xffi::RemainingArgs& args, size_t stacked_operand,
                        int64_t num_ranks, bool* between, const int32_t** data) {
+  const int64_t stacked = args.get<AnyBuffer>(stacked_operand)->dimensions()[0];
   void* p = nullptr;
   JAX_EP_RETURN_IF_ERROR(Check(op, "ranks", ranks, DataType::S32, {stacked}, &p));
   *data = static_cast<const int32_t*>(p);

@@ -27,9 +27,11 @@ inline constexpr const char kLowLatencyDispatchRecvOp[] = "jax_ep_ll_dispatch_re
 inline constexpr const char kLowLatencyCombineSendOp[] = "jax_ep_ll_combine_send";
 inline constexpr const char kLowLatencyCombineRecvOp[] = "jax_ep_ll_combine_recv";
 
-// Checks the `ranks` operand against the stacked count of the op's operands; `*between`
-// tells whether this call is one rank of several devices (stacked 1 < R).
-xffi::Error ParseRanks(std::string_view op, const xffi::AnyBuffer& ranks, int64_t stacked,
+// Checks the `ranks` operand against the stacked count of the op's operands (the leading
+// dimension of args[stacked_operand]); `*between` tells whether this call is one rank of
+// several devices (stacked 1 < R), `*data` is the operand's data.
+xffi::Error ParseRanks(std::string_view op, const xffi::AnyBuffer& ranks,
+                       const xffi::RemainingArgs& args, size_t stacked_operand,
                        int64_t num_ranks, bool* between, const int32_t** data);
 
 // Element type of combine's rows.

@@ -33,13 +33,21 @@ xffi::Error Done(const PeerError& error) {
   return error.ok() ? xffi::Error::Success() : xffi::Error::Internal(error.message);
 }
 
-// Parses the ranks operand and the grid; `*between` and `*rank` say where the ranks are.
-xffi::Error Place(const char* op, const xffi::AnyBuffer& ranks, int64_t stacked, int num_ranks,
-                  bool* between, int* rank, HostGrid* grid) {
+// Where a call's ranks are and the grid its phases run on.
+struct Placement {
+  bool between;  // one rank of several devices: host peers
+  int rank;      // the first stacked rank's EP rank (this device's, between devices)
+  HostGrid grid;
+};
+
+// Parses the ranks operand (args[stacked_operand] stacks the op's ranks) and the grid.
+xffi::Error Place(const char* op, const xffi::AnyBuffer& ranks, const xffi::RemainingArgs& args,
+                  size_t stacked_operand, int num_ranks, Placement* at) {
   const int32_t* data = nullptr;
-  JAX_EP_RETURN_IF_ERROR(ParseRanks(op, ranks, stacked, num_ranks, between, &data));
-  *rank = data[0];
-  return Grid(op, grid);
+  JAX_EP_RETURN_IF_ERROR(
+      ParseRanks(op, ranks, args, stacked_operand, num_ranks, &at->between, &data));
+  at->rank = data[0];
+  return Grid(op, &at->grid);
 }
 
 xffi::Error DispatchCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingArgs args,
@@ -48,31 +56,28 @@ xffi::Error DispatchCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingArgs args,
   DispatchArgs a;
   JAX_EP_RETURN_IF_ERROR(
       ParseDispatch(args, rets, num_ranks, num_experts, capacity, expert_major, &a));
-  bool between;
-  int rank;
-  HostGrid g;
-  JAX_EP_RETURN_IF_ERROR(Place(kDispatchOp, ranks, args.get<xffi::AnyBuffer>(2)->dimensions()[0],
-                               a.num_ranks, &between, &rank, &g));
-  if (between) return Done(host::dispatch(a, rank, g));
+  Placement at;
+  JAX_EP_RETURN_IF_ERROR(Place(kDispatchOp, ranks, args, 2, a.num_ranks, &at));
+  if (at.between) return Done(host::dispatch(a, at.rank, at.grid));
   const int R = a.num_ranks;
-  host_per_warp(DispatchCount<Peers>{a}, 0, R, a.num_counters() + 1, g);
-  host_per_thread(DispatchBases{a}, 0, R, a.num_counters(), g);
-  host_per_warp(DispatchSend<Peers>{a}, 0, R, a.num_tokens, g);
+  host_per_warp(DispatchCount<Peers>{a}, 0, R, a.num_counters() + 1, at.grid);
+  host_per_thread(DispatchBases{a}, 0, R, a.num_counters(), at.grid);
+  host_per_warp(DispatchSend<Peers>{a}, 0, R, a.num_tokens, at.grid);
   const int items = std::max({a.capacity, a.rows(), a.experts_per_rank()});
-  host_per_warp(DispatchFinish<Peers>{a}, 0, R, items, g);
+  host_per_warp(DispatchFinish<Peers>{a}, 0, R, items, at.grid);
   return xffi::Error::Success();
 }
 
 template <typename T>
-xffi::Error Combine(const CombineArgs<float>& untyped, bool between, int rank,
-                    const HostGrid& g) {
+xffi::Error Combine(const CombineArgs<float>& untyped, const Placement& at) {
   const CombineArgs<T> a = Retype<T>(untyped);
-  if (between) return Done(host::combine(a, rank, g));
+  if (at.between) return Done(host::combine(a, at.rank, at.grid));
   const int R = a.num_ranks;
   if (a.expert_major) {
-    host_per_warp(CombineReduceEntries<T>{a}, 0, R, static_cast<int64_t>(R) * a.num_tokens, g);
+    host_per_warp(CombineReduceEntries<T>{a}, 0, R, static_cast<int64_t>(R) * a.num_tokens,
+                  at.grid);
   }
-  host_per_warp(CombineToken<T, Peers>{a}, 0, R, a.num_tokens, g);
+  host_per_warp(CombineToken<T, Peers>{a}, 0, R, a.num_tokens, at.grid);
   return xffi::Error::Success();
 }
 
@@ -81,15 +86,12 @@ xffi::Error CombineCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingArgs args,
   CombineArgs<float> a;
   RowType type;
   JAX_EP_RETURN_IF_ERROR(ParseCombine(args, rets, num_ranks, expert_major, &type, &a));
-  bool between;
-  int rank;
-  HostGrid g;
-  JAX_EP_RETURN_IF_ERROR(Place(kCombineOp, ranks, args.get<xffi::AnyBuffer>(0)->dimensions()[0],
-                               a.num_ranks, &between, &rank, &g));
+  Placement at;
+  JAX_EP_RETURN_IF_ERROR(Place(kCombineOp, ranks, args, 0, a.num_ranks, &at));
   switch (type) {
-    case RowType::kF32: return Combine<float>(a, between, rank, g);
-    case RowType::kBF16: return Combine<Bf16>(a, between, rank, g);
-    case RowType::kF16: return Combine<F16>(a, between, rank, g);
+    case RowType::kF32: return Combine<float>(a, at);
+    case RowType::kBF16: return Combine<Bf16>(a, at);
+    case RowType::kF16: return Combine<F16>(a, at);
   }
   return xffi::Error::Internal("jax_ep_combine: unknown row type");
 }
@@ -100,15 +102,11 @@ xffi::Error LowLatencyDispatchSendCpuImpl(xffi::AnyBuffer ranks, xffi::Remaining
   LowLatencyArgs a;
   JAX_EP_RETURN_IF_ERROR(
       ParseLowLatencyDispatchSend(args, rets, num_ranks, num_experts, use_fp8, &a));
-  bool between;
-  int rank;
-  HostGrid g;
-  JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyDispatchSendOp, ranks,
-                               args.get<xffi::AnyBuffer>(1)->dimensions()[0], a.num_ranks,
-                               &between, &rank, &g));
-  if (between) return Done(host::ll_dispatch_send(a, rank, g));
-  host_per_warp(LowLatencyCount<Peers>{a}, 0, a.num_ranks, a.num_experts + 1, g);
-  host_per_warp(LowLatencySend<Peers>{a}, 0, a.num_ranks, a.num_tokens, g);
+  Placement at;
+  JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyDispatchSendOp, ranks, args, 1, a.num_ranks, &at));
+  if (at.between) return Done(host::ll_dispatch_send(a, at.rank, at.grid));
+  host_per_warp(LowLatencyCount<Peers>{a}, 0, a.num_ranks, a.num_experts + 1, at.grid);
+  host_per_warp(LowLatencySend<Peers>{a}, 0, a.num_ranks, a.num_tokens, at.grid);
   return xffi::Error::Success();
 }
 
@@ -117,14 +115,11 @@ xffi::Error LowLatencyDispatchRecvCpuImpl(xffi::AnyBuffer ranks, xffi::Remaining
                                           int64_t num_experts) {
   LowLatencyArgs a;
   JAX_EP_RETURN_IF_ERROR(ParseLowLatencyDispatchRecv(args, rets, num_ranks, num_experts, &a));
-  bool between;
-  int rank;
-  HostGrid g;
-  JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyDispatchRecvOp, ranks,
-                               args.get<xffi::AnyBuffer>(0)->dimensions()[0], a.num_ranks,
-                               &between, &rank, &g));
-  if (between) return Done(host::ll_dispatch_recv(a, rank, g));
-  host_per_warp(LowLatencyFinish<Peers>{a}, 0, a.num_ranks, a.experts_per_rank() * a.slots(), g);
+  Placement at;
+  JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyDispatchRecvOp, ranks, args, 0, a.num_ranks, &at));
+  if (at.between) return Done(host::ll_dispatch_recv(a, at.rank, at.grid));
+  host_per_warp(LowLatencyFinish<Peers>{a}, 0, a.num_ranks, a.experts_per_rank() * a.slots(),
+                at.grid);
   return xffi::Error::Success();
 }
 
@@ -133,15 +128,11 @@ xffi::Error LowLatencyCombineSendCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingA
                                          int64_t num_experts) {
   LowLatencyCombineArgs a;
   JAX_EP_RETURN_IF_ERROR(ParseLowLatencyCombineSend(args, rets, num_ranks, num_experts, &a));
-  bool between;
-  int rank;
-  HostGrid g;
-  JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyCombineSendOp, ranks,
-                               args.get<xffi::AnyBuffer>(0)->dimensions()[0], a.num_ranks,
-                               &between, &rank, &g));
-  if (between) return Done(host::ll_combine_send(a, rank, g));
+  Placement at;
+  JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyCombineSendOp, ranks, args, 0, a.num_ranks, &at));
+  if (at.between) return Done(host::ll_combine_send(a, at.rank, at.grid));
   host_per_warp(LowLatencyCombineSend<Peers>{a}, 0, a.num_ranks,
-                static_cast<int64_t>(a.num_ranks) * a.num_tokens, g);
+                static_cast<int64_t>(a.num_ranks) * a.num_tokens, at.grid);
   return xffi::Error::Success();
 }
 
@@ -150,14 +141,10 @@ xffi::Error LowLatencyCombineRecvCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingA
                                          int64_t num_experts) {
   LowLatencyCombineArgs a;
   JAX_EP_RETURN_IF_ERROR(ParseLowLatencyCombineRecv(args, rets, num_ranks, num_experts, &a));
-  bool between;
-  int rank;
-  HostGrid g;
-  JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyCombineRecvOp, ranks,
-                               args.get<xffi::AnyBuffer>(0)->dimensions()[0], a.num_ranks,
-                               &between, &rank, &g));
-  if (between) return Done(host::ll_combine_recv(a, rank, g));
-  host_per_warp(LowLatencyCombineToken{a}, 0, a.num_ranks, a.num_tokens, g);
+  Placement at;
+  JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyCombineRecvOp, ranks, args, 0, a.num_ranks, &at));
+  if (at.between) return Done(host::ll_combine_recv(a, at.rank, at.grid));
+  host_per_warp(LowLatencyCombineToken{a}, 0, a.num_ranks, a.num_tokens, at.grid);
   return xffi::Error::Success();
 }
 

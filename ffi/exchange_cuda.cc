@@ -15,14 +15,6 @@ namespace {
 
 using Stream = xffi::PlatformStream<cudaStream_t>;
 
-// One rank per device (operand `index` stacks one rank of several): the peers path, which
-// gets the device address of the EP axis index in `*axis_index`.
-xffi::Error Place(const char* op, const xffi::AnyBuffer& ranks, const xffi::RemainingArgs& args,
-                  size_t index, int num_ranks, bool* between, const int32_t** axis_index) {
-  return ParseRanks(op, ranks, args.get<xffi::AnyBuffer>(index)->dimensions()[0], num_ranks,
-                    between, axis_index);
-}
-
 xffi::Error Done(const PeerError& error) {
   return error.ok() ? xffi::Error::Success() : xffi::Error::Internal(error.message);
 }
@@ -42,7 +34,7 @@ xffi::Error DispatchCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks, xffi::R
   bool between;
   const int32_t* axis;
   JAX_EP_RETURN_IF_ERROR(
-      Place(kDispatchOp, ranks, args, 2, a.num_ranks, &between, &axis));
+      ParseRanks(kDispatchOp, ranks, args, 2, a.num_ranks, &between, &axis));
   if (between) return Done(cuda::peer_dispatch(a, axis, stream));
   return Launched(kDispatchOp, cuda::launch_dispatch(a, stream));
 }
@@ -55,7 +47,7 @@ xffi::Error CombineCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks, xffi::Re
   bool between;
   const int32_t* axis;
   JAX_EP_RETURN_IF_ERROR(
-      Place(kCombineOp, ranks, args, 0, a.num_ranks, &between, &axis));
+      ParseRanks(kCombineOp, ranks, args, 0, a.num_ranks, &between, &axis));
   if (between) {
     switch (type) {
       case RowType::kF32: return Done(cuda::peer_combine(a, axis, stream));
@@ -82,7 +74,7 @@ xffi::Error LowLatencyDispatchSendCudaImpl(cudaStream_t stream, xffi::AnyBuffer 
   bool between;
   const int32_t* axis;
   JAX_EP_RETURN_IF_ERROR(
-      Place(kLowLatencyDispatchSendOp, ranks, args, 1, a.num_ranks, &between, &axis));
+      ParseRanks(kLowLatencyDispatchSendOp, ranks, args, 1, a.num_ranks, &between, &axis));
   if (between) return Done(cuda::peer_ll_dispatch_send(a, axis, stream));
   return Launched(kLowLatencyDispatchSendOp, cuda::launch_ll_dispatch_send(a, stream));
 }
@@ -95,7 +87,7 @@ xffi::Error LowLatencyDispatchRecvCudaImpl(cudaStream_t stream, xffi::AnyBuffer 
   bool between;
   const int32_t* axis;
   JAX_EP_RETURN_IF_ERROR(
-      Place(kLowLatencyDispatchRecvOp, ranks, args, 0, a.num_ranks, &between, &axis));
+      ParseRanks(kLowLatencyDispatchRecvOp, ranks, args, 0, a.num_ranks, &between, &axis));
   if (between) return Done(cuda::peer_ll_dispatch_recv(a, axis, stream));
   return Launched(kLowLatencyDispatchRecvOp, cuda::launch_ll_dispatch_recv(a, stream));
 }
@@ -108,7 +100,7 @@ xffi::Error LowLatencyCombineSendCudaImpl(cudaStream_t stream, xffi::AnyBuffer r
   bool between;
   const int32_t* axis;
   JAX_EP_RETURN_IF_ERROR(
-      Place(kLowLatencyCombineSendOp, ranks, args, 0, a.num_ranks, &between, &axis));
+      ParseRanks(kLowLatencyCombineSendOp, ranks, args, 0, a.num_ranks, &between, &axis));
   if (between) return Done(cuda::peer_ll_combine_send(a, axis, stream));
   return Launched(kLowLatencyCombineSendOp, cuda::launch_ll_combine_send(a, stream));
 }
@@ -121,7 +113,7 @@ xffi::Error LowLatencyCombineRecvCudaImpl(cudaStream_t stream, xffi::AnyBuffer r
   bool between;
   const int32_t* axis;
   JAX_EP_RETURN_IF_ERROR(
-      Place(kLowLatencyCombineRecvOp, ranks, args, 0, a.num_ranks, &between, &axis));
+      ParseRanks(kLowLatencyCombineRecvOp, ranks, args, 0, a.num_ranks, &between, &axis));
   if (between) return Done(cuda::peer_ll_combine_recv(a, axis, stream));
   return Launched(kLowLatencyCombineRecvOp, cuda::launch_ll_combine_recv(a, stream));
 }

@@ -133,11 +133,15 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
       RuntimeError: more than one local GPU, several processes without GPUs, an extension
         without CUDA (GPUs) or without a build, already initialized, or NVSHMEM failed (the
         message says which step).
-      ValueError: a bad config or both config and buffer_bytes.
+      ValueError: a bad config, both config and buffer_bytes, or low_latency_bytes without
+        buffer_bytes.
     """
     op = "jax_ep.initialize"
     if config is not None and buffer_bytes is not None:
         raise ValueError(f"{op}: pass config or buffer_bytes, not both.")
+    if low_latency_bytes and buffer_bytes is None:
+        raise ValueError(f"{op}: low_latency_bytes goes with buffer_bytes; a config sizes "
+                         f"its low-latency region itself (buffer_regions(config)).")
     if _state:
         raise RuntimeError(f"{op}: already initialized ({_state}); call jax_ep.finalize() "
                            f"first to change the buffer.")

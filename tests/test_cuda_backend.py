@@ -54,6 +54,22 @@ def test_one_rank_matches_portable_backend(expert_major):
         assert_bitwise(g, w_, jax.tree_util.keystr(path))
 
 
+def gradient_program(backend, E, expert_major):
+    """Per shard (x, w, idx, target) -> gradients of a dispatch/combine loss w.r.t. x, w."""
+    def per_shard(x, w, idx, target):
+        def loss(x, w):
+            recv, handle = jax_ep.dispatch(x, idx, w, num_experts=E,
+                                           expert_major=expert_major, backend=backend)
+            weights = recv.topk_weights if expert_major else None
+            out = jax_ep.combine(jnp.tanh(recv.x), handle, topk_weights=weights,
+                                 backend=backend)
+            return jnp.sum((out - target) ** 2)
+
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    return per_shard
+
+
 @pytest.mark.parametrize("expert_major", [False, True])
 def test_one_rank_gradients_match_portable_backend(expert_major):
     rng = np.random.default_rng()
@@ -63,18 +79,8 @@ def test_one_rank_gradients_match_portable_backend(expert_major):
     target = rng.standard_normal((1, T, H)).astype(np.float32)
 
     def gradients(backend):
-        def per_shard(x, w, idx, target):
-            def loss(x, w):
-                recv, handle = jax_ep.dispatch(x, idx, w, num_experts=E,
-                                               expert_major=expert_major, backend=backend)
-                weights = recv.topk_weights if expert_major else None
-                out = jax_ep.combine(jnp.tanh(recv.x), handle, topk_weights=weights,
-                                     backend=backend)
-                return jnp.sum((out - target) ** 2)
-
-            return jax.grad(loss, argnums=(0, 1))(x, w)
-
-        return to_numpy(sharded(per_shard, 1)(x, w, idx, target))
+        program = gradient_program(backend, E, expert_major)
+        return to_numpy(sharded(program, 1)(x, w, idx, target))
 
     (gx, gw), (want_x, want_w) = gradients("cuda"), gradients("xla")
     # The backward data movement is bitwise (test_virtual.py); the arithmetic around it is

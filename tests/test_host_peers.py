@@ -9,6 +9,8 @@ peer addresses. Every op must give results bitwise equal to backend="xla" at R i
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 from conftest import HOST_PEER_BYTES, HOST_PEER_LOW_LATENCY_BYTES
 from harness import forget_failed_exchange, sharded, to_numpy
+from test_cuda_backend import gradient_program
 from test_virtual import assert_bitwise, routing
 
 import jax_ep
@@ -54,8 +57,8 @@ def both_backends(program, R, *args):
 def test_normal_ops_match_portable_backend(R, expert_major, fp8):
     rng = np.random.default_rng()
     T, K, E, H = int(rng.integers(5, 14)), 3, 2 * R, 128
-    idx, w = routing(rng, R, T, K, E, str(rng.choice(["uniform", "hot_expert", "empty_ranks", "duplicates"])),
-                     invalid=True)
+    kind = str(rng.choice(["uniform", "hot_expert", "empty_ranks", "duplicates"]))
+    idx, w = routing(rng, R, T, K, E, kind, invalid=True)
     x = rng.standard_normal((R, T, H)).astype(np.float32)
     data = reference.quantize(x) if fp8 else (x.astype(ml_dtypes.bfloat16),)
     full = R * T * min(K, E // R) if expert_major else R * T
@@ -110,20 +113,7 @@ def test_gradients_match_portable_backend(R, expert_major):
     x = rng.standard_normal((R, T, H)).astype(np.float32)
     target = rng.standard_normal((R, T, H)).astype(np.float32)
 
-    def program(backend):
-        def per_shard(x, w, idx, target):
-            def loss(x, w):
-                recv, handle = jax_ep.dispatch(x, idx, w, num_experts=E,
-                                               expert_major=expert_major, backend=backend)
-                weights = recv.topk_weights if expert_major else None
-                out = jax_ep.combine(jnp.tanh(recv.x), handle, topk_weights=weights,
-                                     backend=backend)
-                return jnp.sum((out - target) ** 2)
-
-            return jax.grad(loss, argnums=(0, 1))(x, w)
-
-        return per_shard
-
+    program = functools.partial(gradient_program, E=E, expert_major=expert_major)
     (gx, gw), (want_x, want_w) = both_backends(program, R, x, w, idx, target)
     np.testing.assert_allclose(gx, want_x, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(gw, want_w, rtol=1e-5, atol=1e-5)

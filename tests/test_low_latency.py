@@ -6,7 +6,6 @@ Covers every routing kind incl. duplicate choices (one message per token and exp
 
 from __future__ import annotations
 
-import jax
 import ml_dtypes
 import numpy as np
 import pytest

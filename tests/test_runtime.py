@@ -57,6 +57,8 @@ def test_initialize_on_cpu_sets_up_host_peers():
         pytest.skip("jax_ep.initialize() has run for the whole session (JAX_EP_BACKEND=cuda)")
     with pytest.raises(ValueError, match="not both"):
         jax_ep.initialize(jax_ep.BufferConfig(), buffer_bytes=1 << 20)
+    with pytest.raises(ValueError, match="low_latency_bytes goes with buffer_bytes"):
+        jax_ep.initialize(jax_ep.BufferConfig(), low_latency_bytes=1 << 20)
     assert not runtime.is_initialized() and runtime.state() is None
     config = jax_ep.BufferConfig(num_tokens=16, hidden=128, top_k=2, num_experts=8)
     jax_ep.initialize(config)
