@@ -11,8 +11,9 @@
 // Peers. Every buffer that one rank writes for another is reached through a `Peers` view:
 // `peers.at(base, stride, rank)` is rank's copy of the buffer. With virtual ranks (all R ranks
 // of the group inside one call, inputs and outputs stacked [R, ...]) that is base + rank *
-// stride. Every write has exactly one writer and every output element is written once, so no
-// buffer needs clearing and results do not depend on scheduling.
+// stride. Every write has exactly one writer and every output element that the contract defines
+// is written once, so no buffer needs clearing and results do not depend on scheduling. Rows
+// past a count carry no data and are not written (docs/contract.md, "Padding").
 //
 // Ordering rules (docs/contract.md): rank-major rows are ordered by source rank, then token;
 // expert-major entries by local expert, then rank-major row, then choice; low-latency slots of
@@ -158,6 +159,15 @@ struct DispatchArgs {
   int32_t* tokens_per_expert; // [R, E/R]
   int32_t* num_dropped;       // [R]
   int32_t* num_needed;        // [R] rows (entries) needed before the capacity cut
+
+  // Where the received rows end up when recv_x is not XLA's result ([R, capacity, ...],
+  // not reached through Peers): between devices recv_x and recv_scales are in the symmetric
+  // buffer and the finish phase copies the kept rows here. Null with virtual ranks.
+  char* out_x = nullptr;
+  float* out_scales = nullptr;
+  // Rows past the count are unspecified (docs/contract.md, "Padding") unless this is set:
+  // then they are zero (the backward of combine delivers cotangents, which must be defined).
+  bool zero_padding = false;
 
   // Rank whose data sits at index 0 of the per-rank arrays that are not reached through Peers
   // (inputs, workspace, summaries): 0 with virtual ranks (all ranks here), this rank's own
@@ -331,9 +341,10 @@ JAX_EP_HOST_DEVICE int32_t dispatch_needed(const DispatchArgs& a, int d) {
   return needed;
 }
 
-// Phase 4, items (d, i) for i in [0, max(capacity, rows)): receiver d fills what no sender
-// wrote (rows past the count) and, for i < E/R, its per-expert totals; i == 0 writes the
-// scalar counts.
+// Phase 4, items (d, i) for i in [0, max(capacity, rows, E/R)): receiver d's row i. Kept rows
+// move to out_x when they arrived in the symmetric buffer; rows past the count get their
+// metadata (-1 ids, zero weights) and, with zero_padding, zero data; i < E/R writes the
+// per-expert totals and i == 0 the scalar counts.
 template <typename Peers>
 JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peers, int d, int i,
                                         int lane, int lanes) {
@@ -341,11 +352,21 @@ JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peer
   const int rows = a.rows(), cols = a.idx_cols();
   const int32_t needed = dispatch_needed(a, d);
   const int32_t kept = needed < cap ? needed : cap;
+  const int64_t S = a.scale_cols;
+  char* x = a.out_x ? a.out_x + a.local(d) * cap * a.row_bytes
+                    : peers.at(a.recv_x, cap * a.row_bytes, d);
+  float* scales = a.out_scales ? a.out_scales + a.local(d) * cap * S
+                               : peers.at(a.recv_scales, cap * S, d);
+  if (i < kept && a.out_x) {
+    copy_row(x + i * a.row_bytes, peers.at(a.recv_x, cap * a.row_bytes, d) + i * a.row_bytes,
+             a.row_bytes, lane, lanes);
+    copy_row(scales + i * S, peers.at(a.recv_scales, cap * S, d) + i * S, S * 4, lane, lanes);
+  }
   if (i < cap && i >= kept) {
-    zero_row(peers.at(a.recv_x, cap * a.row_bytes, d) + i * a.row_bytes, a.row_bytes, lane,
-             lanes);
-    zero_row(peers.at(a.recv_scales, cap * a.scale_cols, d) + i * a.scale_cols,
-             a.scale_cols * 4, lane, lanes);
+    if (a.zero_padding) {
+      zero_row(x + i * a.row_bytes, a.row_bytes, lane, lanes);
+      zero_row(scales + i * S, S * 4, lane, lanes);
+    }
     if (lane == 0) {
       int32_t* idx = peers.at(a.recv_idx, static_cast<int64_t>(cap) * cols, d) + static_cast<int64_t>(i) * cols;
       float* w = peers.at(a.recv_weights, static_cast<int64_t>(cap) * cols, d) + static_cast<int64_t>(i) * cols;
@@ -486,6 +507,10 @@ struct LowLatencyArgs {
   float* recv_scales;        // [R, E/R, R*T, H/128] (FP8)
   int32_t* src_row;          // [R(expert side), R(source), T, K]
   int32_t* count;            // [R, E/R]
+  // XLA's results when recv_x and recv_scales are in the symmetric buffer (between devices:
+  // the receive copies the counted rows here); null with virtual ranks.
+  void* out_x = nullptr;
+  float* out_scales = nullptr;
   // Rank whose data sits at index 0 of the per-rank arrays that are not reached through Peers
   // (inputs, workspace, summaries): 0 with virtual ranks (all ranks here), this rank's own
   // number between GPUs (one rank here).
@@ -595,8 +620,10 @@ JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int
   }
 }
 
-// Phase 3 (the receive), items (d, r) for r in [0, E/R * R*T): zero row r of receiver d when
-// it is past its expert's count; the first slot of each expert writes the count.
+// Phase 3 (the receive), items (d, r) for r in [0, E/R * R*T): slot r of receiver d. Rows past
+// their expert's count are left as they are (docs/contract.md, "Padding"); counted rows move
+// to out_x when they arrived in the symmetric buffer. The first slot of each expert writes
+// the count.
 template <typename Peers>
 JAX_EP_HOST_DEVICE void ll_finish(const LowLatencyArgs& a, const Peers& peers, int d, int64_t r,
                                   int lane, int lanes) {
@@ -606,10 +633,15 @@ JAX_EP_HOST_DEVICE void ll_finish(const LowLatencyArgs& a, const Peers& peers, i
   const int64_t i = r % slots;
   int32_t count = 0;
   for (int q = 0; q < R; ++q) count += a.counts[static_cast<int64_t>(q) * a.num_experts + d * El + j];
-  if (i >= count) {
-    zero_row(peers.at(static_cast<char*>(a.recv_x), El * slots * a.row_bytes(), d) + r * a.row_bytes(),
-             a.row_bytes(), lane, lanes);
-    if (a.use_fp8) zero_row(peers.at(a.recv_scales, El * slots * S, d) + r * S, S * 4, lane, lanes);
+  if (i < count && a.out_x) {
+    const int64_t bytes = a.row_bytes();
+    copy_row(static_cast<char*>(a.out_x) + (a.local(d) * El * slots + r) * bytes,
+             peers.at(static_cast<char*>(a.recv_x), El * slots * bytes, d) + r * bytes, bytes,
+             lane, lanes);
+    if (a.use_fp8) {
+      copy_row(a.out_scales + (a.local(d) * El * slots + r) * S,
+               peers.at(a.recv_scales, El * slots * S, d) + r * S, S * 4, lane, lanes);
+    }
   }
   if (i == 0 && lane == 0) a.count[a.local(d) * El + j] = count;
 }

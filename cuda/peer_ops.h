@@ -259,6 +259,8 @@ PeerError run_dispatch(Platform& p, const DispatchArgs& out) {
   const int R = out.num_ranks;
   DispatchArgs a = out;
   a.first_rank = p.rank();
+  a.out_x = out.recv_x;  // the finish phase copies the kept rows out of the symmetric buffer
+  a.out_scales = out.recv_scales;
   const int cap = a.capacity, K = a.top_k, rows = a.rows(), cols = a.idx_cols();
   const bool em = a.expert_major;
   const size_t used = carve_dispatch(p.symmetric() + kSignalBytes, &a);
@@ -272,9 +274,7 @@ PeerError run_dispatch(Platform& p, const DispatchArgs& out) {
   p.per_warp(DispatchSend<Peers>{a, p.peers()}, a.num_tokens);
   p.barrier(op, Wait::kInOp);  // every row has arrived
   p.per_warp(DispatchFinish<Peers>{a, p.peers()}, std::max({cap, rows, a.experts_per_rank()}));
-  // Copy out what XLA owns.
-  p.copy(out.recv_x, a.recv_x, cap * a.row_bytes);
-  p.copy(out.recv_scales, a.recv_scales, cap * a.scale_cols * 4);
+  // Copy out the metadata XLA owns (the finish copied the rows).
   p.copy(out.recv_idx, a.recv_idx, int64_t{4} * cap * cols);
   p.copy(out.recv_weights, a.recv_weights, int64_t{4} * cap * cols);
   p.copy(out.recv_src, a.recv_src, int64_t{4} * rows);
@@ -327,7 +327,7 @@ PeerError open_ll(Platform& p, int op, int R, int T, int K, int E, int H, bool f
 
 // Both halves of low-latency dispatch: the send counts, then writes each message into its
 // expert's slot on the expert's rank (after that rank is done with the last dispatch's data);
-// the receive fills the slots past the counts (after every message arrived) and copies out.
+// the receive (after every message arrived) copies the counted rows out and writes the counts.
 template <typename Platform>
 PeerError run_ll_dispatch(Platform& p, int op, const LowLatencyArgs& out) {
   LowLatencyRegions r;
@@ -348,12 +348,10 @@ PeerError run_ll_dispatch(Platform& p, int op, const LowLatencyArgs& out) {
     p.per_warp(LowLatencySend<Peers>{a, p.peers()}, a.num_tokens);
     return p.result(op);
   }
-  const int64_t slots = a.experts_per_rank() * a.slots();
-  const int64_t scale_bytes = a.use_fp8 ? slots * (a.hidden / kFp8Block) * 4 : 0;
+  a.out_x = out.recv_x;  // the finish copies the counted rows out of the symmetric buffer
+  a.out_scales = out.recv_scales;
   p.barrier(op, Wait::kStart);  // every message has arrived (peers sent it in their send)
-  p.per_warp(LowLatencyFinish<Peers>{a, p.peers()}, slots);
-  p.copy(out.recv_x, r.recv_x, slots * a.row_bytes());
-  p.copy(out.recv_scales, r.recv_scales, scale_bytes);
+  p.per_warp(LowLatencyFinish<Peers>{a, p.peers()}, a.experts_per_rank() * a.slots());
   p.copy(out.src_row, r.src_row, int64_t{4} * a.num_ranks * a.num_tokens * a.top_k);
   return p.result(op);
 }

@@ -43,7 +43,9 @@ enum class RowType { kF32, kBF16, kF16 };
 // num_dropped [R], num_invalid [R], clean_idx [R,T,K], recv_src [R,rows], src_row [R,R*T],
 // entry_row [R,cap'], entry_choice [R,cap'], row_entries [R,rows',K] (cap' = cap and
 // rows' = R*T when expert-major, else 0), num_needed [R], workspace s32 [W]
-// (W = R*(R+E) + R*T*R + R*T*K + R*R + R*E).
+// (W = R*(R+E) + R*T*R + R*T*K + R*R + R*E). Rows of recv_x and recv_scales past the count
+// are not written (docs/contract.md, "Padding") unless the handler's attribute zero_padding
+// is set; the CPU handlers fill them with NaN bytes first.
 xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t num_ranks,
                           int64_t num_experts, int64_t capacity, int64_t expert_major,
                           DispatchArgs* out);

@@ -9,6 +9,7 @@
 // GPU-shaped warps and blocks when asked.
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "cuda/host_launch.h"
@@ -33,6 +34,13 @@ xffi::Error Done(const PeerError& error) {
   return error.ok() ? xffi::Error::Success() : xffi::Error::Internal(error.message);
 }
 
+// Rows of received data past a count are unspecified (docs/contract.md, "Padding"). On the
+// CPU they hold all-ones bytes, a NaN in every float type the ops move, written before the op
+// runs: a consumer that reads them fails loudly in tests instead of finding zeros by chance.
+void Poison(void* data, int64_t bytes) {
+  if (bytes > 0) std::memset(data, 0xFF, static_cast<size_t>(bytes));
+}
+
 // Where a call's ranks are and the grid its phases run on.
 struct Placement {
   bool between;  // one rank of several devices: host peers
@@ -52,12 +60,18 @@ xffi::Error Place(const char* op, const xffi::AnyBuffer& ranks, const xffi::Rema
 
 xffi::Error DispatchCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingArgs args,
                             xffi::RemainingRets rets, int64_t num_ranks, int64_t num_experts,
-                            int64_t capacity, int64_t expert_major) {
+                            int64_t capacity, int64_t expert_major, int64_t zero_padding) {
   DispatchArgs a;
   JAX_EP_RETURN_IF_ERROR(
       ParseDispatch(args, rets, num_ranks, num_experts, capacity, expert_major, &a));
+  a.zero_padding = zero_padding != 0;
   Placement at;
   JAX_EP_RETURN_IF_ERROR(Place(kDispatchOp, ranks, args, 2, a.num_ranks, &at));
+  if (!a.zero_padding) {
+    const int64_t rows = (at.between ? 1 : a.num_ranks) * int64_t{a.capacity};
+    Poison(a.recv_x, rows * a.row_bytes);
+    Poison(a.recv_scales, rows * a.scale_cols * 4);
+  }
   if (at.between) return Done(host::dispatch(a, at.rank, at.grid));
   const int R = a.num_ranks;
   host_per_warp(DispatchCount<Peers>{a}, 0, R, a.num_counters() + 1, at.grid);
@@ -104,6 +118,9 @@ xffi::Error LowLatencyDispatchSendCpuImpl(xffi::AnyBuffer ranks, xffi::Remaining
       ParseLowLatencyDispatchSend(args, rets, num_ranks, num_experts, use_fp8, &a));
   Placement at;
   JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyDispatchSendOp, ranks, args, 1, a.num_ranks, &at));
+  const int64_t slots = (at.between ? 1 : a.num_ranks) * a.experts_per_rank() * a.slots();
+  Poison(a.recv_x, slots * a.row_bytes());
+  if (a.use_fp8) Poison(a.recv_scales, slots * (a.hidden / kFp8Block) * 4);
   if (at.between) return Done(host::ll_dispatch_send(a, at.rank, at.grid));
   host_per_warp(LowLatencyCount<Peers>{a}, 0, a.num_ranks, a.num_experts + 1, at.grid);
   host_per_warp(LowLatencySend<Peers>{a}, 0, a.num_ranks, a.num_tokens, at.grid);
@@ -158,7 +175,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DispatchCpu, DispatchCpuImpl,
                                   .Attr<int64_t>("num_ranks")
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("capacity")
-                                  .Attr<int64_t>("expert_major"));
+                                  .Attr<int64_t>("expert_major")
+                                  .Attr<int64_t>("zero_padding"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineCpu, CombineCpuImpl,
                               xffi::Ffi::Bind()

@@ -27,10 +27,11 @@ xffi::Error Launched(const char* op, cudaError_t status) {
 
 xffi::Error DispatchCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks, xffi::RemainingArgs args,
                              xffi::RemainingRets rets, int64_t num_ranks, int64_t num_experts,
-                             int64_t capacity, int64_t expert_major) {
+                             int64_t capacity, int64_t expert_major, int64_t zero_padding) {
   DispatchArgs a;
   JAX_EP_RETURN_IF_ERROR(
       ParseDispatch(args, rets, num_ranks, num_experts, capacity, expert_major, &a));
+  a.zero_padding = zero_padding != 0;
   bool between;
   const int32_t* axis;
   JAX_EP_RETURN_IF_ERROR(
@@ -129,7 +130,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DispatchCuda, DispatchCudaImpl,
                                   .Attr<int64_t>("num_ranks")
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("capacity")
-                                  .Attr<int64_t>("expert_major"));
+                                  .Attr<int64_t>("expert_major")
+                                  .Attr<int64_t>("zero_padding"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineCuda, CombineCudaImpl,
                               xffi::Ffi::Bind()

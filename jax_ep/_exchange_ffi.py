@@ -44,8 +44,10 @@ def _attrs(**attrs) -> dict:
 
 
 def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, capacity,
-             expert_major, axis_name=None):
-    """Normal dispatch; returns the 16 results of "jax_ep_dispatch" as a dict."""
+             expert_major, axis_name=None, zero_padding=False):
+    """Normal dispatch; returns the 16 results of "jax_ep_dispatch" as a dict. Rows of "x"
+    and "scales" past the count are unspecified unless `zero_padding` (docs/contract.md,
+    "Padding")."""
     _ffi.register()
     V, T, K = topk_idx.shape
     R, E, cap = num_ranks, num_experts, capacity
@@ -70,7 +72,8 @@ def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, ca
     }
     outs = _exchange_call("jax_ep_dispatch", _types(topk_idx, names_shapes.values()))(
         _ranks(axis_name, V), data, scales, topk_idx, topk_weights,
-        **_attrs(num_ranks=R, num_experts=E, capacity=cap, expert_major=expert_major))
+        **_attrs(num_ranks=R, num_experts=E, capacity=cap, expert_major=expert_major,
+                 zero_padding=zero_padding))
     result = dict(zip(names_shapes, outs, strict=True))
     if not S:
         result["scales"] = None

@@ -225,7 +225,9 @@ def _combine_bwd(backend, residuals, d_out):
         return rows.astype(y.dtype), None, None
     rows = rows.astype(jnp.float32)
     d_y = (rows * weights[:, None]).astype(y.dtype)
-    d_weights = jnp.sum(rows * y.astype(jnp.float32), axis=1)
+    # Rows of y past the count may hold anything (docs/contract.md, "Padding"): select.
+    carried = (handle.entry_row if handle.expert_major else handle.recv_src) >= 0
+    d_weights = jnp.where(carried, jnp.sum(rows * y.astype(jnp.float32), axis=1), 0.0)
     return d_y, d_weights, None
 
 

@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 
 def _pytree(cls: type) -> type:
@@ -24,6 +25,14 @@ def _pytree(cls: type) -> type:
 
 def static(default: Any = dataclasses.MISSING) -> Any:
     return dataclasses.field(default=default, metadata={"static": True})
+
+
+def _zero_past(rows: jax.Array | None, count: jax.Array) -> jax.Array | None:
+    """rows [..., N, C] with rows n >= count[...] set to zero."""
+    if rows is None:
+        return None
+    keep = jnp.arange(rows.shape[-2]) < jnp.asarray(count)[..., None]
+    return jnp.where(keep[..., None], rows, jnp.zeros((), rows.dtype))
 
 
 @_pytree
@@ -48,8 +57,9 @@ class Received:
     """What normal dispatch delivers to this rank (docs/contract.md, "dispatch").
 
     Attributes:
-      x: [capacity, H] in the input dtype, or float8_e4m3fn when FP8 was dispatched.
-      scales: float32 [capacity, H/128] for FP8 dispatch, else None.
+      x: [capacity, H] in the input dtype, or float8_e4m3fn when FP8 was dispatched; rows
+        past num_tokens are unspecified (see with_zero_padding).
+      scales: float32 [capacity, H/128] for FP8 dispatch, else None; likewise.
       topk_idx: int32 local expert ids, [capacity, K] (rank-major) or [capacity]
         (expert-major, one entry per row); -1 where masked or past the count.
       topk_weights: float32, same shape as topk_idx; 0 where topk_idx is -1.
@@ -69,6 +79,13 @@ class Received:
     num_dropped: jax.Array
     num_invalid: jax.Array
     group_sizes: jax.Array | None
+
+    def with_zero_padding(self) -> Received:
+        """These results with zeros in the rows of x and scales past num_tokens, which are
+        otherwise unspecified (docs/contract.md, "Padding"): for consumers that read every
+        row, at the cost of one pass over x."""
+        return dataclasses.replace(self, x=_zero_past(self.x, self.num_tokens),
+                                   scales=_zero_past(self.scales, self.num_tokens))
 
 
 @_pytree
@@ -113,8 +130,9 @@ class LowLatencyReceived:
     """What low-latency dispatch delivers to this rank.
 
     Attributes:
-      x: [E_local, R*T, H] bfloat16, or float8_e4m3fn with `scales`.
-      scales: float32 [E_local, R*T, H/128] for FP8, else None.
+      x: [E_local, R*T, H] bfloat16, or float8_e4m3fn with `scales`; rows past the
+        expert's count are unspecified (see with_zero_padding).
+      scales: float32 [E_local, R*T, H/128] for FP8, else None; likewise.
       count: int32 [E_local], rows used per local expert.
       num_invalid: int32 [], ids outside [-1, E) in this rank's own topk_idx.
     """
@@ -123,6 +141,12 @@ class LowLatencyReceived:
     scales: jax.Array | None
     count: jax.Array
     num_invalid: jax.Array
+
+    def with_zero_padding(self) -> LowLatencyReceived:
+        """These results with zeros in the rows of x and scales past each expert's count,
+        which are otherwise unspecified (docs/contract.md, "Padding")."""
+        return dataclasses.replace(self, x=_zero_past(self.x, self.count),
+                                   scales=_zero_past(self.scales, self.count))
 
 
 @_pytree

@@ -21,10 +21,11 @@ def run(seed: int) -> dict:
         recv, handle = jax_ep.dispatch(x, idx, w, num_experts=E, expert_major=True)
         out = jax_ep.combine(recv.x, handle, topk_weights=recv.topk_weights)
         ll, ll_handle = jax_ep.low_latency_dispatch(x, idx, num_experts=E, use_fp8=True)
+        ll = ll.with_zero_padding()
         ll_out = jax_ep.low_latency_combine(y, idx, w, ll_handle)
         return {
             "num_tokens_per_rank": layout.num_tokens_per_rank,
-            "recv_x": recv.x,
+            "recv_x": recv.with_zero_padding().x,
             "group_sizes": recv.group_sizes,
             "combined": out,
             "ll_x": ll.x,

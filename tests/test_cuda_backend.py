@@ -32,7 +32,8 @@ def _normal_program(backend, expert_major, E, capacity):
         # Expert-major: weight each entry; rank-major: unweighted rows.
         weights = recv.topk_weights if expert_major else None
         y = recv.x * y_scale
-        return recv, jax_ep.combine(y, handle, topk_weights=weights, backend=backend)
+        out = jax_ep.combine(y, handle, topk_weights=weights, backend=backend)
+        return recv.with_zero_padding(), out
 
     return per_shard
 
@@ -90,6 +91,35 @@ def test_one_rank_gradients_match_portable_backend(expert_major):
     np.testing.assert_allclose(gw, want_w, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("expert_major", [False, True])
+def test_combine_cotangent_is_zero_in_the_padding(expert_major):
+    """The rows of y past the count get an exact zero cotangent (docs/contract.md, "Padding")
+    although the received rows there are unspecified."""
+    rng = np.random.default_rng()
+    T, K, E, H = 13, 3, 4, 8
+    idx, w = routing(rng, 1, T, K, E, "masked")
+    x = rng.standard_normal((1, T, H)).astype(np.float32)
+
+    def per_shard(x, idx, w):
+        recv, handle = jax_ep.dispatch(x, idx, w, num_experts=E, expert_major=expert_major,
+                                       backend="cuda")
+        weights = recv.topk_weights if expert_major else None
+
+        def loss(y, weights):
+            out = jax_ep.combine(y, handle, topk_weights=weights, backend="cuda")
+            return jnp.sum(out ** 2)
+
+        d_y, d_w = jax.grad(loss, argnums=(0, 1))(recv.x, weights)
+        return d_y, d_w, recv.num_tokens
+
+    d_y, d_w, kept = to_numpy(sharded(per_shard, 1)(x, idx, w))
+    assert kept[0] < d_y.shape[1]  # there is padding
+    assert np.isfinite(d_y).all()
+    assert (d_y[0, kept[0]:] == 0).all() and d_y[0, :kept[0]].any()
+    if expert_major:
+        assert (d_w[0, kept[0]:] == 0).all()
+
+
 @pytest.mark.parametrize("use_fp8", [False, True])
 def test_one_rank_low_latency_matches_portable_backend(use_fp8):
     rng = np.random.default_rng()
@@ -104,7 +134,7 @@ def test_one_rank_low_latency_matches_portable_backend(use_fp8):
             recv, handle = jax_ep.low_latency_dispatch_recv(pending)
             y = recv.x.astype(jnp.bfloat16)
             out = jax_ep.low_latency_combine(y, idx, w, handle, backend=backend)
-            return recv, out
+            return recv.with_zero_padding(), out
 
         return to_numpy(sharded(per_shard, 1)(x, idx, w))
 

@@ -16,6 +16,7 @@ import pytest
 from harness import checked, compiled_text, sharded, to_numpy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_virtual import nan_padding
 
 import jax_ep
 from jax_ep import reference
@@ -43,7 +44,7 @@ def _run(num_ranks, x, idx, w, y, yw, *, num_experts, capacity=None, expert_majo
             on_overflow="drop",
         )
         return (
-            recv,
+            recv.with_zero_padding(),
             jax_ep.combine(y, handle),
             jax_ep.combine(y, handle, topk_weights=yw),
         )
@@ -64,7 +65,8 @@ def check_against_reference(
         x, idx, w, num_experts=num_experts, capacity=capacity, expert_major=expert_major
     )
     cap = want["x"].shape[1]
-    y = rng.standard_normal((num_ranks, cap, hidden)).astype(dtype)
+    y = nan_padding(rng.standard_normal((num_ranks, cap, hidden)), want["num_tokens"])
+    y = y.astype(dtype)
     yw = rng.random((num_ranks, cap)).astype(np.float32)
     recv, out, out_w = _run(
         num_ranks, x, idx, w, y, yw, num_experts=num_experts, capacity=capacity,
@@ -171,7 +173,7 @@ def test_fp8_pair_moves_bit_for_bit():
 
     def per_shard(q, s, idx, w):
         recv, _ = jax_ep.dispatch((q, s), idx, w, num_experts=num_experts)
-        return recv
+        return recv.with_zero_padding()
 
     got = to_numpy(sharded(per_shard, num_ranks)(q, s, idx, w))
     _assert_bitwise(got.x, want["x"], "fp8 x")
@@ -190,7 +192,7 @@ def test_invalid_ids_are_counted_or_raise(on_invalid):
 
     def per_shard(x, idx, w):
         recv, _ = jax_ep.dispatch(x, idx, w, num_experts=num_experts, on_invalid=on_invalid)
-        return recv
+        return recv.with_zero_padding()
 
     if on_invalid == "error":
         with pytest.raises(ValueError, match=r"topk_idx holds 1 expert id\(s\) outside "

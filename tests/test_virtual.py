@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_ep import _ffi, reference, virtual
+from jax_ep import _exchange_ffi, _ffi, reference, virtual
 from jax_ep.bench.routings import make_routing
 
 BACKENDS = ["cuda", "xla"]
@@ -32,6 +32,15 @@ def assert_bitwise(got, want, what):
         f"u{size}" if size > 1 else np.uint8)
     bad = np.argwhere(g != w)
     assert bad.size == 0, f"{what}: {len(bad)} elements differ, first at {bad[0].tolist()}"
+
+
+def nan_padding(rows, count):
+    """rows [..., N, C] with NaN in the rows n >= count[...], the padding (docs/contract.md):
+    a combine that read them would return NaN."""
+    rows = np.array(rows)
+    past = np.arange(rows.shape[-2]) >= np.asarray(count)[..., None]
+    rows[past] = np.nan
+    return rows
 
 
 def routing(rng, R, T, K, E, kind, invalid=False):
@@ -71,6 +80,7 @@ def test_dispatch_combine(backend, expert_major, case):
                               expert_major=expert_major)
     recv, handle = virtual.dispatch(x, idx, w, num_experts=E, capacity=capacity,
                                     expert_major=expert_major, backend=backend)
+    recv = recv.with_zero_padding()
     for key in ("x", "topk_idx", "topk_weights", "tokens_per_expert", "num_dropped",
                 "num_invalid"):
         assert_bitwise(getattr(recv, key), want[key], f"dispatch {key}")
@@ -79,7 +89,7 @@ def test_dispatch_combine(backend, expert_major, case):
         assert_bitwise(recv.group_sizes, want["group_sizes"], "group_sizes")
 
     cap = want["x"].shape[1]
-    y = rng.standard_normal((R, cap, H)).astype(dtype)
+    y = nan_padding(rng.standard_normal((R, cap, H)), want["num_tokens"]).astype(dtype)
     yw = rng.random((R, cap)).astype(np.float32)
     kw = dict(num_experts=E, capacity=capacity, expert_major=expert_major)
     assert_bitwise(virtual.combine(y, handle, backend=backend),
@@ -119,8 +129,36 @@ def test_dispatch_fp8_pair(backend, expert_major):
     want = reference.dispatch((x_fp8, scales), idx, w, num_experts=E, expert_major=expert_major)
     recv, _ = virtual.dispatch((x_fp8, scales), idx, w, num_experts=E,
                                expert_major=expert_major, backend=backend)
+    recv = recv.with_zero_padding()
     assert_bitwise(recv.x, want["x"], "x_fp8")
     assert_bitwise(recv.scales, want["scales"], "scales")
+
+
+@needs_extension
+def test_padding_is_never_written():
+    """Rows past the counts are not written (docs/contract.md, "Padding"): the CPU handlers
+    leave the NaN bytes they put there before the op; zero_padding=True (the backward of
+    combine) writes zeros."""
+    rng = np.random.default_rng()
+    R, T, K, E, H = 4, 9, 3, 8, 128
+    idx, w = routing(rng, R, T, K, E, "hot_expert")
+    x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+    want = reference.dispatch(x, idx, w, num_experts=E, expert_major=True)
+    past = np.arange(want["x"].shape[1]) >= want["num_tokens"][:, None]  # [R, capacity]
+    assert past.any()
+    for zero in (False, True):
+        out = _exchange_ffi.dispatch(x, None, idx, w, num_ranks=R, num_experts=E,
+                                     capacity=want["x"].shape[1], expert_major=True,
+                                     zero_padding=zero)
+        got = np.asarray(out["x"]).view(np.uint16)
+        assert (got[past] == (0 if zero else 0xFFFF)).all(), f"zero_padding={zero}"
+        assert_bitwise(np.asarray(out["x"])[~past], want["x"][~past], "rows that carry data")
+
+    recv, _ = virtual.low_latency_dispatch(x, idx, num_experts=E, use_fp8=True)
+    want = reference.low_latency_dispatch(x, idx, num_experts=E, use_fp8=True)
+    past = np.arange(R * T) >= want["count"][..., None]  # [R, E/R, R*T]
+    assert (np.asarray(recv.x).view(np.uint8)[past] == 0xFF).all()
+    assert (np.asarray(recv.scales).view(np.uint32)[past] == 0xFFFFFFFF).all()
 
 
 LL_CASES = [
@@ -153,12 +191,14 @@ def test_low_latency(backend, use_fp8, split, case):
     else:
         recv, handle = virtual.low_latency_dispatch(x, idx, num_experts=E, use_fp8=use_fp8,
                                                     backend=backend)
+    recv = recv.with_zero_padding()
     for key in ("x", "count", "num_invalid"):
         assert_bitwise(getattr(recv, key), want[key], f"ll dispatch {key}")
     if use_fp8:
         assert_bitwise(recv.scales, want["scales"], "ll dispatch scales")
 
-    y = rng.standard_normal(want["x"].shape).astype(ml_dtypes.bfloat16)
+    y = nan_padding(rng.standard_normal(want["x"].shape), want["count"])
+    y = y.astype(ml_dtypes.bfloat16)
     if split:
         out = virtual.low_latency_combine_recv(
             virtual.low_latency_combine_send(y, idx, w, handle, backend=backend))
@@ -184,7 +224,8 @@ def test_jit_and_errors():
     rng = np.random.default_rng()
     idx, w = routing(rng, 2, 4, 2, 4, "uniform")
     x = rng.standard_normal((2, 4, 8)).astype(np.float32)
-    jitted = jax.jit(lambda x, i, w: virtual.dispatch(x, i, w, num_experts=4)[0].x)
+    jitted = jax.jit(
+        lambda x, i, w: virtual.dispatch(x, i, w, num_experts=4)[0].with_zero_padding().x)
     assert_bitwise(jitted(x, idx, w), reference.dispatch(x, idx, w, num_experts=4)["x"], "jit")
     with pytest.raises(ValueError, match="num_experts"):
         virtual.dispatch(x, idx, w, num_experts=5)

@@ -70,11 +70,11 @@ def cases(rng):
             yw = abs(recv.x[:, :, 0].astype(np.float32))
             plain = virtual.combine(recv.x, handle)
             weighted = virtual.combine(recv.x, handle, topk_weights=yw)
-            return recv, handle, plain, weighted
+            return recv.with_zero_padding(), handle, plain, weighted
         return run
 
     def fp8_dispatch(x8, scales, idx, w):
-        return virtual.dispatch((x8, scales), idx, w, num_experts=E)[0]
+        return virtual.dispatch((x8, scales), idx, w, num_experts=E)[0].with_zero_padding()
 
     def low_latency(use_fp8):
         def run(x, idx, w):
@@ -83,7 +83,7 @@ def cases(rng):
             y = recv.x.astype(ml_dtypes.bfloat16) if use_fp8 else recv.x
             out = virtual.low_latency_combine_recv(
                 virtual.low_latency_combine_send(y, idx, w, handle))
-            return recv, handle, out
+            return recv.with_zero_padding(), handle, out
         return run
 
     x8, scales = reference.quantize(x.astype(np.float32))

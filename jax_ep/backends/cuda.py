@@ -85,12 +85,13 @@ def combine(y, weights, handle: DispatchHandle):
 
 def rows_for_receivers(values, handle: DispatchHandle):
     """Per-token values [T, H] delivered like the dispatch's rows (entries): its data
-    movement again, with the handle's routing."""
+    movement again, with the handle's routing. Cotangents must be defined everywhere, so the
+    rows past the count are zero."""
     zeros = jnp.zeros(handle.topk_idx.shape, jnp.float32)
     out = _exchange_ffi.dispatch(_one(values), None, _one(handle.topk_idx), _one(zeros),
                                  num_ranks=handle.num_ranks, num_experts=handle.num_experts,
                                  capacity=handle.capacity, expert_major=handle.expert_major,
-                                 axis_name=handle.axis_name)
+                                 axis_name=handle.axis_name, zero_padding=True)
     return out["x"][0]
 
 
