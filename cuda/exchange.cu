@@ -1,63 +1,59 @@
-// Exchange kernels with virtual ranks: each phase of cuda/exchange.h is one launch over all R
-// ranks' items (VirtualPeers), so the launch boundary is the barrier between phases.
-#include <algorithm>
+// Exchange kernels with virtual ranks: the ops of cuda/virtual_ops.h, each phase one kernel
+// over all R ranks' items on XLA's stream.
 #include <cstdint>
 
 #include "cuda/kernels.h"
 #include "cuda/phases.cuh"
+#include "cuda/virtual_ops.h"
 
 namespace jax_ep::cuda {
 namespace {
 
-using Peers = VirtualPeers;
+// The GPU launcher of cuda/virtual_ops.h; launches after a failed one do nothing.
+struct VirtualLauncher {
+  int ranks;
+  cudaStream_t stream;
+  cudaError_t status = cudaSuccess;
 
-#define JAX_EP_RETURN_IF_CUDA_ERROR(expr)       \
-  do {                                          \
-    const cudaError_t _status = (expr);         \
-    if (_status != cudaSuccess) return _status; \
-  } while (0)
+  template <typename Phase>
+  void per_thread(const Phase& phase, int64_t items) {
+    if (status == cudaSuccess) status = cuda::per_thread(phase, 0, ranks, items, stream);
+  }
+  template <typename Phase>
+  void per_warp(const Phase& phase, int64_t items) {
+    if (status == cudaSuccess) status = cuda::per_warp(phase, 0, ranks, items, stream);
+  }
+};
 
 }  // namespace
 
 cudaError_t launch_dispatch(const DispatchArgs& a, cudaStream_t stream) {
-  const int R = a.num_ranks;
-  JAX_EP_RETURN_IF_CUDA_ERROR(per_warp(DispatchCount<Peers>{a}, 0, R, a.num_counters() + 1, stream));
-  JAX_EP_RETURN_IF_CUDA_ERROR(per_thread(DispatchBases{a}, 0, R, a.num_counters(), stream));
-  JAX_EP_RETURN_IF_CUDA_ERROR(per_warp(DispatchSend<Peers>{a}, 0, R, a.num_tokens, stream));
-  const int items = std::max({a.capacity, a.rows(), a.experts_per_rank()});
-  return per_warp(DispatchFinish<Peers>{a}, 0, R, items, stream);
+  VirtualLauncher l{a.num_ranks, stream};
+  run_virtual_dispatch(l, a);
+  return l.status;
 }
 
 template <typename T>
 cudaError_t launch_combine(const CombineArgs<T>& a, cudaStream_t stream) {
-  const int R = a.num_ranks;
-  if (a.expert_major) {
-    JAX_EP_RETURN_IF_CUDA_ERROR(
-        per_warp(CombineReduceEntries<T>{a}, 0, R, static_cast<int64_t>(R) * a.num_tokens, stream));
-  }
-  return per_warp(CombineToken<T, Peers>{a}, 0, R, a.num_tokens, stream);
+  VirtualLauncher l{a.num_ranks, stream};
+  run_virtual_combine(l, a);
+  return l.status;
 }
 
 template cudaError_t launch_combine<float>(const CombineArgs<float>&, cudaStream_t);
 template cudaError_t launch_combine<Bf16>(const CombineArgs<Bf16>&, cudaStream_t);
 template cudaError_t launch_combine<F16>(const CombineArgs<F16>&, cudaStream_t);
 
-cudaError_t launch_ll_dispatch_send(const LowLatencyArgs& a, cudaStream_t stream) {
-  JAX_EP_RETURN_IF_CUDA_ERROR(per_warp(LowLatencyCount<Peers>{a}, 0, a.num_ranks, a.num_experts + 1, stream));
-  return per_warp(LowLatencySend<Peers>{a}, 0, a.num_ranks, a.num_tokens, stream);
+cudaError_t launch_ll_dispatch(int op, const LowLatencyArgs& a, cudaStream_t stream) {
+  VirtualLauncher l{a.num_ranks, stream};
+  run_virtual_ll_dispatch(l, op, a);
+  return l.status;
 }
 
-cudaError_t launch_ll_dispatch_recv(const LowLatencyArgs& a, cudaStream_t stream) {
-  return per_warp(LowLatencyFinish<Peers>{a}, 0, a.num_ranks, a.experts_per_rank() * a.slots(), stream);
-}
-
-cudaError_t launch_ll_combine_send(const LowLatencyCombineArgs& a, cudaStream_t stream) {
-  return per_warp(LowLatencyCombineSend<Peers>{a}, 0, a.num_ranks,
-                  static_cast<int64_t>(a.num_ranks) * a.num_tokens, stream);
-}
-
-cudaError_t launch_ll_combine_recv(const LowLatencyCombineArgs& a, cudaStream_t stream) {
-  return per_warp(LowLatencyCombineToken{a}, 0, a.num_ranks, a.num_tokens, stream);
+cudaError_t launch_ll_combine(int op, const LowLatencyCombineArgs& a, cudaStream_t stream) {
+  VirtualLauncher l{a.num_ranks, stream};
+  run_virtual_ll_combine(l, op, a);
+  return l.status;
 }
 
 }  // namespace jax_ep::cuda

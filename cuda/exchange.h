@@ -24,6 +24,7 @@
 
 #include <cstdint>
 
+#include "cuda/meter.h"
 #include "cuda/numerics.h"
 #include "cuda/routing.h"
 
@@ -40,6 +41,7 @@ struct VirtualPeers {
 // Copies `bytes` from src to dst with `lanes` cooperating lanes (16-byte words when both
 // pointers and the size allow, else single bytes).
 JAX_EP_HOST_DEVICE void copy_row(void* dst, const void* src, int64_t bytes, int lane, int lanes) {
+  if (lane == 0) meter_rows(bytes, bytes);
   struct alignas(16) Word {
     uint32_t v[4];
   };
@@ -58,6 +60,7 @@ JAX_EP_HOST_DEVICE void copy_row(void* dst, const void* src, int64_t bytes, int 
 }
 
 JAX_EP_HOST_DEVICE void zero_row(void* dst, int64_t bytes, int lane, int lanes) {
+  if (lane == 0) meter_rows(0, bytes);
   char* d = static_cast<char*>(dst);
   if (((reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(bytes)) & 15u) == 0) {
     struct alignas(16) Word {
@@ -453,6 +456,11 @@ JAX_EP_HOST_DEVICE void combine_reduce_entries(const CombineArgs<T>& a, int d, i
   const T* y = a.y + a.local(d) * a.capacity * H;
   const float* w = a.weights ? a.weights + a.local(d) * a.capacity : nullptr;
   T* out = a.partial + (a.local(d) * rows + i) * H;
+  if (lane == 0) {
+    int n = 0;
+    while (n < K && entries[n] >= 0) ++n;
+    meter_rows(n * int64_t{H} * sizeof(T), int64_t{H} * sizeof(T));
+  }
   for (int h = lane; h < H; h += lanes) {
     float acc = 0.0f;
     for (int k = 0; k < K; ++k) {
@@ -478,6 +486,11 @@ JAX_EP_HOST_DEVICE void combine_token(const CombineArgs<T>& a, const Peers& peer
   const int64_t rows_per_rank = em ? static_cast<int64_t>(R) * Tn : a.capacity;
   const float* weights = em ? nullptr : a.weights;
   T* out = a.out + (a.local(s) * Tn + t) * H;
+  if (lane == 0) {
+    int n = 0;
+    for (int d = 0; d < R; ++d) n += peers.at(a.src_row, static_cast<int64_t>(R) * Tn, d)[src] >= 0;
+    meter_rows(n * int64_t{H} * sizeof(T), int64_t{H} * sizeof(T));
+  }
   for (int h = lane; h < H; h += lanes) {
     float acc = 0.0f;
     for (int d = 0; d < R; ++d) {
@@ -565,6 +578,7 @@ JAX_EP_HOST_DEVICE void ll_write_row(const LowLatencyArgs& a, const Bf16* x, voi
     copy_row(dst, x, 2 * static_cast<int64_t>(a.hidden), lane, lanes);
     return;
   }
+  if (lane == 0) meter_rows(2 * static_cast<int64_t>(a.hidden), a.hidden + a.hidden / kFp8Block * 4);
   uint8_t* q = static_cast<uint8_t*>(dst);
   for (int b = lane; b < a.hidden / kFp8Block; b += lanes) {
     const Bf16* block = x + static_cast<int64_t>(b) * kFp8Block;
@@ -689,6 +703,11 @@ JAX_EP_HOST_DEVICE void ll_combine_token(const LowLatencyCombineArgs& a, int s, 
   const int32_t* ids = a.clean_idx + src * K;
   const float* w = a.topk_weights + src * K;
   const Bf16* staging = a.staging + src * K * H;
+  if (lane == 0) {
+    int n = 0;
+    for (int k = 0; k < K; ++k) n += ids[k] >= 0;
+    meter_rows(n * int64_t{H} * 2, int64_t{H} * 2);
+  }
   for (int h = lane; h < H; h += lanes) {
     float acc = 0.0f;
     for (int k = 0; k < K; ++k) {

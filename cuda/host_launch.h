@@ -18,6 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include "cuda/meter.h"
+
 namespace jax_ep {
 
 struct HostGrid {
@@ -74,6 +76,8 @@ template <typename Phase>
 void host_per_thread(const Phase& phase, int first_rank, int ranks, int64_t items,
                      const HostGrid& grid) {
   const int64_t total = static_cast<int64_t>(ranks) * items, stride = grid.num_lanes();
+  if (total == 0) return;  // the GPU launches nothing either
+  meter_launch();
   for_units(stride, grid.threads, [&](int64_t unit) {
     for (int64_t i = unit; i < total; i += stride) {
       phase(first_rank + static_cast<int>(i / items), i % items);
@@ -86,6 +90,8 @@ template <typename Phase>
 void host_per_warp(const Phase& phase, int first_rank, int ranks, int64_t items,
                    const HostGrid& grid) {
   const int64_t total = static_cast<int64_t>(ranks) * items, stride = grid.num_warps();
+  if (total == 0) return;  // the GPU launches nothing either
+  meter_launch();
   for_units(stride, grid.threads, [&](int64_t warp) {
     for (int64_t i = warp; i < total; i += stride) {
       for (int lane = grid.lanes - 1; lane >= 0; --lane) {

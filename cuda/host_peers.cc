@@ -158,6 +158,8 @@ class HostPlatform {
 
   void barrier(int op, Wait wait) {
     if (!error_.ok()) return;
+    meter_barrier();
+    meter_launch();  // the GPU's barrier is a kernel
     const uint64_t timeout_ns = group_->timeouts().of(wait);
     RankState& state = group_->rank(me_);
     const uint64_t target = ++state.epoch;
@@ -191,8 +193,11 @@ class HostPlatform {
   void per_warp(const Phase& phase, int64_t items) {
     if (error_.ok()) host_per_warp(phase, me_, 1, items, grid_);
   }
-  void copy(void* dst, const void* src, int64_t bytes) {
-    if (error_.ok() && bytes > 0) std::memcpy(dst, src, static_cast<size_t>(bytes));
+  void copy(void* dst, const void* src, int64_t bytes, bool row_data = false) {
+    if (!error_.ok() || bytes == 0) return;
+    meter_launch();  // a copy on the GPU's stream
+    if (row_data) meter_rows(bytes, bytes);
+    std::memcpy(dst, src, static_cast<size_t>(bytes));
   }
   PeerError result(int /*op*/) const { return error_; }
 
@@ -254,30 +259,14 @@ template PeerError combine<float>(const CombineArgs<float>&, int, const HostGrid
 template PeerError combine<Bf16>(const CombineArgs<Bf16>&, int, const HostGrid&);
 template PeerError combine<F16>(const CombineArgs<F16>&, int, const HostGrid&);
 
-PeerError ll_dispatch_send(const LowLatencyArgs& args, int rank, const HostGrid& grid) {
-  return with_platform(kPeerLlDispatchSend, args.num_ranks, rank, grid,
-                       [&](HostPlatform& p) {
-                         return run_ll_dispatch(p, kPeerLlDispatchSend, args);
-                       });
+PeerError ll_dispatch(int op, const LowLatencyArgs& args, int rank, const HostGrid& grid) {
+  return with_platform(op, args.num_ranks, rank, grid,
+                       [&](HostPlatform& p) { return run_ll_dispatch(p, op, args); });
 }
 
-PeerError ll_dispatch_recv(const LowLatencyArgs& args, int rank, const HostGrid& grid) {
-  return with_platform(kPeerLlDispatchRecv, args.num_ranks, rank, grid,
-                       [&](HostPlatform& p) {
-                         return run_ll_dispatch(p, kPeerLlDispatchRecv, args);
-                       });
-}
-
-PeerError ll_combine_send(const LowLatencyCombineArgs& args, int rank, const HostGrid& grid) {
-  return with_platform(kPeerLlCombineSend, args.num_ranks, rank, grid, [&](HostPlatform& p) {
-    return run_ll_combine(p, kPeerLlCombineSend, args);
-  });
-}
-
-PeerError ll_combine_recv(const LowLatencyCombineArgs& args, int rank, const HostGrid& grid) {
-  return with_platform(kPeerLlCombineRecv, args.num_ranks, rank, grid, [&](HostPlatform& p) {
-    return run_ll_combine(p, kPeerLlCombineRecv, args);
-  });
+PeerError ll_combine(int op, const LowLatencyCombineArgs& args, int rank, const HostGrid& grid) {
+  return with_platform(op, args.num_ranks, rank, grid,
+                       [&](HostPlatform& p) { return run_ll_combine(p, op, args); });
 }
 
 }  // namespace jax_ep::host

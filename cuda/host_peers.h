@@ -38,9 +38,9 @@ size_t buffer_bytes();
 PeerError dispatch(const DispatchArgs& args, int rank, const HostGrid& grid);
 template <typename T>
 PeerError combine(const CombineArgs<T>& args, int rank, const HostGrid& grid);
-PeerError ll_dispatch_send(const LowLatencyArgs& args, int rank, const HostGrid& grid);
-PeerError ll_dispatch_recv(const LowLatencyArgs& args, int rank, const HostGrid& grid);
-PeerError ll_combine_send(const LowLatencyCombineArgs& args, int rank, const HostGrid& grid);
-PeerError ll_combine_recv(const LowLatencyCombineArgs& args, int rank, const HostGrid& grid);
+// `op`: kPeerLlDispatchSend or kPeerLlDispatchRecv.
+PeerError ll_dispatch(int op, const LowLatencyArgs& args, int rank, const HostGrid& grid);
+// `op`: kPeerLlCombineSend or kPeerLlCombineRecv.
+PeerError ll_combine(int op, const LowLatencyCombineArgs& args, int rank, const HostGrid& grid);
 
 }  // namespace jax_ep::host

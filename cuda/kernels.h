@@ -13,9 +13,9 @@ cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 template <typename T>
 cudaError_t launch_combine(const CombineArgs<T>& args, cudaStream_t stream);
 
-cudaError_t launch_ll_dispatch_send(const LowLatencyArgs& args, cudaStream_t stream);
-cudaError_t launch_ll_dispatch_recv(const LowLatencyArgs& args, cudaStream_t stream);
-cudaError_t launch_ll_combine_send(const LowLatencyCombineArgs& args, cudaStream_t stream);
-cudaError_t launch_ll_combine_recv(const LowLatencyCombineArgs& args, cudaStream_t stream);
+// `op`: kPeerLlDispatchSend or kPeerLlDispatchRecv (cuda/peer_ops.h).
+cudaError_t launch_ll_dispatch(int op, const LowLatencyArgs& args, cudaStream_t stream);
+// `op`: kPeerLlCombineSend or kPeerLlCombineRecv.
+cudaError_t launch_ll_combine(int op, const LowLatencyCombineArgs& args, cudaStream_t stream);
 
 }  // namespace jax_ep::cuda

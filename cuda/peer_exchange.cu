@@ -218,7 +218,7 @@ class DevicePlatform {
   void per_warp(const Phase& phase, int64_t items) {
     if (status_ == cudaSuccess) status_ = cuda::per_warp(phase, rank(), 1, items, stream_);
   }
-  void copy(void* dst, const void* src, int64_t bytes) {
+  void copy(void* dst, const void* src, int64_t bytes, bool /*row_data*/ = false) {
     if (status_ != cudaSuccess || bytes == 0) return;
     status_ = cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice,
                               stream_);
@@ -264,36 +264,16 @@ template PeerError peer_combine<float>(const CombineArgs<float>&, const int32_t*
 template PeerError peer_combine<Bf16>(const CombineArgs<Bf16>&, const int32_t*, cudaStream_t);
 template PeerError peer_combine<F16>(const CombineArgs<F16>&, const int32_t*, cudaStream_t);
 
-PeerError peer_ll_dispatch_send(const LowLatencyArgs& args, const int32_t* axis_index,
-                                cudaStream_t stream) {
-  return with_platform(kPeerLlDispatchSend, args.num_ranks, axis_index, stream,
-                       [&](DevicePlatform& p) {
-                         return run_ll_dispatch(p, kPeerLlDispatchSend, args);
-                       });
+PeerError peer_ll_dispatch(int op, const LowLatencyArgs& args, const int32_t* axis_index,
+                           cudaStream_t stream) {
+  return with_platform(op, args.num_ranks, axis_index, stream,
+                       [&](DevicePlatform& p) { return run_ll_dispatch(p, op, args); });
 }
 
-PeerError peer_ll_dispatch_recv(const LowLatencyArgs& args, const int32_t* axis_index,
-                                cudaStream_t stream) {
-  return with_platform(kPeerLlDispatchRecv, args.num_ranks, axis_index, stream,
-                       [&](DevicePlatform& p) {
-                         return run_ll_dispatch(p, kPeerLlDispatchRecv, args);
-                       });
-}
-
-PeerError peer_ll_combine_send(const LowLatencyCombineArgs& args, const int32_t* axis_index,
-                               cudaStream_t stream) {
-  return with_platform(kPeerLlCombineSend, args.num_ranks, axis_index, stream,
-                       [&](DevicePlatform& p) {
-                         return run_ll_combine(p, kPeerLlCombineSend, args);
-                       });
-}
-
-PeerError peer_ll_combine_recv(const LowLatencyCombineArgs& args, const int32_t* axis_index,
-                               cudaStream_t stream) {
-  return with_platform(kPeerLlCombineRecv, args.num_ranks, axis_index, stream,
-                       [&](DevicePlatform& p) {
-                         return run_ll_combine(p, kPeerLlCombineRecv, args);
-                       });
+PeerError peer_ll_combine(int op, const LowLatencyCombineArgs& args, const int32_t* axis_index,
+                          cudaStream_t stream) {
+  return with_platform(op, args.num_ranks, axis_index, stream,
+                       [&](DevicePlatform& p) { return run_ll_combine(p, op, args); });
 }
 
 }  // namespace jax_ep::cuda

@@ -16,13 +16,11 @@ PeerError peer_dispatch(const DispatchArgs& args, const int32_t* axis_index,
 template <typename T>
 PeerError peer_combine(const CombineArgs<T>& args, const int32_t* axis_index,
                        cudaStream_t stream);
-PeerError peer_ll_dispatch_send(const LowLatencyArgs& args, const int32_t* axis_index,
-                                cudaStream_t stream);
-PeerError peer_ll_dispatch_recv(const LowLatencyArgs& args, const int32_t* axis_index,
-                                cudaStream_t stream);
-PeerError peer_ll_combine_send(const LowLatencyCombineArgs& args, const int32_t* axis_index,
-                               cudaStream_t stream);
-PeerError peer_ll_combine_recv(const LowLatencyCombineArgs& args, const int32_t* axis_index,
-                               cudaStream_t stream);
+// `op`: kPeerLlDispatchSend or kPeerLlDispatchRecv.
+PeerError peer_ll_dispatch(int op, const LowLatencyArgs& args, const int32_t* axis_index,
+                           cudaStream_t stream);
+// `op`: kPeerLlCombineSend or kPeerLlCombineRecv.
+PeerError peer_ll_combine(int op, const LowLatencyCombineArgs& args, const int32_t* axis_index,
+                          cudaStream_t stream);
 
 }  // namespace jax_ep::cuda

@@ -1,26 +1,37 @@
 // CPU handlers of the exchange targets: the phases of cuda/exchange.h on the CPU, so the CPU
 // results are the kernels' results (the same bodies, the same rounding).
 //
-// With virtual ranks (all R ranks stacked in one call) the phases run over every rank in
-// order, as the virtual-rank kernels do (cuda/exchange.cu). With one rank per device (R > 1
+// With virtual ranks (all R ranks stacked in one call) they run the ops of cuda/virtual_ops.h,
+// as the virtual-rank kernels do (cuda/exchange.cu). With one rank per device (R > 1
 // CPU devices in shard_map) each device's handler runs the ops of cuda/peer_ops.h through host
 // peers (cuda/host_peers.h), meeting the other devices' handlers at barriers. Either way the
 // phases run on the grid of $JAX_EP_CPU_GRID (cuda/host_launch.h): a plain loop by default,
 // GPU-shaped warps and blocks when asked.
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
 
 #include "cuda/host_launch.h"
 #include "cuda/host_peers.h"
-#include "cuda/phase_functors.h"
+#include "cuda/virtual_ops.h"
 #include "ffi/exchange.h"
 
 namespace jax_ep::ffi {
 namespace {
 
-using Peers = VirtualPeers;
+// The CPU launcher of cuda/virtual_ops.h: every launch over all R ranks on the grid.
+struct HostLauncher {
+  int ranks;
+  HostGrid grid;
+  template <typename Phase>
+  void per_thread(const Phase& phase, int64_t items) {
+    host_per_thread(phase, 0, ranks, items, grid);
+  }
+  template <typename Phase>
+  void per_warp(const Phase& phase, int64_t items) {
+    host_per_warp(phase, 0, ranks, items, grid);
+  }
+};
 
 // The grid of the phases; an error when $JAX_EP_CPU_GRID is malformed.
 xffi::Error Grid(const char* op, HostGrid* grid) {
@@ -73,12 +84,8 @@ xffi::Error DispatchCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingArgs args,
     Poison(a.recv_scales, rows * a.scale_cols * 4);
   }
   if (at.between) return Done(host::dispatch(a, at.rank, at.grid));
-  const int R = a.num_ranks;
-  host_per_warp(DispatchCount<Peers>{a}, 0, R, a.num_counters() + 1, at.grid);
-  host_per_thread(DispatchBases{a}, 0, R, a.num_counters(), at.grid);
-  host_per_warp(DispatchSend<Peers>{a}, 0, R, a.num_tokens, at.grid);
-  const int items = std::max({a.capacity, a.rows(), a.experts_per_rank()});
-  host_per_warp(DispatchFinish<Peers>{a}, 0, R, items, at.grid);
+  HostLauncher l{a.num_ranks, at.grid};
+  run_virtual_dispatch(l, a);
   return xffi::Error::Success();
 }
 
@@ -86,12 +93,8 @@ template <typename T>
 xffi::Error Combine(const CombineArgs<float>& untyped, const Placement& at) {
   const CombineArgs<T> a = Retype<T>(untyped);
   if (at.between) return Done(host::combine(a, at.rank, at.grid));
-  const int R = a.num_ranks;
-  if (a.expert_major) {
-    host_per_warp(CombineReduceEntries<T>{a}, 0, R, static_cast<int64_t>(R) * a.num_tokens,
-                  at.grid);
-  }
-  host_per_warp(CombineToken<T, Peers>{a}, 0, R, a.num_tokens, at.grid);
+  HostLauncher l{a.num_ranks, at.grid};
+  run_virtual_combine(l, a);
   return xffi::Error::Success();
 }
 
@@ -110,6 +113,20 @@ xffi::Error CombineCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingArgs args,
   return xffi::Error::Internal("jax_ep_combine: unknown row type");
 }
 
+xffi::Error LowLatencyDispatch(int op, const LowLatencyArgs& a, const Placement& at) {
+  if (at.between) return Done(host::ll_dispatch(op, a, at.rank, at.grid));
+  HostLauncher l{a.num_ranks, at.grid};
+  run_virtual_ll_dispatch(l, op, a);
+  return xffi::Error::Success();
+}
+
+xffi::Error LowLatencyCombine(int op, const LowLatencyCombineArgs& a, const Placement& at) {
+  if (at.between) return Done(host::ll_combine(op, a, at.rank, at.grid));
+  HostLauncher l{a.num_ranks, at.grid};
+  run_virtual_ll_combine(l, op, a);
+  return xffi::Error::Success();
+}
+
 xffi::Error LowLatencyDispatchSendCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingArgs args,
                                           xffi::RemainingRets rets, int64_t num_ranks,
                                           int64_t num_experts, int64_t use_fp8) {
@@ -121,10 +138,7 @@ xffi::Error LowLatencyDispatchSendCpuImpl(xffi::AnyBuffer ranks, xffi::Remaining
   const int64_t slots = (at.between ? 1 : a.num_ranks) * a.experts_per_rank() * a.slots();
   Poison(a.recv_x, slots * a.row_bytes());
   if (a.use_fp8) Poison(a.recv_scales, slots * (a.hidden / kFp8Block) * 4);
-  if (at.between) return Done(host::ll_dispatch_send(a, at.rank, at.grid));
-  host_per_warp(LowLatencyCount<Peers>{a}, 0, a.num_ranks, a.num_experts + 1, at.grid);
-  host_per_warp(LowLatencySend<Peers>{a}, 0, a.num_ranks, a.num_tokens, at.grid);
-  return xffi::Error::Success();
+  return LowLatencyDispatch(kPeerLlDispatchSend, a, at);
 }
 
 xffi::Error LowLatencyDispatchRecvCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingArgs args,
@@ -134,10 +148,7 @@ xffi::Error LowLatencyDispatchRecvCpuImpl(xffi::AnyBuffer ranks, xffi::Remaining
   JAX_EP_RETURN_IF_ERROR(ParseLowLatencyDispatchRecv(args, rets, num_ranks, num_experts, &a));
   Placement at;
   JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyDispatchRecvOp, ranks, args, 0, a.num_ranks, &at));
-  if (at.between) return Done(host::ll_dispatch_recv(a, at.rank, at.grid));
-  host_per_warp(LowLatencyFinish<Peers>{a}, 0, a.num_ranks, a.experts_per_rank() * a.slots(),
-                at.grid);
-  return xffi::Error::Success();
+  return LowLatencyDispatch(kPeerLlDispatchRecv, a, at);
 }
 
 xffi::Error LowLatencyCombineSendCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingArgs args,
@@ -147,10 +158,7 @@ xffi::Error LowLatencyCombineSendCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingA
   JAX_EP_RETURN_IF_ERROR(ParseLowLatencyCombineSend(args, rets, num_ranks, num_experts, &a));
   Placement at;
   JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyCombineSendOp, ranks, args, 0, a.num_ranks, &at));
-  if (at.between) return Done(host::ll_combine_send(a, at.rank, at.grid));
-  host_per_warp(LowLatencyCombineSend<Peers>{a}, 0, a.num_ranks,
-                static_cast<int64_t>(a.num_ranks) * a.num_tokens, at.grid);
-  return xffi::Error::Success();
+  return LowLatencyCombine(kPeerLlCombineSend, a, at);
 }
 
 xffi::Error LowLatencyCombineRecvCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingArgs args,
@@ -160,9 +168,7 @@ xffi::Error LowLatencyCombineRecvCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingA
   JAX_EP_RETURN_IF_ERROR(ParseLowLatencyCombineRecv(args, rets, num_ranks, num_experts, &a));
   Placement at;
   JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyCombineRecvOp, ranks, args, 0, a.num_ranks, &at));
-  if (at.between) return Done(host::ll_combine_recv(a, at.rank, at.grid));
-  host_per_warp(LowLatencyCombineToken{a}, 0, a.num_ranks, a.num_tokens, at.grid);
-  return xffi::Error::Success();
+  return LowLatencyCombine(kPeerLlCombineRecv, a, at);
 }
 
 }  // namespace

@@ -76,8 +76,9 @@ xffi::Error LowLatencyDispatchSendCudaImpl(cudaStream_t stream, xffi::AnyBuffer 
   const int32_t* axis;
   JAX_EP_RETURN_IF_ERROR(
       ParseRanks(kLowLatencyDispatchSendOp, ranks, args, 1, a.num_ranks, &between, &axis));
-  if (between) return Done(cuda::peer_ll_dispatch_send(a, axis, stream));
-  return Launched(kLowLatencyDispatchSendOp, cuda::launch_ll_dispatch_send(a, stream));
+  if (between) return Done(cuda::peer_ll_dispatch(kPeerLlDispatchSend, a, axis, stream));
+  return Launched(kLowLatencyDispatchSendOp,
+                  cuda::launch_ll_dispatch(kPeerLlDispatchSend, a, stream));
 }
 
 xffi::Error LowLatencyDispatchRecvCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks,
@@ -89,8 +90,9 @@ xffi::Error LowLatencyDispatchRecvCudaImpl(cudaStream_t stream, xffi::AnyBuffer 
   const int32_t* axis;
   JAX_EP_RETURN_IF_ERROR(
       ParseRanks(kLowLatencyDispatchRecvOp, ranks, args, 0, a.num_ranks, &between, &axis));
-  if (between) return Done(cuda::peer_ll_dispatch_recv(a, axis, stream));
-  return Launched(kLowLatencyDispatchRecvOp, cuda::launch_ll_dispatch_recv(a, stream));
+  if (between) return Done(cuda::peer_ll_dispatch(kPeerLlDispatchRecv, a, axis, stream));
+  return Launched(kLowLatencyDispatchRecvOp,
+                  cuda::launch_ll_dispatch(kPeerLlDispatchRecv, a, stream));
 }
 
 xffi::Error LowLatencyCombineSendCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks,
@@ -102,8 +104,9 @@ xffi::Error LowLatencyCombineSendCudaImpl(cudaStream_t stream, xffi::AnyBuffer r
   const int32_t* axis;
   JAX_EP_RETURN_IF_ERROR(
       ParseRanks(kLowLatencyCombineSendOp, ranks, args, 0, a.num_ranks, &between, &axis));
-  if (between) return Done(cuda::peer_ll_combine_send(a, axis, stream));
-  return Launched(kLowLatencyCombineSendOp, cuda::launch_ll_combine_send(a, stream));
+  if (between) return Done(cuda::peer_ll_combine(kPeerLlCombineSend, a, axis, stream));
+  return Launched(kLowLatencyCombineSendOp,
+                  cuda::launch_ll_combine(kPeerLlCombineSend, a, stream));
 }
 
 xffi::Error LowLatencyCombineRecvCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks,
@@ -115,8 +118,9 @@ xffi::Error LowLatencyCombineRecvCudaImpl(cudaStream_t stream, xffi::AnyBuffer r
   const int32_t* axis;
   JAX_EP_RETURN_IF_ERROR(
       ParseRanks(kLowLatencyCombineRecvOp, ranks, args, 0, a.num_ranks, &between, &axis));
-  if (between) return Done(cuda::peer_ll_combine_recv(a, axis, stream));
-  return Launched(kLowLatencyCombineRecvOp, cuda::launch_ll_combine_recv(a, stream));
+  if (between) return Done(cuda::peer_ll_combine(kPeerLlCombineRecv, a, axis, stream));
+  return Launched(kLowLatencyCombineRecvOp,
+                  cuda::launch_ll_combine(kPeerLlCombineRecv, a, stream));
 }
 
 }  // namespace

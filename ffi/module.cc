@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "cuda/meter.h"
 #include "ffi/exchange.h"
 #include "ffi/layout.h"
 #include "ffi/runtime.h"
@@ -93,6 +94,23 @@ nb::dict BuildInfo() {
   return info;
 }
 
+// What the ops run on the CPU did since the last reset (cuda/meter.h).
+nb::dict Meter(bool reset) {
+  jax_ep::Meter& m = jax_ep::meter();
+  nb::dict out;
+  out["launches"] = m.launches.load();
+  out["barriers"] = m.barriers.load();
+  out["read"] = m.read.load();
+  out["written"] = m.written.load();
+  if (reset) {
+    m.launches = 0;
+    m.barriers = 0;
+    m.read = 0;
+    m.written = 0;
+  }
+  return out;
+}
+
 }  // namespace
 
 NB_MODULE(_ext, m) {
@@ -109,5 +127,11 @@ NB_MODULE(_ext, m) {
         &BuildInfo,
         "{'ffi_api_version', 'cuda', 'cuda_arch', 'nvshmem_version'} of this build (the last two "
         "are None without CUDA).");
+  m.def("meter",
+        &Meter,
+        nb::arg("reset") = true,
+        "{'launches', 'barriers', 'read', 'written'}: what the exchange ops run on the CPU did "
+        "since the last reset (launches and barriers per rank's stream, summed over ranks; "
+        "bytes of row data). The cross-check of jax_ep.account.");
   jax_ep::ffi::BindRuntime(m);
 }

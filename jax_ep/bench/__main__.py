@@ -167,12 +167,16 @@ def run_case(
     except Exception as error:  # report it, time the rest, fail at the end
         traceback.print_exc(file=sys.stderr)
         return {**row, "status": "error", "reason": f"{type(error).__name__}: {error}"}
-    return {
+    out = {
         **row,
         "time": dataclasses.asdict(t),
         "bytes_per_rank": case.bytes_per_rank,
         "gbps": case.bytes_per_rank / t.median / 1e9,
     }
+    account = suite.case_account(op, inputs, virtual) if backend == "cuda" else None
+    if account is not None:
+        out["account"] = {**dataclasses.asdict(account), "ratio": account.ratio}
+    return out
 
 
 # Which prediction of jax_ep.perfmodel each op is: (mode, FP8 dispatch, parts).
@@ -243,7 +247,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     """One line per (op, backend); rows not timed show their status ("n/a", "error")."""
     header = (
         f"{'op':<17} {'backend':<8} {'time':>10} {'bytes/rank':>11} {'GB/s':>8} "
-        f"{'floor':>10} {'of floor':>9} {'vs xla':>7} {'model':>10}"
+        f"{'floor':>10} {'of floor':>9} {'vs xla':>7} {'model':>10} {'launches':>8} "
+        f"{'barriers':>8} {'moved/min':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -254,10 +259,13 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             continue
         vs_xla = f"{r['vs_xla']:.2f}" if r["vs_xla"] is not None else "-"
         model = fmt_time(r["model_s"]) if "model_s" in r else "-"
+        a = r.get("account")
+        account = (f"{a['launches']:>8} {a['barriers']:>8} {a['ratio']:>9.2f}" if a
+                   else f"{'-':>8} {'-':>8} {'-':>9}")
         print(
             line + f"{fmt_time(r['time']['median']):>10} {fmt_bytes(r['bytes_per_rank']):>11} "
             f"{r['gbps']:>8.3g} {fmt_time(r['floor_s']):>10} {r['of_floor']:>9.3g} "
-            f"{vs_xla:>7} {model:>10}"
+            f"{vs_xla:>7} {model:>10} {account}"
         )
 
 
@@ -280,6 +288,11 @@ def footnote(bandwidth: float, shared: bool, backends: list[str], on_cpu: bool,
         "vs xla: time / the xla backend's time for the same op (below 1 = faster than xla).",
         f"model: jax_ep.perfmodel's prediction for {hardware.name} (uniform routing; "
         "docs/perfmodel.md; --model picks the hardware).",
+        "launches, barriers, moved/min (cuda rows): jax_ep.account's count of what the "
+        "kernels do, per rank's stream: kernel launches and stream copies, barriers between "
+        "ranks, and bytes of row data read + written over the bytes that must move (targets: "
+        "dispatch <= 3 launches, combine <= 2, low latency <= 2 per half; moved/min <= 1.15). "
+        "Checked against the CPU handlers' own counts in tests/test_account.py.",
         "Timed with the default arguments: their value checks compile to nothing, and the "
         "default capacity never drops a row.",
     ]

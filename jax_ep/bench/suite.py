@@ -407,6 +407,38 @@ CASES: dict[str, Callable[[Inputs, str], Case]] = {
 assert tuple(CASES) == OPS
 
 
+def case_account(op: str, inp: Inputs, virtual: bool) -> Any:
+    """What the cuda backend's kernels do for `op` on these inputs (a jax_ep.account.Account:
+    launches, barriers, bytes of row data against the minimum), or None for the layout."""
+    from jax_ep import account
+
+    s = inp.setup
+    between = not virtual and s.ranks > 1
+    E, H = s.experts, s.hidden
+    idx, ll_idx = np.asarray(inp.idx), np.asarray(inp.ll_idx)
+    row = H * jnp.dtype(s.dtype).itemsize
+    if op == "layout":
+        return None
+    if op == "dispatch_fp8":
+        return account.dispatch(idx, num_experts=E, row_bytes=H,
+                                scale_bytes=H // BLOCK * SCALE_BYTES, between=between)
+    parts = []
+    if op in ("dispatch", "dispatch+combine"):
+        parts.append(account.dispatch(idx, num_experts=E, row_bytes=row, between=between))
+    if op in ("combine", "dispatch+combine"):
+        parts.append(account.combine(idx, num_experts=E, row_bytes=row, between=between))
+    if op in ("ll_dispatch", "ll_dispatch_fp8", "ll_round_trip"):
+        parts += account.low_latency_dispatch(ll_idx, num_experts=E, hidden=H,
+                                               use_fp8=op == "ll_dispatch_fp8",
+                                               between=between)
+    if op in ("ll_combine", "ll_round_trip"):
+        parts += account.low_latency_combine(ll_idx, num_experts=E, hidden=H, between=between)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
 def build_case(op: str, inp: Inputs, backend: str, virtual: bool = False) -> Case:
     """The case of `op` on `backend`, compiled and run once (its counts checked).
 

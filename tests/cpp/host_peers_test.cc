@@ -278,12 +278,12 @@ void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& 
       for (int i = 0; i < 2; ++i) check(host::dispatch(d.args(s, r), r, grid));
       for (int i = 0; i < 2; ++i) check(host::combine(c.args(s, d, r), r, grid));
       for (int i = 0; i < 2; ++i) {
-        check(host::ll_dispatch_send(ll.dispatch_args(s, r), r, grid));
-        check(host::ll_dispatch_recv(ll.dispatch_args(s, r), r, grid));
+        check(host::ll_dispatch(kPeerLlDispatchSend, ll.dispatch_args(s, r), r, grid));
+        check(host::ll_dispatch(kPeerLlDispatchRecv, ll.dispatch_args(s, r), r, grid));
       }
       for (int i = 0; i < 2; ++i) {
-        check(host::ll_combine_send(ll.combine_args(s, r), r, grid));
-        check(host::ll_combine_recv(ll.combine_args(s, r), r, grid));
+        check(host::ll_combine(kPeerLlCombineSend, ll.combine_args(s, r), r, grid));
+        check(host::ll_combine(kPeerLlCombineRecv, ll.combine_args(s, r), r, grid));
       }
     });
   }

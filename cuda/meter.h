@@ -1,0 +1,40 @@
+// What an op does, counted where its code runs on the CPU: the cross-check of the account
+// (jax_ep/account.py), which predicts the same numbers from the routing for the GPU.
+//
+// Counted: launches (phases with items, barrier kernels and stream copies, per rank's stream),
+// barriers between ranks, and the bytes of row data (token rows, FP8 scales, partial sums)
+// that the phase bodies read and write. Bookkeeping (ids, weights, counters, offsets) is not
+// counted: a few bytes per row next to kilobytes. On the GPU the calls compile to nothing.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+#include "cuda/routing.h"  // JAX_EP_HOST_DEVICE
+
+namespace jax_ep {
+
+struct Meter {
+  std::atomic<int64_t> launches{0}, barriers{0}, read{0}, written{0};
+};
+
+// The process's meter (jax_ep._ext.meter reads and resets it).
+inline Meter& meter() {
+  static Meter m;
+  return m;
+}
+
+// A phase body read and wrote these bytes of row data (counted once per item, by lane 0).
+JAX_EP_HOST_DEVICE void meter_rows(int64_t read, int64_t written) {
+#if !defined(__CUDA_ARCH__)
+  meter().read.fetch_add(read, std::memory_order_relaxed);
+  meter().written.fetch_add(written, std::memory_order_relaxed);
+#else
+  (void)read, (void)written;
+#endif
+}
+
+inline void meter_launch() { meter().launches.fetch_add(1, std::memory_order_relaxed); }
+inline void meter_barrier() { meter().barriers.fetch_add(1, std::memory_order_relaxed); }
+
+}  // namespace jax_ep

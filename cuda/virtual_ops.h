@@ -1,0 +1,59 @@
+// The ops with virtual ranks: all R ranks of the group in one call, inputs and outputs stacked
+// [R, ...], peers reached as slices of the stacks (VirtualPeers). Each phase is one launch
+// over every rank's items, so a launch boundary is the barrier between phases.
+//
+// Written once for both launchers: the GPU's kernels (cuda/exchange.cu) and the CPU's
+// emulated grids (ffi/exchange_cpu.cc). A Launcher L provides
+//   void per_thread(phase, items), per_warp(phase, items)   one launch over ranks [0, R)
+// (cuda/peer_ops.h is the same for one rank per device, with barriers between the launches).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda/peer_ops.h"
+#include "cuda/phase_functors.h"
+
+namespace jax_ep {
+
+template <typename L>
+void run_virtual_dispatch(L& l, const DispatchArgs& a) {
+  using Peers = VirtualPeers;
+  l.per_warp(DispatchCount<Peers>{a}, a.num_counters() + 1);
+  l.per_thread(DispatchBases{a}, a.num_counters());
+  l.per_warp(DispatchSend<Peers>{a}, a.num_tokens);
+  l.per_warp(DispatchFinish<Peers>{a}, std::max({a.capacity, a.rows(), a.experts_per_rank()}));
+}
+
+template <typename L, typename T>
+void run_virtual_combine(L& l, const CombineArgs<T>& a) {
+  if (a.expert_major) {
+    l.per_warp(CombineReduceEntries<T>{a}, static_cast<int64_t>(a.num_ranks) * a.num_tokens);
+  }
+  l.per_warp(CombineToken<T, VirtualPeers>{a}, a.num_tokens);
+}
+
+// `op` is kPeerLlDispatchSend or kPeerLlDispatchRecv (cuda/peer_ops.h).
+template <typename L>
+void run_virtual_ll_dispatch(L& l, int op, const LowLatencyArgs& a) {
+  using Peers = VirtualPeers;
+  if (op == kPeerLlDispatchSend) {
+    l.per_warp(LowLatencyCount<Peers>{a}, a.num_experts + 1);
+    l.per_warp(LowLatencySend<Peers>{a}, a.num_tokens);
+  } else {
+    l.per_warp(LowLatencyFinish<Peers>{a}, a.experts_per_rank() * a.slots());
+  }
+}
+
+// `op` is kPeerLlCombineSend or kPeerLlCombineRecv.
+template <typename L>
+void run_virtual_ll_combine(L& l, int op, const LowLatencyCombineArgs& a) {
+  if (op == kPeerLlCombineSend) {
+    l.per_warp(LowLatencyCombineSend<VirtualPeers>{a},
+               static_cast<int64_t>(a.num_ranks) * a.num_tokens);
+  } else {
+    l.per_warp(LowLatencyCombineToken{a}, a.num_tokens);
+  }
+}
+
+}  // namespace jax_ep

@@ -1,0 +1,353 @@
+"""What each exchange op of the "cuda" backend does on the GPU, counted from its kernel plan.
+
+For a routing and the op's shapes, an `Account` gives:
+
+- launches: kernels and stream copies on each rank's stream (a barrier between GPUs is a
+  kernel too);
+- barriers: waits of every rank for every other, per rank (between GPUs; with virtual ranks a
+  launch boundary orders the phases and no rank waits for another);
+- read, written: bytes of row data (token rows, FP8 scales, partial sums) read and written,
+  all ranks together. Bookkeeping (ids, weights, counters, offsets) is left out: a few bytes
+  per row next to kilobytes;
+- minimum: the bytes of row data any design must move: every source row that carries data
+  read once and every delivered row written once; combine reads each row that carries data
+  once and writes every output row. Between devices each delivered row also passes once
+  through the symmetric buffer (one more write and read), because a peer cannot write or
+  read the buffers XLA owns.
+
+The plan is the sequence of cuda/peer_ops.h (between devices) and cuda/virtual_ops.h (virtual
+ranks) with the byte counts of the phase bodies in cuda/exchange.h. The same code runs on the
+CPU, where it counts what it does (cuda/meter.h, `jax_ep._ext.meter`); tests/test_account.py
+checks that the two agree on random routings, so the account describes the code as it is.
+
+Run `python -m jax_ep.account` for the account at DeepSeek's shapes (docs/cuda.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from jax_ep.fp8 import BLOCK
+
+SCALE_BYTES = 4  # one float32 scale per BLOCK channels
+
+
+@dataclasses.dataclass(frozen=True)
+class Account:
+    """What one op (or one half of a split op) does; see the module docstring."""
+
+    op: str
+    launches: int
+    barriers: int
+    read: int
+    written: int
+    minimum: int
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of row data read plus written."""
+        return self.read + self.written
+
+    @property
+    def ratio(self) -> float:
+        """bytes / minimum (1.0: nothing moved that did not have to be)."""
+        if self.minimum == 0:
+            return 1.0 if self.bytes == 0 else float("inf")
+        return self.bytes / self.minimum
+
+    def __add__(self, other: Account) -> Account:
+        """The two ops run one after the other (e.g. a send and its receive)."""
+        return Account(
+            f"{self.op}+{other.op}",
+            self.launches + other.launches,
+            self.barriers + other.barriers,
+            self.read + other.read,
+            self.written + other.written,
+            self.minimum + other.minimum,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The routing, in NumPy
+
+
+def _clean(topk_idx: np.ndarray, num_experts: int) -> np.ndarray:
+    idx = np.asarray(topk_idx)
+    return np.where((idx >= 0) & (idx < num_experts), idx, -1)
+
+
+def _kept_rows(topk_idx: np.ndarray, num_experts: int, capacity: int) -> np.ndarray:
+    """bool [R(source), T, R(dest)]: token t of s is a kept rank-major row on d (rows of d
+    ordered by source rank, then token; the first `capacity` kept)."""
+    ids = _clean(topk_idx, num_experts)
+    R = ids.shape[0]
+    dest = np.where(ids >= 0, ids // (num_experts // R), -1)
+    goes = (dest[..., None] == np.arange(R)).any(axis=2)  # [R, T, R]
+    position = np.cumsum(goes.reshape(-1, R), axis=0).reshape(goes.shape) - 1
+    return goes & (position < capacity)
+
+
+def _kept_entries(topk_idx: np.ndarray, num_experts: int, capacity: int) -> np.ndarray:
+    """bool [R, T, K]: choice k of token t of s is a kept expert-major entry (entries of a rank
+    ordered by local expert, then source rank, token and choice; the first `capacity` kept)."""
+    ids = _clean(topk_idx, num_experts)
+    R, T, K = ids.shape
+    order = np.arange(R * T * K).reshape(R, T, K)
+    key = np.where(ids >= 0, ids.astype(np.int64) * R * T * K + order, -1).ravel()
+    rank_of = np.where(ids >= 0, ids // (num_experts // R), -1).ravel()
+    kept = np.zeros(ids.size, bool)
+    for d in range(R):
+        mine = np.flatnonzero(rank_of == d)
+        kept[mine[np.argsort(key[mine])[:capacity]]] = True
+    return kept.reshape(R, T, K)
+
+
+def _messages(topk_idx: np.ndarray, num_experts: int) -> np.ndarray:
+    """bool [R, T, K]: choice k is a low-latency message (valid, the first of its expert)."""
+    ids = _clean(topk_idx, num_experts)
+    K = ids.shape[2]
+    first = np.ones(ids.shape, bool)
+    for k in range(1, K):
+        first[..., k] = ~(ids[..., :k] == ids[..., k : k + 1]).any(axis=-1)
+    return (ids >= 0) & first
+
+
+def _launch(*items: int) -> int:
+    """Launches of phases with these item counts (an empty phase launches nothing)."""
+    return sum(1 for n in items if n > 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ops
+
+
+def default_capacity(num_ranks: int, num_tokens: int, top_k: int, num_experts: int,
+                     expert_major: bool) -> int:
+    """The capacity of `jax_ep.dispatch` when none is given: never drops a row (entry)."""
+    capacity = num_ranks * num_tokens
+    return capacity * min(top_k, num_experts // num_ranks) if expert_major else capacity
+
+
+def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_bytes: int = 0,
+             capacity: int | None = None, expert_major: bool = False, between: bool = False,
+             zero_padding: bool = False) -> Account:
+    """Normal dispatch of every rank's rows.
+
+    Args:
+      topk_idx: int [R, T, K], every rank's routing (ids outside [0, E) are masked).
+      num_experts: E.
+      row_bytes: bytes of one token row (H x the element size; H with FP8).
+      scale_bytes: bytes of its FP8 scales (H / 128 x 4), 0 without FP8.
+      capacity: rows (entries with `expert_major`) per receiver; None: the default.
+      expert_major: the expert-major layout.
+      between: one rank per device (else virtual ranks, all in one call).
+      zero_padding: rows past the count are zeroed (the backward of combine).
+    """
+    R, T, K = np.shape(topk_idx)
+    E = num_experts
+    if capacity is None:
+        capacity = default_capacity(R, T, K, E, expert_major)
+    row = row_bytes + scale_bytes
+    if expert_major:
+        kept = _kept_entries(topk_idx, E, capacity)  # [R, T, K]
+        delivered = int(kept.sum())
+        sources = int(kept.any(axis=2).sum())
+        rows, cols = R * T, 1
+    else:
+        kept = _kept_rows(topk_idx, E, capacity)  # [R, T, R]
+        delivered = int(kept.sum())
+        sources = int(kept.any(axis=2).sum())
+        rows, cols = capacity, K
+    padding = R * capacity - delivered if zero_padding else 0
+    read = written = delivered * row  # the send: one read of the source per destination
+    written += padding * row
+    minimum = sources * row + delivered * row + padding * row
+    counters = R + E
+    phases = _launch(counters + 1, counters, T, max(capacity, rows, E // R))
+    if not between:
+        return Account("dispatch", phases, 0, read, written, minimum)
+    # The finish phase copies the delivered rows out of the symmetric buffer.
+    landing = delivered * row
+    copies = [capacity * cols, capacity * cols, rows, R * T]
+    if expert_major:
+        copies += [capacity, capacity, rows * K]
+    return Account("dispatch", 3 + phases + _launch(*copies), 3, read + landing,
+                   written + landing, minimum + 2 * landing)
+
+
+def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
+            capacity: int | None = None, expert_major: bool = False, weighted: bool = False,
+            between: bool = False) -> Account:
+    """Normal combine of the rows a dispatch with this routing delivered.
+
+    Args:
+      topk_idx, num_experts, capacity, expert_major, between: as for `dispatch`.
+      row_bytes: bytes of one row of y (H x the element size).
+      weighted: combine was given topk_weights.
+    """
+    R, T, K = np.shape(topk_idx)
+    E = num_experts
+    if capacity is None:
+        capacity = default_capacity(R, T, K, E, expert_major)
+    out = R * T * row_bytes  # every output row is written
+    kept_rows = _kept_rows(topk_idx, E, R * T if expert_major else capacity)
+    phases = _launch(T)
+    read = int(kept_rows.sum()) * row_bytes  # each home reads its rows from every receiver
+    written = out
+    if expert_major:
+        entries = int(_kept_entries(topk_idx, E, capacity).sum())
+        # Each receiver first sums every rank-major row's entries into a partial row.
+        phases += _launch(R * T)
+        read += entries * row_bytes
+        written += R * R * T * row_bytes
+        carried = entries
+    else:
+        carried = int(kept_rows.sum())
+    minimum = carried * row_bytes + out
+    if not between:
+        return Account("combine", phases, 0, read, written, minimum)
+    copies = [R * T]  # src_row
+    if not expert_major:
+        # y (and its weights) are copied into the symmetric buffer, where the homes read them.
+        copies += [capacity * row_bytes, capacity if weighted else 0]
+        read += R * capacity * row_bytes
+        written += R * capacity * row_bytes
+    return Account("combine", 2 + phases + _launch(*copies), 2, read, written,
+                   minimum + 2 * carried * row_bytes)
+
+
+def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
+                         use_fp8: bool = False, between: bool = False) -> tuple[Account, Account]:
+    """Low-latency dispatch of bfloat16 tokens: (the send, the receive).
+
+    Args:
+      topk_idx: int [R, T, K], every rank's routing.
+      num_experts: E.
+      hidden: H.
+      use_fp8: the send casts to FP8 (H bytes and H / 128 scales per message).
+      between: one rank per device (else virtual ranks).
+    """
+    R, T, K = np.shape(topk_idx)
+    E, H = num_experts, hidden
+    messages = _messages(topk_idx, E)
+    m, sources = int(messages.sum()), int(messages.any(axis=2).sum())
+    message = H + H // BLOCK * SCALE_BYTES if use_fp8 else 2 * H
+    # The send reads the token once per message and writes the message into its slot.
+    send = Account("ll_dispatch_send", _launch(E + 1, T), 0, m * 2 * H, m * message,
+                   sources * 2 * H + m * message)
+    recv = Account("ll_dispatch_recv", _launch(E // R * R * T), 0, 0, 0, 0)
+    if not between:
+        return send, recv
+    landing = m * message  # the receive copies the counted rows out of the symmetric buffer
+    send = dataclasses.replace(send, launches=send.launches + 2, barriers=2)
+    recv = Account("ll_dispatch_recv", 1 + recv.launches + _launch(R * T * K), 1, landing,
+                   landing, 2 * landing)
+    return send, recv
+
+
+def low_latency_combine(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
+                        between: bool = False) -> tuple[Account, Account]:
+    """Low-latency combine of the bfloat16 slots of a dispatch with this routing: (the send,
+    the receive). Arguments as for `low_latency_dispatch`."""
+    R, T, K = np.shape(topk_idx)
+    row = 2 * hidden
+    choices = int((_clean(topk_idx, num_experts) >= 0).sum())
+    m = int(_messages(topk_idx, num_experts).sum())
+    out = R * T * row
+    # The send returns one row per choice into the home's staging; the receive sums them.
+    send = Account("ll_combine_send", _launch(R * T), 0, choices * row, choices * row, m * row)
+    recv = Account("ll_combine_recv", _launch(T), 0, choices * row, out, out)
+    if not between:
+        return send, recv
+    # Each message passes through the home's symmetric buffer: written by the send, read by
+    # the receive.
+    send = dataclasses.replace(send, launches=send.launches + 1, barriers=1,
+                               minimum=2 * m * row)
+    recv = dataclasses.replace(recv, launches=recv.launches + 1, barriers=1,
+                               minimum=m * row + out)
+    return send, recv
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets and the table
+
+
+# The targets of the kernels' design (docs/cuda.md, "The account"): bytes moved per byte that
+# must move, and launches per rank's stream.
+BYTES_TARGET = 1.15
+LAUNCH_TARGETS = {"dispatch": 3, "combine": 2, "ll_dispatch_send": 2, "ll_dispatch_recv": 2,
+                  "ll_combine_send": 2, "ll_combine_recv": 2}
+
+
+def deepseek_accounts(num_ranks: int = 8, between: bool = False, seed: int = 0,
+                      tokens: int = 4096, ll_tokens: int = 128, hidden: int = 7168,
+                      top_k: int = 8, num_experts: int = 256) -> list[Account]:
+    """Every op's account at DeepSeek's shapes with a uniform random routing."""
+    rng = np.random.default_rng(seed)
+
+    def routing(num_tokens: int) -> np.ndarray:
+        scores = rng.random((num_ranks, num_tokens, num_experts))
+        return np.argsort(scores, axis=-1)[..., :top_k].astype(np.int32)
+
+    idx, ll_idx = routing(tokens), routing(ll_tokens)
+    fp8_row = dict(row_bytes=hidden, scale_bytes=hidden // BLOCK * SCALE_BYTES)
+    accounts = [
+        dispatch(idx, num_experts=num_experts, row_bytes=2 * hidden, between=between),
+        dataclasses.replace(dispatch(idx, num_experts=num_experts, between=between, **fp8_row),
+                            op="dispatch (fp8)"),
+        combine(idx, num_experts=num_experts, row_bytes=2 * hidden, between=between),
+    ]
+    for use_fp8 in (False, True):
+        for a in low_latency_dispatch(ll_idx, num_experts=num_experts, hidden=hidden,
+                                      use_fp8=use_fp8, between=between):
+            accounts.append(dataclasses.replace(a, op=a.op + (" (fp8)" if use_fp8 else "")))
+    accounts += low_latency_combine(ll_idx, num_experts=num_experts, hidden=hidden,
+                                    between=between)
+    return accounts
+
+
+def meets(account: Account) -> tuple[bool, bool]:
+    """(bytes within BYTES_TARGET of the minimum, launches within the op's target)."""
+    base = account.op.split(" ")[0]
+    return account.ratio <= BYTES_TARGET, account.launches <= LAUNCH_TARGETS[base]
+
+
+def table(accounts: Sequence[Account]) -> str:
+    """The accounts as a Markdown table, with each one's targets met (yes) or not (no)."""
+    lines = ["| op | launches | barriers | GB moved | GB minimum | moved / minimum |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for a in accounts:
+        bytes_ok, launches_ok = meets(a)
+        over = {True: "", False: " (over)"}
+        lines.append(
+            f"| {a.op} | {a.launches}{over[launches_ok]} | {a.barriers} | "
+            f"{a.bytes / 1e9:.3f} | {a.minimum / 1e9:.3f} | {a.ratio:.2f}{over[bytes_ok]} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m jax_ep.account",
+        description="The cuda backend's account (launches, barriers, bytes of row data) at "
+        "DeepSeek's shapes, uniform routing: normal mode T 4096, low latency T 128; H 7168, "
+        "top-8 of 256 experts. Needs no GPU.",
+    )
+    p.add_argument("--ranks", type=int, default=8, help="EP ranks (default 8)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    for between, title in ((False, "virtual ranks (one GPU)"),
+                           (True, "one rank per GPU (between GPUs)")):
+        print(f"R = {args.ranks}, {title}; targets: launches dispatch <= 3, combine <= 2, "
+              f"low latency <= 2 per half; moved <= {BYTES_TARGET} x minimum; (over) marks a "
+              "miss\n")
+        print(table(deepseek_accounts(args.ranks, between, args.seed)))
+        print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""The account (jax_ep.account) against what the code does: the CPU handlers run the phase
+bodies and op sequences the GPU runs and count their launches, barriers and bytes of row data
+(cuda/meter.h); for random routings (skewed, masked and invalid ids, empty ranks, capacity
+cuts, sizes that are not powers of two) the counts must equal the account's, exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from harness import sharded
+from test_host_peers import host_peers  # noqa: F401  (the fixture: host peers initialized)
+from test_virtual import routing
+
+import jax_ep
+from jax_ep import _exchange_ffi, _ffi, account, fp8
+
+pytestmark = pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
+KINDS = ["uniform", "hot_expert", "empty_ranks", "duplicates"]
+AXIS = "ep"
+
+
+def metered(fn, *args, **kwargs):
+    """fn(*args, **kwargs) run to completion, and what the ops in it counted (cuda/meter.h)."""
+    _ffi.EXT.meter(reset=True)
+    out = jax.block_until_ready(fn(*args, **kwargs))
+    return _ffi.EXT.meter(reset=True), out
+
+
+def assert_counts(got: dict, want: account.Account, ranks_running: int = 1):
+    """The meter's counts equal the account; launches and barriers are summed over the
+    `ranks_running` ranks that each ran the op (one per device between devices)."""
+    expected = {"launches": want.launches * ranks_running,
+                "barriers": want.barriers * ranks_running,
+                "read": want.read, "written": want.written}
+    assert got == expected, f"{want.op}: counted {got}, the account says {expected}"
+
+
+def draw(rng, R, kind=None, invalid=False):
+    T, K = int(rng.integers(3, 12)), int(rng.integers(1, 5))
+    E = R * int(rng.integers(1, 4))
+    H = 128 * int(rng.integers(1, 3))
+    kind = kind or str(rng.choice(KINDS))
+    idx, w = routing(rng, R, T, K, E, kind, invalid=invalid)
+    return T, K, E, H, idx, w
+
+
+# ---------------------------------------------------------------------------------------------
+# Virtual ranks: the targets called directly
+
+
+@pytest.mark.parametrize("R", [1, 3, 4])
+@pytest.mark.parametrize("expert_major", [False, True])
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_virtual_dispatch_and_combine(R, expert_major, use_fp8):
+    rng = np.random.default_rng()
+    T, K, E, H, idx, w = draw(rng, R, invalid=True)
+    full = account.default_capacity(R, T, K, E, expert_major)
+    capacity = int(rng.integers(1, full + 1))  # often cuts
+    x = rng.standard_normal((R, T, H)).astype(np.float32)
+    if use_fp8:
+        data, scales = (np.asarray(a) for a in fp8.quantize(x.astype(ml_dtypes.bfloat16)))
+        row, scale_bytes = H, H // fp8.BLOCK * 4
+    else:
+        data, scales, row, scale_bytes = x.astype(ml_dtypes.bfloat16), None, 2 * H, 0
+    for zero_padding in (False, True):
+        counted, out = metered(_exchange_ffi.dispatch, data, scales, idx, w, num_ranks=R,
+                               num_experts=E, capacity=capacity, expert_major=expert_major,
+                               zero_padding=zero_padding)
+        assert_counts(counted, account.dispatch(
+            idx, num_experts=E, row_bytes=row, scale_bytes=scale_bytes, capacity=capacity,
+            expert_major=expert_major, zero_padding=zero_padding))
+
+    for y_dtype in (np.float32, ml_dtypes.bfloat16):
+        y = rng.standard_normal((R, capacity, H)).astype(y_dtype)
+        for weighted in (False, True):
+            weights = rng.random((R, capacity)).astype(np.float32) if weighted else None
+            counted, _ = metered(_exchange_ffi.combine, y, weights, out["src_row"],
+                                 out["row_entries"] if expert_major else None, num_ranks=R,
+                                 top_k=K, expert_major=expert_major)
+            assert_counts(counted, account.combine(
+                idx, num_experts=E, row_bytes=H * np.dtype(y_dtype).itemsize,
+                capacity=capacity, expert_major=expert_major, weighted=weighted))
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_virtual_low_latency(R, use_fp8):
+    rng = np.random.default_rng()
+    T, K, E, H, idx, w = draw(rng, R, invalid=True)
+    x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+    want_send, want_recv = account.low_latency_dispatch(idx, num_experts=E, hidden=H,
+                                                        use_fp8=use_fp8)
+    counted, sent = metered(_exchange_ffi.ll_dispatch_send, x, idx, num_ranks=R, num_experts=E,
+                            use_fp8=use_fp8)
+    assert_counts(counted, want_send)
+    counted, (_, _, src_row, _) = metered(_exchange_ffi.ll_dispatch_recv, sent, num_ranks=R,
+                                          num_experts=E)
+    assert_counts(counted, want_recv)
+
+    want_send, want_recv = account.low_latency_combine(idx, num_experts=E, hidden=H)
+    y = rng.standard_normal((R, E // R, R * T, H)).astype(ml_dtypes.bfloat16)
+    counted, staging = metered(_exchange_ffi.ll_combine_send, y, src_row, num_ranks=R,
+                               num_experts=E)
+    assert_counts(counted, want_send)
+    counted, _ = metered(_exchange_ffi.ll_combine_recv, staging, sent["clean_idx"], w,
+                         num_ranks=R, num_experts=E)
+    assert_counts(counted, want_recv)
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank per device: host peers, the GPU's code between devices
+
+
+@pytest.mark.parametrize("R", [2, 3])
+@pytest.mark.parametrize("expert_major", [False, True])
+def test_between_devices_round_trip(R, expert_major):
+    rng = np.random.default_rng()
+    T, K, E, H, idx, w = draw(rng, R)
+    x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+
+    def program(x, idx, w):
+        received, handle = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS,
+                                           expert_major=expert_major, backend="cuda")
+        return jax_ep.combine(received.x, handle, backend="cuda")
+
+    run = sharded(program, R)
+    jax.block_until_ready(run(x, idx, w))  # compiles
+    counted, _ = metered(run, x, idx, w)
+    want = (account.dispatch(idx, num_experts=E, row_bytes=2 * H, expert_major=expert_major,
+                             between=True)
+            + account.combine(idx, num_experts=E, row_bytes=2 * H, expert_major=expert_major,
+                              between=True))
+    assert_counts(counted, want, ranks_running=R)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_between_devices_low_latency(R):
+    rng = np.random.default_rng()
+    T, K, E, H, idx, w = draw(rng, R)
+    x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+    use_fp8 = bool(rng.integers(2))
+
+    def program(x, idx, w):
+        received, handle = jax_ep.low_latency_dispatch(x, idx, num_experts=E, axis_name=AXIS,
+                                                       use_fp8=use_fp8, backend="cuda")
+        y = received.x if not use_fp8 else jax_ep.fp8.dequantize(received.x, received.scales)
+        return jax_ep.low_latency_combine(y.astype(x.dtype), idx, w, handle, backend="cuda")
+
+    run = sharded(program, R)
+    jax.block_until_ready(run(x, idx, w))
+    counted, _ = metered(run, x, idx, w)
+    parts = [*account.low_latency_dispatch(idx, num_experts=E, hidden=H, use_fp8=use_fp8,
+                                           between=True),
+             *account.low_latency_combine(idx, num_experts=E, hidden=H, between=True)]
+    assert_counts(counted, functools.reduce(operator.add, parts), ranks_running=R)
+
+
+def test_deepseek_table_runs():
+    """`python -m jax_ep.account`'s table: every op at DeepSeek's shapes, both placements."""
+    for between in (False, True):
+        accounts = account.deepseek_accounts(num_ranks=4, between=between, tokens=64,
+                                             ll_tokens=16, hidden=256, num_experts=32)
+        text = account.table(accounts)
+        assert all(a.op in text for a in accounts)
+        assert all(a.minimum > 0 for a in accounts if a.op.startswith(("dispatch", "combine")))
