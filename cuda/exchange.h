@@ -439,12 +439,28 @@ struct CombineArgs {
   const int32_t* row_entries; // [R, R*T, K] (expert-major)
   T* partial;                 // [R, R*T, H] workspace (expert-major)
   T* out;                     // [R, T, H]
+  // Between devices, rank-major: where this rank stages the rows of y that the homes read
+  // (its symmetric buffer, [capacity, H]); null otherwise.
+  T* staged = nullptr;
   // Rank whose data sits at index 0 of the per-rank arrays that are not reached through Peers
   // (inputs, workspace, summaries): 0 with virtual ranks (all ranks here), this rank's own
   // number between GPUs (one rank here).
   int first_rank = 0;
   JAX_EP_HOST_DEVICE int64_t local(int rank) const { return rank - first_rank; }
 };
+
+// Between devices, rank-major, items (d, src) for src in [0, R*T): receiver d stages the row
+// of y that holds token src, if any, where the token's home reads it. Only the rows that carry
+// data leave y (docs/contract.md, "Padding").
+template <typename T>
+JAX_EP_HOST_DEVICE void combine_stage(const CombineArgs<T>& a, int d, int64_t src, int lane,
+                                      int lanes) {
+  const int64_t rows = static_cast<int64_t>(a.num_ranks) * a.num_tokens, H = a.hidden;
+  const int32_t row = a.src_row[a.local(d) * rows + src];
+  if (row < 0) return;
+  const int64_t at = (a.local(d) * a.capacity + row) * H;
+  copy_row(a.staged + at, a.y + at, H * static_cast<int64_t>(sizeof(T)), lane, lanes);
+}
 
 // Expert-major step, items (d, i): rank-major row i of receiver d = the sum of its entries in
 // sorted order, each times its weight, in float32 from 0, stored in y's type.

@@ -193,10 +193,9 @@ class HostPlatform {
   void per_warp(const Phase& phase, int64_t items) {
     if (error_.ok()) host_per_warp(phase, me_, 1, items, grid_);
   }
-  void copy(void* dst, const void* src, int64_t bytes, bool row_data = false) {
+  void copy(void* dst, const void* src, int64_t bytes) {
     if (!error_.ok() || bytes == 0) return;
     meter_launch();  // a copy on the GPU's stream
-    if (row_data) meter_rows(bytes, bytes);
     std::memcpy(dst, src, static_cast<size_t>(bytes));
   }
   PeerError result(int /*op*/) const { return error_; }

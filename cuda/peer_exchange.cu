@@ -218,7 +218,7 @@ class DevicePlatform {
   void per_warp(const Phase& phase, int64_t items) {
     if (status_ == cudaSuccess) status_ = cuda::per_warp(phase, rank(), 1, items, stream_);
   }
-  void copy(void* dst, const void* src, int64_t bytes, bool /*row_data*/ = false) {
+  void copy(void* dst, const void* src, int64_t bytes) {
     if (status_ != cudaSuccess || bytes == 0) return;
     status_ = cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice,
                               stream_);

@@ -22,8 +22,7 @@
 //   size_t low_latency_offset() const;        where its low-latency regions start
 //   void barrier(int op, Wait wait);          every rank meets; earlier writes are visible
 //   void per_thread(phase, items), per_warp(phase, items)   runs a phase for this rank
-//   void copy(void* dst, const void* src, int64_t bytes, bool row_data = false)
-//                                             (row_data: counted by the CPU's meter)
+//   void copy(void* dst, const void* src, int64_t bytes)
 //   PeerError result(int op);                 the first failure of the steps above, if any
 // Steps after a failure do nothing, so the ops below read as straight sequences.
 #pragma once
@@ -294,14 +293,17 @@ PeerError run_combine(Platform& p, const CombineArgs<T>& in) {
   const int R = in.num_ranks;
   CombineArgs<T> a = in;
   a.first_rank = p.rank();
-  const int64_t H = a.hidden, rows = static_cast<int64_t>(R) * a.num_tokens;
+  const int64_t rows = static_cast<int64_t>(R) * a.num_tokens;
   const bool em = a.expert_major;
   CombineRegions<T> r;
   const size_t used = carve_combine(p.symmetric() + kSignalBytes, a, &r);
   PeerError error = fits(op, "normal-mode", used, p.low_latency_offset() - kSignalBytes);
   if (!error.ok()) return error;
   p.barrier(op, Wait::kStart);  // peers are done reading the last op's data
-  if (!em) p.copy(r.y, in.y, a.capacity * H * int64_t{sizeof(T)}, /*row_data=*/true);
+  if (!em) {
+    a.staged = r.y;  // the rows of y that carry data, where the homes read them
+    p.per_warp(CombineStage<T>{a}, rows);
+  }
   if (!em && a.weights) p.copy(r.weights, in.weights, int64_t{4} * a.capacity);
   p.copy(r.src_row, in.src_row, int64_t{4} * rows);
   a.src_row = r.src_row;

@@ -41,6 +41,13 @@ struct DispatchFinish {
   }
 };
 template <typename T>
+struct CombineStage {
+  CombineArgs<T> a;
+  JAX_EP_HOST_DEVICE void operator()(int d, int64_t src, int lane, int lanes) const {
+    combine_stage(a, d, src, lane, lanes);
+  }
+};
+template <typename T>
 struct CombineReduceEntries {
   CombineArgs<T> a;
   JAX_EP_HOST_DEVICE void operator()(int d, int64_t i, int lane, int lanes) const {

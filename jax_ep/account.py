@@ -212,10 +212,12 @@ def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
         return Account("combine", phases, 0, read, written, minimum)
     copies = [R * T]  # src_row
     if not expert_major:
-        # y (and its weights) are copied into the symmetric buffer, where the homes read them.
-        copies += [capacity * row_bytes, capacity if weighted else 0]
-        read += R * capacity * row_bytes
-        written += R * capacity * row_bytes
+        # The rows of y that carry data are staged in the symmetric buffer, where the homes
+        # read them (and the weights are copied there).
+        phases += _launch(R * T)
+        copies.append(capacity if weighted else 0)
+        read += carried * row_bytes
+        written += carried * row_bytes
     return Account("combine", 2 + phases + _launch(*copies), 2, read, written,
                    minimum + 2 * carried * row_bytes)
 
