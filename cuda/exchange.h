@@ -59,6 +59,58 @@ JAX_EP_HOST_DEVICE void copy_row(void* dst, const void* src, int64_t bytes, int 
   }
 }
 
+// Where one source row goes: up to kFanOut destinations, written from one read of the row
+// (fan_out_row). The slots are filled and read with indices known at compile time, so on the
+// GPU they stay in registers.
+constexpr int kFanOut = 8;
+template <typename T>
+struct Fan {
+  T* to[kFanOut];
+  int n = 0;
+  JAX_EP_HOST_DEVICE bool full() const { return n == kFanOut; }
+  JAX_EP_HOST_DEVICE void add(T* p) {
+    JAX_EP_UNROLL for (int j = 0; j < kFanOut; ++j) {
+      if (j == n) to[j] = p;
+    }
+    ++n;
+  }
+};
+
+// Copies `bytes` from src to every destination of the fan, reading src once, and empties the
+// fan. Like copy_row: 16-byte words when every pointer and the size allow, else bytes.
+JAX_EP_HOST_DEVICE void fan_out_row(Fan<char>& fan, const void* src, int64_t bytes, int lane,
+                                    int lanes) {
+  const int n = fan.n;
+  fan.n = 0;
+  if (n == 0) return;
+  if (lane == 0) meter_rows(bytes, n * bytes);
+  struct alignas(16) Word {
+    uint32_t v[4];
+  };
+  uintptr_t bits = reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes);
+  JAX_EP_UNROLL for (int j = 0; j < kFanOut; ++j) {
+    if (j < n) bits |= reinterpret_cast<uintptr_t>(fan.to[j]);
+  }
+  if ((bits & 15u) == 0) {
+    const Word* s = static_cast<const Word*>(src);
+    // Not unrolled: each unrolled copy would keep its own address per destination live.
+    JAX_EP_NO_UNROLL for (int64_t i = lane; i < bytes / 16; i += lanes) {
+      const Word w = s[i];
+      JAX_EP_UNROLL for (int j = 0; j < kFanOut; ++j) {
+        if (j < n) reinterpret_cast<Word*>(fan.to[j])[i] = w;
+      }
+    }
+  } else {
+    const char* s = static_cast<const char*>(src);
+    for (int64_t i = lane; i < bytes; i += lanes) {
+      const char c = s[i];
+      JAX_EP_UNROLL for (int j = 0; j < kFanOut; ++j) {
+        if (j < n) fan.to[j][i] = c;
+      }
+    }
+  }
+}
+
 JAX_EP_HOST_DEVICE void zero_row(void* dst, int64_t bytes, int lane, int lanes) {
   if (lane == 0) meter_rows(0, bytes);
   char* d = static_cast<char*>(dst);
@@ -163,11 +215,21 @@ struct DispatchArgs {
   int32_t* num_dropped;       // [R]
   int32_t* num_needed;        // [R] rows (entries) needed before the capacity cut
 
-  // Where the received rows end up when recv_x is not XLA's result ([R, capacity, ...],
-  // not reached through Peers): between devices recv_x and recv_scales are in the symmetric
-  // buffer and the finish phase copies the kept rows here. Null with virtual ranks.
-  char* out_x = nullptr;
-  float* out_scales = nullptr;
+  // XLA's results when the per-receiver arrays above are in the symmetric buffer (between
+  // devices: the finish phase copies what the contract defines into them, [1, ...]). All
+  // null with virtual ranks, where the arrays above are the results.
+  struct Results {
+    char* x;
+    float* scales;
+    int32_t* idx;
+    float* weights;
+    int32_t *src, *src_row, *entry_row, *entry_choice, *row_entries;
+  } out{};
+  // The per-receiver arrays above, as Results.
+  Results results() const {
+    return {recv_x, recv_scales, recv_idx, recv_weights, recv_src, src_row, entry_row,
+            entry_choice, row_entries};
+  }
   // Rows past the count are unspecified (docs/contract.md, "Padding") unless this is set:
   // then they are zero (the backward of combine delivers cotangents, which must be defined).
   bool zero_padding = false;
@@ -185,6 +247,12 @@ struct DispatchArgs {
     return expert_major ? num_ranks * num_tokens : capacity;
   }
   JAX_EP_HOST_DEVICE int idx_cols() const { return expert_major ? 1 : top_k; }
+  // Items of the finish phase per receiver: its rows, entries and tokens of the group.
+  JAX_EP_HOST_DEVICE int finish_items() const {
+    const int tokens = num_ranks * num_tokens, El = experts_per_rank();
+    const int most = capacity > tokens ? capacity : tokens;
+    return most > El ? most : El;
+  }
   JAX_EP_HOST_DEVICE const int32_t* route(int s, int t) const {
     return clean_idx + (local(s) * num_tokens + t) * top_k;
   }
@@ -252,48 +320,80 @@ JAX_EP_HOST_DEVICE void dispatch_bases(const DispatchArgs& a, int s, int c) {
   a.entry_base[a.local(s) * a.num_experts + e] = base;
 }
 
-// Phase 3, items (s, t): source s writes token t into every receiver (rows, metadata and, for
-// receivers it does not go to, src_row = -1).
+// Where token t of source s (`ids`: its routing, `here`: its index in this rank's inputs)
+// lands on receiver d, rank-major: its row there (before the capacity cut), or -1.
+JAX_EP_HOST_DEVICE int32_t rank_major_row(const DispatchArgs& a, const int32_t* ids,
+                                          int64_t here, int s, int d) {
+  bool goes = false;
+  for (int k = 0; k < a.top_k; ++k) {
+    goes |= choice_rank(ids[k], a.num_experts, a.experts_per_rank()) == d;
+  }
+  return goes ? a.row_base[a.local(s) * a.num_ranks + d] + a.token_offset[here * a.num_ranks + d]
+              : -1;
+}
+
+// Expert-major: the position of the token's choice k among its expert's rank's entries (before
+// the capacity cut). ids[k] must be a choice.
+JAX_EP_HOST_DEVICE int32_t entry_position(const DispatchArgs& a, const int32_t* ids,
+                                          int64_t here, int s, int k) {
+  return a.entry_base[a.local(s) * a.num_experts + ids[k]] + a.entry_offset[here * a.top_k + k];
+}
+
+// Copies a token's `bytes` at `src` to each row (entry) it keeps on a receiver, at
+// base + row * bytes of that receiver's copy (`per_rank` bytes apart with virtual ranks),
+// reading src once per kFanOut destinations.
 template <typename Peers>
-JAX_EP_HOST_DEVICE void dispatch_send(const DispatchArgs& a, const Peers& peers, int s, int t,
-                                      int lane, int lanes) {
+JAX_EP_HOST_DEVICE void dispatch_fan_out(const DispatchArgs& a, const Peers& peers,
+                                         const int32_t* ids, int64_t here, int s, char* base,
+                                         const void* src, int64_t bytes, int lane, int lanes) {
+  const int cap = a.capacity, El = a.experts_per_rank();
+  const int64_t per_rank = cap * bytes;
+  Fan<char> fan;
+  auto add = [&](int d, int32_t at) {
+    if (at < 0 || at >= cap) return;  // not sent, or cut by the capacity
+    fan.add(peers.at(base, per_rank, d) + at * bytes);
+    if (fan.full()) fan_out_row(fan, src, bytes, lane, lanes);
+  };
+  if (a.expert_major) {
+    for (int k = 0; k < a.top_k; ++k) {
+      if (ids[k] >= 0) add(ids[k] / El, entry_position(a, ids, here, s, k));
+    }
+  } else {
+    for (int d = 0; d < a.num_ranks; ++d) add(d, rank_major_row(a, ids, here, s, d));
+  }
+  fan_out_row(fan, src, bytes, lane, lanes);
+}
+
+// Phase 3's metadata, from one lane: token src (`ids`, `here` as above) in every receiver's
+// ids, weights and sources, and src_row = -1 on the receivers it does not go to.
+template <typename Peers>
+JAX_EP_HOST_DEVICE void dispatch_send_metadata(const DispatchArgs& a, const Peers& peers,
+                                               const int32_t* ids, int64_t here, int s,
+                                               int64_t src) {
   const int R = a.num_ranks, T = a.num_tokens, K = a.top_k, E = a.num_experts;
   const int El = a.experts_per_rank(), cap = a.capacity, rows = a.rows();
-  const int64_t src = static_cast<int64_t>(s) * T + t;  // the token's id on every rank
-  const int64_t here = a.local(s) * T + t;              // its index in this rank's inputs
-  const int32_t* ids = a.route(s, t);
-  const char* x_row = a.x + here * a.row_bytes;
-  const float* scale_row = a.scales + here * a.scale_cols;
   const float* w_row = a.topk_weights + here * K;
   for (int d = 0; d < R; ++d) {
     int32_t* src_row = peers.at(a.src_row, static_cast<int64_t>(R) * T, d);
-    bool goes = false;
-    for (int k = 0; k < K; ++k) goes |= choice_rank(ids[k], E, El) == d;
-    const int32_t row = goes ? a.row_base[a.local(s) * R + d] + a.token_offset[here * R + d] : -1;
+    const int32_t row = rank_major_row(a, ids, here, s, d);
     if (!a.expert_major) {
-      const bool kept = goes && row < cap;
-      if (lane == 0) src_row[src] = kept ? row : -1;
+      const bool kept = row >= 0 && row < cap;
+      src_row[src] = kept ? row : -1;
       if (!kept) continue;
-      copy_row(peers.at(a.recv_x, cap * a.row_bytes, d) + row * a.row_bytes, x_row,
-               a.row_bytes, lane, lanes);
-      copy_row(peers.at(a.recv_scales, cap * a.scale_cols, d) + row * a.scale_cols, scale_row,
-               a.scale_cols * 4, lane, lanes);
-      if (lane == 0) {
-        int32_t* idx = peers.at(a.recv_idx, static_cast<int64_t>(cap) * K, d) + row * K;
-        float* w = peers.at(a.recv_weights, static_cast<int64_t>(cap) * K, d) + row * K;
-        for (int k = 0; k < K; ++k) {
-          const bool here = choice_rank(ids[k], E, El) == d;
-          idx[k] = here ? ids[k] - d * El : -1;
-          w[k] = here ? w_row[k] : 0.0f;
-        }
-        peers.at(a.recv_src, static_cast<int64_t>(cap), d)[row] = static_cast<int32_t>(src);
+      int32_t* idx = peers.at(a.recv_idx, static_cast<int64_t>(cap) * K, d) + row * K;
+      float* w = peers.at(a.recv_weights, static_cast<int64_t>(cap) * K, d) + row * K;
+      for (int k = 0; k < K; ++k) {
+        const bool on_d = choice_rank(ids[k], E, El) == d;
+        idx[k] = on_d ? ids[k] - d * El : -1;
+        w[k] = on_d ? w_row[k] : 0.0f;
       }
+      peers.at(a.recv_src, static_cast<int64_t>(cap), d)[row] = static_cast<int32_t>(src);
       continue;
     }
     // Expert-major: the rank-major row always exists; its entries are capped.
-    if (lane == 0) src_row[src] = row;
-    if (!goes) continue;
-    if (lane == 0) peers.at(a.recv_src, static_cast<int64_t>(rows), d)[row] = static_cast<int32_t>(src);
+    src_row[src] = row;
+    if (row < 0) continue;
+    peers.at(a.recv_src, static_cast<int64_t>(rows), d)[row] = static_cast<int32_t>(src);
     int32_t* row_entries =
         peers.at(a.row_entries, static_cast<int64_t>(rows) * K, d) + static_cast<int64_t>(row) * K;
     int num_here = 0;
@@ -301,15 +401,8 @@ JAX_EP_HOST_DEVICE void dispatch_send(const DispatchArgs& a, const Peers& peers,
       const int32_t e = ids[k];
       if (choice_rank(e, E, El) != d) continue;
       ++num_here;
-      const int32_t pos = a.entry_base[a.local(s) * E + e] + a.entry_offset[here * K + k];
+      const int32_t pos = entry_position(a, ids, here, s, k);
       const bool kept = pos < cap;
-      if (kept) {
-        copy_row(peers.at(a.recv_x, cap * a.row_bytes, d) + pos * a.row_bytes, x_row,
-                 a.row_bytes, lane, lanes);
-        copy_row(peers.at(a.recv_scales, cap * a.scale_cols, d) + pos * a.scale_cols,
-                 scale_row, a.scale_cols * 4, lane, lanes);
-      }
-      if (lane != 0) continue;
       if (kept) {
         peers.at(a.recv_idx, static_cast<int64_t>(cap), d)[pos] = e - d * El;
         peers.at(a.recv_weights, static_cast<int64_t>(cap), d)[pos] = w_row[k];
@@ -324,9 +417,23 @@ JAX_EP_HOST_DEVICE void dispatch_send(const DispatchArgs& a, const Peers& peers,
       }
       row_entries[rank] = kept ? pos : -1;
     }
-    if (lane == 0) {
-      for (int q = num_here; q < K; ++q) row_entries[q] = -1;
-    }
+    for (int q = num_here; q < K; ++q) row_entries[q] = -1;
+  }
+}
+
+// Phase 3, items (s, t): source s writes token t into every receiver: its row (and FP8
+// scales) to each row or entry it keeps, read once, and its metadata.
+template <typename Peers>
+JAX_EP_HOST_DEVICE void dispatch_send(const DispatchArgs& a, const Peers& peers, int s, int t,
+                                      int lane, int lanes) {
+  const int64_t here = a.local(s) * a.num_tokens + t;  // the token's index in this rank's inputs
+  const int32_t* ids = a.route(s, t);
+  if (lane == 0) dispatch_send_metadata(a, peers, ids, here, s, int64_t{s} * a.num_tokens + t);
+  dispatch_fan_out(a, peers, ids, here, s, a.recv_x, a.x + here * a.row_bytes, a.row_bytes,
+                   lane, lanes);
+  if (a.scale_cols > 0) {
+    dispatch_fan_out(a, peers, ids, here, s, reinterpret_cast<char*>(a.recv_scales),
+                     a.scales + here * a.scale_cols, a.scale_cols * 4, lane, lanes);
   }
 }
 
@@ -344,58 +451,83 @@ JAX_EP_HOST_DEVICE int32_t dispatch_needed(const DispatchArgs& a, int d) {
   return needed;
 }
 
-// Phase 4, items (d, i) for i in [0, max(capacity, rows, E/R)): receiver d's row i. Kept rows
-// move to out_x when they arrived in the symmetric buffer; rows past the count get their
-// metadata (-1 ids, zero weights) and, with zero_padding, zero data; i < E/R writes the
-// per-expert totals and i == 0 the scalar counts.
+// Receiver d's part of a per-receiver array `sent` ([R, n], reached through Peers): where the
+// senders wrote, and where the result lands (`out`, XLA's [1, n] between devices; with virtual
+// ranks, `sent` itself).
+template <typename T>
+struct Landing {
+  const T* sent;
+  T* to;
+  bool moves;  // the two differ: what the contract defines must be copied
+};
+// Values [i*n, (i+1)*n) of l: copied when they move and `counted`, else `pad`.
+template <typename T>
+JAX_EP_HOST_DEVICE void land(const Landing<T>& l, int64_t i, int64_t n, bool counted, T pad) {
+  for (int64_t k = i * n; k < (i + 1) * n; ++k) {
+    if (!counted) {
+      l.to[k] = pad;
+    } else if (l.moves) {
+      l.to[k] = l.sent[k];
+    }
+  }
+}
+template <typename T, typename Peers>
+JAX_EP_HOST_DEVICE Landing<T> landing(const Peers& peers, T* sent, T* out, int64_t n, int d,
+                                      int64_t local_d) {
+  T* from = peers.at(sent, n, d);
+  return out ? Landing<T>{from, out + local_d * n, true} : Landing<T>{from, from, false};
+}
+
+// Phase 4, items (d, i) for i in [0, max(capacity, R*T, E/R)): receiver d's row i. Its data,
+// ids, weights and sources are final (moved to XLA's results when they arrived in the
+// symmetric buffer); rows past the count get -1 ids and zero weights and, with zero_padding,
+// zero data; i < E/R writes the per-expert totals and i == 0 the scalar counts.
 template <typename Peers>
 JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peers, int d, int i,
                                         int lane, int lanes) {
   const int R = a.num_ranks, K = a.top_k, El = a.experts_per_rank(), cap = a.capacity;
   const int rows = a.rows(), cols = a.idx_cols();
+  const int64_t S = a.scale_cols, ld = a.local(d);
+  const DispatchArgs::Results& o = a.out;
   const int32_t needed = dispatch_needed(a, d);
   const int32_t kept = needed < cap ? needed : cap;
-  const int64_t S = a.scale_cols;
-  char* x = a.out_x ? a.out_x + a.local(d) * cap * a.row_bytes
-                    : peers.at(a.recv_x, cap * a.row_bytes, d);
-  float* scales = a.out_scales ? a.out_scales + a.local(d) * cap * S
-                               : peers.at(a.recv_scales, cap * S, d);
-  if (i < kept && a.out_x) {
-    copy_row(x + i * a.row_bytes, peers.at(a.recv_x, cap * a.row_bytes, d) + i * a.row_bytes,
-             a.row_bytes, lane, lanes);
-    copy_row(scales + i * S, peers.at(a.recv_scales, cap * S, d) + i * S, S * 4, lane, lanes);
-  }
-  if (i < cap && i >= kept) {
-    if (a.zero_padding) {
-      zero_row(x + i * a.row_bytes, a.row_bytes, lane, lanes);
-      zero_row(scales + i * S, S * 4, lane, lanes);
+  if (i < cap) {
+    const auto x = landing(peers, a.recv_x, o.x, cap * a.row_bytes, d, ld);
+    const auto scales = landing(peers, a.recv_scales, o.scales, cap * S, d, ld);
+    if (i < kept && x.moves) {
+      copy_row(x.to + i * a.row_bytes, x.sent + i * a.row_bytes, a.row_bytes, lane, lanes);
+      copy_row(scales.to + i * S, scales.sent + i * S, S * 4, lane, lanes);
     }
-    if (lane == 0) {
-      int32_t* idx = peers.at(a.recv_idx, static_cast<int64_t>(cap) * cols, d) + static_cast<int64_t>(i) * cols;
-      float* w = peers.at(a.recv_weights, static_cast<int64_t>(cap) * cols, d) + static_cast<int64_t>(i) * cols;
-      for (int k = 0; k < cols; ++k) {
-        idx[k] = -1;
-        w[k] = 0.0f;
-      }
-      if (a.expert_major) {
-        peers.at(a.entry_row, static_cast<int64_t>(cap), d)[i] = -1;
-        peers.at(a.entry_choice, static_cast<int64_t>(cap), d)[i] = -1;
-      }
+    if (i >= kept && a.zero_padding) {
+      zero_row(x.to + i * a.row_bytes, a.row_bytes, lane, lanes);
+      zero_row(scales.to + i * S, S * 4, lane, lanes);
     }
   }
   if (lane != 0) return;
-  // Rank-major rows that no source wrote.
+  if (i < cap) {
+    land(landing(peers, a.recv_idx, o.idx, int64_t{cap} * cols, d, ld), i, cols, i < kept, -1);
+    land(landing(peers, a.recv_weights, o.weights, int64_t{cap} * cols, d, ld), i, cols,
+         i < kept, 0.0f);
+    if (a.expert_major) {
+      land(landing(peers, a.entry_row, o.entry_row, cap, d, ld), i, 1, i < kept, -1);
+      land(landing(peers, a.entry_choice, o.entry_choice, cap, d, ld), i, 1, i < kept, -1);
+    }
+  }
+  // Rank-major rows that a source wrote.
   int32_t num_rows = kept;
   if (a.expert_major) {
     num_rows = 0;
     for (int q = 0; q < R; ++q) num_rows += a.counts[static_cast<int64_t>(q) * a.num_counters() + d];
   }
-  if (i < rows && i >= num_rows) {
-    peers.at(a.recv_src, static_cast<int64_t>(rows), d)[i] = -1;
+  if (i < rows) {
+    land(landing(peers, a.recv_src, o.src, rows, d, ld), i, 1, i < num_rows, -1);
     if (a.expert_major) {
-      int32_t* row_entries = peers.at(a.row_entries, static_cast<int64_t>(rows) * K, d);
-      for (int k = 0; k < K; ++k) row_entries[static_cast<int64_t>(i) * K + k] = -1;
+      land(landing(peers, a.row_entries, o.row_entries, int64_t{rows} * K, d, ld), i, K,
+           i < num_rows, -1);
     }
+  }
+  if (i < int64_t{R} * a.num_tokens) {  // every token's row (or -1) was written by its source
+    land(landing(peers, a.src_row, o.src_row, int64_t{R} * a.num_tokens, d, ld), i, 1, true, -1);
   }
   if (i < El) {
     int32_t count = 0;
@@ -439,9 +571,14 @@ struct CombineArgs {
   const int32_t* row_entries; // [R, R*T, K] (expert-major)
   T* partial;                 // [R, R*T, H] workspace (expert-major)
   T* out;                     // [R, T, H]
-  // Between devices, rank-major: where this rank stages the rows of y that the homes read
-  // (its symmetric buffer, [capacity, H]); null otherwise.
-  T* staged = nullptr;
+  // Between devices: where this rank stages what the homes read, in its symmetric buffer:
+  // src_row and, rank-major, the rows of y that carry data and their weights. Null with
+  // virtual ranks.
+  struct Staged {
+    T* y;             // [capacity, H] (rank-major)
+    float* weights;   // [capacity] (rank-major, weighted)
+    int32_t* src_row; // [R*T]
+  } staged{};
   // Rank whose data sits at index 0 of the per-rank arrays that are not reached through Peers
   // (inputs, workspace, summaries): 0 with virtual ranks (all ranks here), this rank's own
   // number between GPUs (one rank here).
@@ -449,21 +586,24 @@ struct CombineArgs {
   JAX_EP_HOST_DEVICE int64_t local(int rank) const { return rank - first_rank; }
 };
 
-// Between devices, rank-major, items (d, src) for src in [0, R*T): receiver d stages the row
-// of y that holds token src, if any, where the token's home reads it. Only the rows that carry
-// data leave y (docs/contract.md, "Padding").
+// Between devices, rank-major, items (d, src) for src in [0, R*T): receiver d stages where
+// token src sits in y and, if it does, its row of y and weight, where the token's home reads
+// them. Only the rows that carry data leave y (docs/contract.md, "Padding").
 template <typename T>
 JAX_EP_HOST_DEVICE void combine_stage(const CombineArgs<T>& a, int d, int64_t src, int lane,
                                       int lanes) {
   const int64_t rows = static_cast<int64_t>(a.num_ranks) * a.num_tokens, H = a.hidden;
   const int32_t row = a.src_row[a.local(d) * rows + src];
+  if (lane == 0) a.staged.src_row[src] = row;
   if (row < 0) return;
-  const int64_t at = (a.local(d) * a.capacity + row) * H;
-  copy_row(a.staged + at, a.y + at, H * static_cast<int64_t>(sizeof(T)), lane, lanes);
+  const int64_t at = a.local(d) * a.capacity + row;
+  copy_row(a.staged.y + row * H, a.y + at * H, H * static_cast<int64_t>(sizeof(T)), lane, lanes);
+  if (lane == 0 && a.weights) a.staged.weights[row] = a.weights[at];
 }
 
 // Expert-major step, items (d, i): rank-major row i of receiver d = the sum of its entries in
-// sorted order, each times its weight, in float32 from 0, stored in y's type.
+// sorted order, each times its weight, in float32 from 0, stored in y's type. Between devices
+// item i also stages src_row[i] (rows and tokens are both R*T).
 template <typename T>
 JAX_EP_HOST_DEVICE void combine_reduce_entries(const CombineArgs<T>& a, int d, int i, int lane,
                                                int lanes) {
@@ -473,6 +613,7 @@ JAX_EP_HOST_DEVICE void combine_reduce_entries(const CombineArgs<T>& a, int d, i
   const float* w = a.weights ? a.weights + a.local(d) * a.capacity : nullptr;
   T* out = a.partial + (a.local(d) * rows + i) * H;
   if (lane == 0) {
+    if (a.staged.src_row) a.staged.src_row[i] = a.src_row[a.local(d) * rows + i];
     int n = 0;
     while (n < K && entries[n] >= 0) ++n;
     meter_rows(n * int64_t{H} * sizeof(T), int64_t{H} * sizeof(T));
@@ -536,10 +677,11 @@ struct LowLatencyArgs {
   float* recv_scales;        // [R, E/R, R*T, H/128] (FP8)
   int32_t* src_row;          // [R(expert side), R(source), T, K]
   int32_t* count;            // [R, E/R]
-  // XLA's results when recv_x and recv_scales are in the symmetric buffer (between devices:
-  // the receive copies the counted rows here); null with virtual ranks.
+  // XLA's results when recv_x, recv_scales and src_row are in the symmetric buffer (between
+  // devices: the receive copies the counted rows and src_row here); null with virtual ranks.
   void* out_x = nullptr;
   float* out_scales = nullptr;
+  int32_t* out_src_row = nullptr;
   // Rank whose data sits at index 0 of the per-rank arrays that are not reached through Peers
   // (inputs, workspace, summaries): 0 with virtual ranks (all ranks here), this rank's own
   // number between GPUs (one rank here).
@@ -587,15 +729,28 @@ JAX_EP_HOST_DEVICE int32_t ll_slot(const LowLatencyArgs& a, int s, int e, int32_
   return offset;
 }
 
-// Writes one row: a bf16 copy, or the FP8 cast of the contract with its scales.
-JAX_EP_HOST_DEVICE void ll_write_row(const LowLatencyArgs& a, const Bf16* x, void* dst,
-                                     float* dst_scales, int lane, int lanes) {
+// Writes token row x to every slot of the fans (and empties them): a bf16 copy, or the FP8
+// cast of the contract, computed once, with its scales. Lane `lane` casts the 128-channel
+// blocks lane, lane + lanes, ..., and stores each as 16-byte words.
+JAX_EP_HOST_DEVICE void ll_write_rows(const LowLatencyArgs& a, const Bf16* x, Fan<char>& rows,
+                                      Fan<float>& scales, int lane, int lanes) {
   if (!a.use_fp8) {
-    copy_row(dst, x, 2 * static_cast<int64_t>(a.hidden), lane, lanes);
+    fan_out_row(rows, x, 2 * static_cast<int64_t>(a.hidden), lane, lanes);
     return;
   }
-  if (lane == 0) meter_rows(2 * static_cast<int64_t>(a.hidden), a.hidden + a.hidden / kFp8Block * 4);
-  uint8_t* q = static_cast<uint8_t*>(dst);
+  const int n = rows.n;
+  rows.n = scales.n = 0;
+  if (n == 0) return;
+  const int64_t H = a.hidden;
+  if (lane == 0) meter_rows(2 * H, n * (H + H / kFp8Block * 4));
+  struct alignas(16) Word {
+    uint32_t v[4];
+  };
+  uintptr_t bits = 0;
+  JAX_EP_UNROLL for (int j = 0; j < kFanOut; ++j) {
+    if (j < n) bits |= reinterpret_cast<uintptr_t>(rows.to[j]);
+  }
+  const bool aligned = (bits & 15u) == 0;
   for (int b = lane; b < a.hidden / kFp8Block; b += lanes) {
     const Bf16* block = x + static_cast<int64_t>(b) * kFp8Block;
     float amax = 0.0f;
@@ -606,15 +761,37 @@ JAX_EP_HOST_DEVICE void ll_write_row(const LowLatencyArgs& a, const Bf16* x, voi
     }
     const float scale = fp8_scale(amax);
     const float inv = reciprocal_rn(scale);
-    for (int i = 0; i < kFp8Block; ++i) {
-      q[static_cast<int64_t>(b) * kFp8Block + i] = to_e4m3(mul_rn(to_float(block[i]), inv));
+    for (int i = 0; i < kFp8Block; i += 16) {
+      Word word;
+      for (int q = 0; q < 4; ++q) {
+        uint32_t packed = 0;
+        for (int byte = 0; byte < 4; ++byte) {
+          const uint32_t e = to_e4m3(mul_rn(to_float(block[i + 4 * q + byte]), inv));
+          packed |= e << (8 * byte);
+        }
+        word.v[q] = packed;
+      }
+      const int64_t at = static_cast<int64_t>(b) * kFp8Block + i;
+      JAX_EP_UNROLL for (int j = 0; j < kFanOut; ++j) {
+        if (j >= n) continue;
+        if (aligned) {
+          *reinterpret_cast<Word*>(rows.to[j] + at) = word;
+          continue;
+        }
+        for (int byte = 0; byte < 16; ++byte) {
+          rows.to[j][at + byte] = static_cast<char>(word.v[byte / 4] >> (8 * (byte % 4)));
+        }
+      }
     }
-    dst_scales[b] = scale;
+    JAX_EP_UNROLL for (int j = 0; j < kFanOut; ++j) {
+      if (j < n) scales.to[j][b] = scale;
+    }
   }
 }
 
-// Phase 2 (the send), items (s, t): token t of source s goes once to each expert it chose;
-// every expert rank learns, per choice, the row that holds it (src_row, -1 elsewhere).
+// Phase 2 (the send), items (s, t): token t of source s goes once to each expert it chose,
+// read once per kFanOut messages; every expert rank learns, per choice, the row that holds it
+// (src_row, -1 elsewhere).
 template <typename Peers>
 JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int s, int t,
                                 int lane, int lanes) {
@@ -625,18 +802,22 @@ JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int
   const int32_t* ids = a.clean_idx + here * K;
   const int32_t* offsets = a.slot_offset + here * K;
   const Bf16* x = a.x + here * a.hidden;
+  Fan<char> rows;
+  Fan<float> scales;
   for (int k = 0; k < K; ++k) {
     const int32_t e = ids[k];
     if (e < 0 || !first_occurrence(ids, k)) continue;
     const int d = e / El, j = e % El;
     const int64_t row = static_cast<int64_t>(j) * slots + ll_slot(a, s, e, offsets[k]);
-    char* dst = peers.at(static_cast<char*>(a.recv_x), El * slots * a.row_bytes(), d);
-    float* dst_scales = peers.at(a.recv_scales, El * slots * S, d);
-    ll_write_row(a, x, dst + row * a.row_bytes(), dst_scales + row * S, lane, lanes);
+    rows.add(peers.at(static_cast<char*>(a.recv_x), El * slots * a.row_bytes(), d) +
+             row * a.row_bytes());
+    if (a.use_fp8) scales.add(peers.at(a.recv_scales, El * slots * S, d) + row * S);
+    if (rows.full()) ll_write_rows(a, x, rows, scales, lane, lanes);
   }
+  ll_write_rows(a, x, rows, scales, lane, lanes);
   if (lane != 0) return;
   for (int d = 0; d < R; ++d) {
-    int32_t* rows = peers.at(a.src_row, slots * K, d) + src * K;
+    int32_t* choice_rows = peers.at(a.src_row, slots * K, d) + src * K;
     for (int k = 0; k < K; ++k) {
       const int32_t e = ids[k];
       int32_t row = -1;
@@ -645,15 +826,15 @@ JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int
         while (ids[first] != e) ++first;
         row = static_cast<int32_t>((e % El) * slots + ll_slot(a, s, e, offsets[first]));
       }
-      rows[k] = row;
+      choice_rows[k] = row;
     }
   }
 }
 
 // Phase 3 (the receive), items (d, r) for r in [0, E/R * R*T): slot r of receiver d. Rows past
-// their expert's count are left as they are (docs/contract.md, "Padding"); counted rows move
-// to out_x when they arrived in the symmetric buffer. The first slot of each expert writes
-// the count.
+// their expert's count are left as they are (docs/contract.md, "Padding"); counted rows (and
+// src_row, items r < R*T) move to XLA's results when they arrived in the symmetric buffer. The
+// first slot of each expert writes the count.
 template <typename Peers>
 JAX_EP_HOST_DEVICE void ll_finish(const LowLatencyArgs& a, const Peers& peers, int d, int64_t r,
                                   int lane, int lanes) {
@@ -673,7 +854,13 @@ JAX_EP_HOST_DEVICE void ll_finish(const LowLatencyArgs& a, const Peers& peers, i
                peers.at(a.recv_scales, El * slots * S, d) + r * S, S * 4, lane, lanes);
     }
   }
-  if (i == 0 && lane == 0) a.count[a.local(d) * El + j] = count;
+  if (lane != 0) return;
+  if (i == 0) a.count[a.local(d) * El + j] = count;
+  if (r < slots && a.out_src_row) {
+    const int K = a.top_k;
+    const auto src_row = landing(peers, a.src_row, a.out_src_row, slots * K, d, a.local(d));
+    land(src_row, r, K, true, -1);
+  }
 }
 
 struct LowLatencyCombineArgs {

@@ -256,13 +256,9 @@ inline RegionBytes buffer_region_bytes(int R, int T, int K, int E, int H, int dt
 template <typename Platform>
 PeerError run_dispatch(Platform& p, const DispatchArgs& out) {
   constexpr int op = kPeerDispatch;
-  const int R = out.num_ranks;
   DispatchArgs a = out;
   a.first_rank = p.rank();
-  a.out_x = out.recv_x;  // the finish phase copies the kept rows out of the symmetric buffer
-  a.out_scales = out.recv_scales;
-  const int cap = a.capacity, K = a.top_k, rows = a.rows(), cols = a.idx_cols();
-  const bool em = a.expert_major;
+  a.out = out.results();  // the finish phase copies them out of the symmetric buffer
   const size_t used = carve_dispatch(p.symmetric() + kSignalBytes, &a);
   PeerError error = fits(op, "normal-mode", used, p.low_latency_offset() - kSignalBytes);
   if (!error.ok()) return error;
@@ -273,17 +269,7 @@ PeerError run_dispatch(Platform& p, const DispatchArgs& out) {
   p.per_thread(DispatchBases{a}, a.num_counters());
   p.per_warp(DispatchSend<Peers>{a, p.peers()}, a.num_tokens);
   p.barrier(op, Wait::kInOp);  // every row has arrived
-  p.per_warp(DispatchFinish<Peers>{a, p.peers()}, std::max({cap, rows, a.experts_per_rank()}));
-  // Copy out the metadata XLA owns (the finish copied the rows).
-  p.copy(out.recv_idx, a.recv_idx, int64_t{4} * cap * cols);
-  p.copy(out.recv_weights, a.recv_weights, int64_t{4} * cap * cols);
-  p.copy(out.recv_src, a.recv_src, int64_t{4} * rows);
-  p.copy(out.src_row, a.src_row, int64_t{4} * R * a.num_tokens);
-  if (em) {
-    p.copy(out.entry_row, a.entry_row, int64_t{4} * cap);
-    p.copy(out.entry_choice, a.entry_choice, int64_t{4} * cap);
-    p.copy(out.row_entries, a.row_entries, int64_t{4} * rows * K);
-  }
+  p.per_warp(DispatchFinish<Peers>{a, p.peers()}, a.finish_items());
   return p.result(op);
 }
 
@@ -299,21 +285,17 @@ PeerError run_combine(Platform& p, const CombineArgs<T>& in) {
   const size_t used = carve_combine(p.symmetric() + kSignalBytes, a, &r);
   PeerError error = fits(op, "normal-mode", used, p.low_latency_offset() - kSignalBytes);
   if (!error.ok()) return error;
+  a.staged = {r.y, a.weights ? r.weights : nullptr, r.src_row};
+  a.partial = r.partial;
   p.barrier(op, Wait::kStart);  // peers are done reading the last op's data
-  if (!em) {
-    a.staged = r.y;  // the rows of y that carry data, where the homes read them
-    p.per_warp(CombineStage<T>{a}, rows);
-  }
-  if (!em && a.weights) p.copy(r.weights, in.weights, int64_t{4} * a.capacity);
-  p.copy(r.src_row, in.src_row, int64_t{4} * rows);
-  a.src_row = r.src_row;
-  if (!em) {
-    a.y = r.y;
-    a.weights = a.weights ? r.weights : nullptr;
+  if (em) {
+    p.per_warp(CombineReduceEntries<T>{a}, rows);  // reads the local y, row_entries, weights
   } else {
-    a.partial = r.partial;  // reduce_entries reads the local y, row_entries and weights
-    p.per_warp(CombineReduceEntries<T>{a}, rows);
+    p.per_warp(CombineStage<T>{a}, rows);
+    a.y = r.y;
+    a.weights = a.staged.weights;
   }
+  a.src_row = r.src_row;
   p.barrier(op, Wait::kInOp);  // every rank's rows are in place
   p.per_warp(CombineToken<T, typename Platform::Peers>{a, p.peers()}, a.num_tokens);
   return p.result(op);
@@ -351,11 +333,12 @@ PeerError run_ll_dispatch(Platform& p, int op, const LowLatencyArgs& out) {
     p.per_warp(LowLatencySend<Peers>{a, p.peers()}, a.num_tokens);
     return p.result(op);
   }
-  a.out_x = out.recv_x;  // the finish copies the counted rows out of the symmetric buffer
+  // The finish copies the counted rows and src_row out of the symmetric buffer.
+  a.out_x = out.recv_x;
   a.out_scales = out.recv_scales;
+  a.out_src_row = out.src_row;
   p.barrier(op, Wait::kStart);  // every message has arrived (peers sent it in their send)
   p.per_warp(LowLatencyFinish<Peers>{a, p.peers()}, a.experts_per_rank() * a.slots());
-  p.copy(out.src_row, r.src_row, int64_t{4} * a.num_ranks * a.num_tokens * a.top_k);
   return p.result(op);
 }
 

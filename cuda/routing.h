@@ -8,8 +8,12 @@
 
 #if defined(__CUDACC__)
 #define JAX_EP_HOST_DEVICE __host__ __device__ __forceinline__
+#define JAX_EP_UNROLL _Pragma("unroll")
+#define JAX_EP_NO_UNROLL _Pragma("unroll 1")
 #else
+#define JAX_EP_NO_UNROLL
 #define JAX_EP_HOST_DEVICE inline
+#define JAX_EP_UNROLL
 #endif
 
 namespace jax_ep {

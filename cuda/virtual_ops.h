@@ -22,7 +22,7 @@ void run_virtual_dispatch(L& l, const DispatchArgs& a) {
   l.per_warp(DispatchCount<Peers>{a}, a.num_counters() + 1);
   l.per_thread(DispatchBases{a}, a.num_counters());
   l.per_warp(DispatchSend<Peers>{a}, a.num_tokens);
-  l.per_warp(DispatchFinish<Peers>{a}, std::max({a.capacity, a.rows(), a.experts_per_rank()}));
+  l.per_warp(DispatchFinish<Peers>{a}, a.finish_items());
 }
 
 template <typename L, typename T>

@@ -80,7 +80,7 @@ def _clean(topk_idx: np.ndarray, num_experts: int) -> np.ndarray:
     return np.where((idx >= 0) & (idx < num_experts), idx, -1)
 
 
-def _kept_rows(topk_idx: np.ndarray, num_experts: int, capacity: int) -> np.ndarray:
+def kept_rows(topk_idx: np.ndarray, num_experts: int, capacity: int) -> np.ndarray:
     """bool [R(source), T, R(dest)]: token t of s is a kept rank-major row on d (rows of d
     ordered by source rank, then token; the first `capacity` kept)."""
     ids = _clean(topk_idx, num_experts)
@@ -91,7 +91,7 @@ def _kept_rows(topk_idx: np.ndarray, num_experts: int, capacity: int) -> np.ndar
     return goes & (position < capacity)
 
 
-def _kept_entries(topk_idx: np.ndarray, num_experts: int, capacity: int) -> np.ndarray:
+def kept_entries(topk_idx: np.ndarray, num_experts: int, capacity: int) -> np.ndarray:
     """bool [R, T, K]: choice k of token t of s is a kept expert-major entry (entries of a rank
     ordered by local expert, then source rank, token and choice; the first `capacity` kept)."""
     ids = _clean(topk_idx, num_experts)
@@ -106,7 +106,7 @@ def _kept_entries(topk_idx: np.ndarray, num_experts: int, capacity: int) -> np.n
     return kept.reshape(R, T, K)
 
 
-def _messages(topk_idx: np.ndarray, num_experts: int) -> np.ndarray:
+def messages(topk_idx: np.ndarray, num_experts: int) -> np.ndarray:
     """bool [R, T, K]: choice k is a low-latency message (valid, the first of its expert)."""
     ids = _clean(topk_idx, num_experts)
     K = ids.shape[2]
@@ -114,6 +114,15 @@ def _messages(topk_idx: np.ndarray, num_experts: int) -> np.ndarray:
     for k in range(1, K):
         first[..., k] = ~(ids[..., :k] == ids[..., k : k + 1]).any(axis=-1)
     return (ids >= 0) & first
+
+
+# Destinations a source row is written to per read of it (cuda/exchange.h, kFanOut).
+FAN_OUT = 8
+
+
+def _fan_out_reads(destinations: np.ndarray) -> int:
+    """Reads of source rows with these numbers of destinations each."""
+    return int((-(-np.asarray(destinations) // FAN_OUT)).sum())
 
 
 def _launch(*items: int) -> int:
@@ -152,74 +161,62 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
     if capacity is None:
         capacity = default_capacity(R, T, K, E, expert_major)
     row = row_bytes + scale_bytes
-    if expert_major:
-        kept = _kept_entries(topk_idx, E, capacity)  # [R, T, K]
-        delivered = int(kept.sum())
-        sources = int(kept.any(axis=2).sum())
-        rows, cols = R * T, 1
-    else:
-        kept = _kept_rows(topk_idx, E, capacity)  # [R, T, R]
-        delivered = int(kept.sum())
-        sources = int(kept.any(axis=2).sum())
-        rows, cols = capacity, K
+    # [R, T, K] kept entries or [R, T, R] kept rows: each a destination of a source row.
+    kept = (kept_entries if expert_major else kept_rows)(topk_idx, E, capacity)
+    destinations = kept.sum(axis=2)
+    delivered, sources = int(destinations.sum()), int((destinations > 0).sum())
     padding = R * capacity - delivered if zero_padding else 0
-    read = written = delivered * row  # the send: one read of the source per destination
-    written += padding * row
+    # The send reads each source row once per FAN_OUT destinations and writes every one.
+    read, written = _fan_out_reads(destinations) * row, (delivered + padding) * row
     minimum = sources * row + delivered * row + padding * row
     counters = R + E
-    phases = _launch(counters + 1, counters, T, max(capacity, rows, E // R))
+    phases = _launch(counters + 1, counters, T, max(capacity, R * T, E // R))
     if not between:
         return Account("dispatch", phases, 0, read, written, minimum)
-    # The finish phase copies the delivered rows out of the symmetric buffer.
+    # The finish phase copies the delivered rows (and the metadata) out of the symmetric buffer.
     landing = delivered * row
-    copies = [capacity * cols, capacity * cols, rows, R * T]
-    if expert_major:
-        copies += [capacity, capacity, rows * K]
-    return Account("dispatch", 3 + phases + _launch(*copies), 3, read + landing,
-                   written + landing, minimum + 2 * landing)
+    return Account("dispatch", 3 + phases, 3, read + landing, written + landing,
+                   minimum + 2 * landing)
 
 
 def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
-            capacity: int | None = None, expert_major: bool = False, weighted: bool = False,
+            capacity: int | None = None, expert_major: bool = False,
             between: bool = False) -> Account:
     """Normal combine of the rows a dispatch with this routing delivered.
 
     Args:
       topk_idx, num_experts, capacity, expert_major, between: as for `dispatch`.
       row_bytes: bytes of one row of y (H x the element size).
-      weighted: combine was given topk_weights.
     """
     R, T, K = np.shape(topk_idx)
     E = num_experts
     if capacity is None:
         capacity = default_capacity(R, T, K, E, expert_major)
     out = R * T * row_bytes  # every output row is written
-    kept_rows = _kept_rows(topk_idx, E, R * T if expert_major else capacity)
+    rows = kept_rows(topk_idx, E, R * T if expert_major else capacity)
     phases = _launch(T)
-    read = int(kept_rows.sum()) * row_bytes  # each home reads its rows from every receiver
+    read = int(rows.sum()) * row_bytes  # each home reads its rows from every receiver
     written = out
     if expert_major:
-        entries = int(_kept_entries(topk_idx, E, capacity).sum())
+        entries = int(kept_entries(topk_idx, E, capacity).sum())
         # Each receiver first sums every rank-major row's entries into a partial row.
         phases += _launch(R * T)
         read += entries * row_bytes
         written += R * R * T * row_bytes
         carried = entries
     else:
-        carried = int(kept_rows.sum())
+        carried = int(rows.sum())
     minimum = carried * row_bytes + out
     if not between:
         return Account("combine", phases, 0, read, written, minimum)
-    copies = [R * T]  # src_row
     if not expert_major:
         # The rows of y that carry data are staged in the symmetric buffer, where the homes
-        # read them (and the weights are copied there).
+        # read them (with src_row and the weights; expert-major, the partials are there and
+        # their phase stages src_row).
         phases += _launch(R * T)
-        copies.append(capacity if weighted else 0)
         read += carried * row_bytes
         written += carried * row_bytes
-    return Account("combine", 2 + phases + _launch(*copies), 2, read, written,
-                   minimum + 2 * carried * row_bytes)
+    return Account("combine", 2 + phases, 2, read, written, minimum + 2 * carried * row_bytes)
 
 
 def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
@@ -235,19 +232,19 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     """
     R, T, K = np.shape(topk_idx)
     E, H = num_experts, hidden
-    messages = _messages(topk_idx, E)
-    m, sources = int(messages.sum()), int(messages.any(axis=2).sum())
+    sent = messages(topk_idx, E)
+    m, sources = int(sent.sum()), int(sent.any(axis=2).sum())
     message = H + H // BLOCK * SCALE_BYTES if use_fp8 else 2 * H
-    # The send reads the token once per message and writes the message into its slot.
-    send = Account("ll_dispatch_send", _launch(E + 1, T), 0, m * 2 * H, m * message,
+    # The send reads the token once per FAN_OUT messages and writes each into its slot.
+    send = Account("ll_dispatch_send", _launch(E + 1, T), 0,
+                   _fan_out_reads(sent.sum(axis=2)) * 2 * H, m * message,
                    sources * 2 * H + m * message)
     recv = Account("ll_dispatch_recv", _launch(E // R * R * T), 0, 0, 0, 0)
     if not between:
         return send, recv
     landing = m * message  # the receive copies the counted rows out of the symmetric buffer
     send = dataclasses.replace(send, launches=send.launches + 2, barriers=2)
-    recv = Account("ll_dispatch_recv", 1 + recv.launches + _launch(R * T * K), 1, landing,
-                   landing, 2 * landing)
+    recv = Account("ll_dispatch_recv", 1 + recv.launches, 1, landing, landing, 2 * landing)
     return send, recv
 
 
@@ -258,7 +255,7 @@ def low_latency_combine(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     R, T, K = np.shape(topk_idx)
     row = 2 * hidden
     choices = int((_clean(topk_idx, num_experts) >= 0).sum())
-    m = int(_messages(topk_idx, num_experts).sum())
+    m = int(messages(topk_idx, num_experts).sum())
     out = R * T * row
     # The send returns one row per choice into the home's staging; the receive sums them.
     send = Account("ll_combine_send", _launch(R * T), 0, choices * row, choices * row, m * row)

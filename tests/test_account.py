@@ -85,7 +85,7 @@ def test_virtual_dispatch_and_combine(R, expert_major, use_fp8):
                                  top_k=K, expert_major=expert_major)
             assert_counts(counted, account.combine(
                 idx, num_experts=E, row_bytes=H * np.dtype(y_dtype).itemsize,
-                capacity=capacity, expert_major=expert_major, weighted=weighted))
+                capacity=capacity, expert_major=expert_major))
 
 
 @pytest.mark.parametrize("R", [1, 2, 4])

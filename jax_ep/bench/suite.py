@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import jax_ep
+from jax_ep import account
 from jax_ep.bench import OPS
 from jax_ep.bench.routings import KINDS, make_routing
 
@@ -134,31 +135,6 @@ def put(mesh: Mesh, tree: Any) -> Any:
 # What the routing moves (NumPy, independent of the ops)
 
 
-def received_rows(topk_idx: np.ndarray, num_experts: int) -> np.ndarray:
-    """Rows each rank receives in normal dispatch (its own tokens included).
-
-    Args:
-      topk_idx: int [R, T, K], every rank's routing.
-      num_experts: E.
-
-    Returns:
-      int64 [R]: for each rank d, the tokens (of all ranks) with a valid choice on d.
-    """
-    num_ranks = topk_idx.shape[0]
-    valid = (topk_idx >= 0) & (topk_idx < num_experts)
-    dest = np.where(valid, topk_idx // (num_experts // num_ranks), -1)  # [R, T, K]
-    goes = (dest[..., None] == np.arange(num_ranks)).any(axis=2)  # [R, T, R(dest)]
-    return goes.sum(axis=(0, 1))
-
-
-def ll_messages(topk_idx: np.ndarray, num_experts: int) -> int:
-    """Low-latency messages of all ranks: valid (token, expert) pairs, duplicates once."""
-    ids = np.sort(np.where((topk_idx >= 0) & (topk_idx < num_experts), topk_idx, -1), axis=-1)
-    first = np.ones_like(ids[..., :1], dtype=bool)
-    new = np.concatenate([first, ids[..., 1:] != ids[..., :-1]], axis=-1)
-    return int(((ids >= 0) & new).sum())
-
-
 # ---------------------------------------------------------------------------------------------
 # Inputs shared by every case
 
@@ -210,8 +186,8 @@ def make_inputs(setup: Setup, mesh: Mesh | None) -> Inputs:
         setup,
         mesh,
         *(put(mesh, arrays) if mesh is not None else jax.device_put(arrays)),
-        rows=int(received_rows(idx, e).sum()),
-        messages=ll_messages(ll_idx, e),
+        rows=int(account.kept_rows(idx, e, capacity=idx.shape[0] * idx.shape[1]).sum()),
+        messages=int(account.messages(ll_idx, e).sum()),
     )
 
 
@@ -410,8 +386,6 @@ assert tuple(CASES) == OPS
 def case_account(op: str, inp: Inputs, virtual: bool) -> Any:
     """What the cuda backend's kernels do for `op` on these inputs (a jax_ep.account.Account:
     launches, barriers, bytes of row data against the minimum), or None for the layout."""
-    from jax_ep import account
-
     s = inp.setup
     between = not virtual and s.ranks > 1
     E, H = s.experts, s.hidden
