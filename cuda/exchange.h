@@ -682,6 +682,10 @@ struct LowLatencyArgs {
   void* out_x = nullptr;
   float* out_scales = nullptr;
   int32_t* out_src_row = nullptr;
+  // Between devices: source s writes its messages to expert e at the slots s*T + offset, which
+  // need no other rank's counts (no barrier between the count and the send); the receive
+  // moves them to their compact slots. Off with virtual ranks: messages land in place.
+  bool per_source_slots = false;
   // Rank whose data sits at index 0 of the per-rank arrays that are not reached through Peers
   // (inputs, workspace, summaries): 0 with virtual ranks (all ranks here), this rank's own
   // number between GPUs (one rank here).
@@ -723,10 +727,17 @@ JAX_EP_HOST_DEVICE void ll_count(const LowLatencyArgs& a, const Peers& peers, in
   for (int d = 0; d < a.num_ranks; ++d) peers.at(a.counts, 0, d)[static_cast<int64_t>(s) * E + c] = count;
 }
 
-// Slot of source s's message to expert e numbered `offset`: after the messages of lower ranks.
-JAX_EP_HOST_DEVICE int32_t ll_slot(const LowLatencyArgs& a, int s, int e, int32_t offset) {
+// The compact slot of source s's message to expert e numbered `offset`: after the messages of
+// lower ranks (the contract's order).
+JAX_EP_HOST_DEVICE int32_t ll_compact_slot(const LowLatencyArgs& a, int s, int e,
+                                           int32_t offset) {
   for (int q = 0; q < s; ++q) offset += a.counts[static_cast<int64_t>(q) * a.num_experts + e];
   return offset;
+}
+
+// The slot the send writes that message to (see per_source_slots).
+JAX_EP_HOST_DEVICE int32_t ll_slot(const LowLatencyArgs& a, int s, int e, int32_t offset) {
+  return a.per_source_slots ? s * a.num_tokens + offset : ll_compact_slot(a, s, e, offset);
 }
 
 // Writes token row x to every slot of the fans (and empties them): a bf16 copy, or the FP8
@@ -831,35 +842,58 @@ JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int
   }
 }
 
-// Phase 3 (the receive), items (d, r) for r in [0, E/R * R*T): slot r of receiver d. Rows past
-// their expert's count are left as they are (docs/contract.md, "Padding"); counted rows (and
-// src_row, items r < R*T) move to XLA's results when they arrived in the symmetric buffer. The
-// first slot of each expert writes the count.
+// Phase 3 (the receive), items (d, r) for r in [0, E/R * R*T): compact slot r of receiver d.
+// Rows past their expert's count are left as they are (docs/contract.md, "Padding"); counted
+// rows (and src_row, items r < R*T) move to XLA's results when they arrived in the symmetric
+// buffer, from their per-source slots and with src_row made compact when per_source_slots.
+// The first slot of each expert writes the count.
 template <typename Peers>
 JAX_EP_HOST_DEVICE void ll_finish(const LowLatencyArgs& a, const Peers& peers, int d, int64_t r,
                                   int lane, int lanes) {
-  const int R = a.num_ranks, El = a.experts_per_rank(), S = a.hidden / kFp8Block;
+  const int R = a.num_ranks, T = a.num_tokens, El = a.experts_per_rank();
+  const int S = a.hidden / kFp8Block;
   const int64_t slots = a.slots();
-  const int j = static_cast<int>(r / slots);
+  const int j = static_cast<int>(r / slots), e = d * El + j;
   const int64_t i = r % slots;
   int32_t count = 0;
-  for (int q = 0; q < R; ++q) count += a.counts[static_cast<int64_t>(q) * a.num_experts + d * El + j];
+  for (int q = 0; q < R; ++q) count += a.counts[static_cast<int64_t>(q) * a.num_experts + e];
   if (i < count && a.out_x) {
+    int64_t from = r;  // where the row arrived
+    if (a.per_source_slots) {  // the source q whose messages hold compact slot i
+      int32_t before = 0;
+      int q = 0;
+      for (; q < R - 1; ++q) {
+        const int32_t c = a.counts[static_cast<int64_t>(q) * a.num_experts + e];
+        if (i < before + c) break;
+        before += c;
+      }
+      from = j * slots + static_cast<int64_t>(q) * T + (i - before);
+    }
     const int64_t bytes = a.row_bytes();
     copy_row(static_cast<char*>(a.out_x) + (a.local(d) * El * slots + r) * bytes,
-             peers.at(static_cast<char*>(a.recv_x), El * slots * bytes, d) + r * bytes, bytes,
+             peers.at(static_cast<char*>(a.recv_x), El * slots * bytes, d) + from * bytes, bytes,
              lane, lanes);
     if (a.use_fp8) {
       copy_row(a.out_scales + (a.local(d) * El * slots + r) * S,
-               peers.at(a.recv_scales, El * slots * S, d) + r * S, S * 4, lane, lanes);
+               peers.at(a.recv_scales, El * slots * S, d) + from * S, S * 4, lane, lanes);
     }
   }
   if (lane != 0) return;
   if (i == 0) a.count[a.local(d) * El + j] = count;
-  if (r < slots && a.out_src_row) {
+  if (r < slots && a.out_src_row) {  // the choices of token r of the group
     const int K = a.top_k;
-    const auto src_row = landing(peers, a.src_row, a.out_src_row, slots * K, d, a.local(d));
-    land(src_row, r, K, true, -1);
+    const int32_t* sent = peers.at(a.src_row, slots * K, d) + r * K;
+    int32_t* to = a.out_src_row + (a.local(d) * slots + r) * K;
+    for (int k = 0; k < K; ++k) {
+      int32_t row = sent[k];
+      if (row >= 0 && a.per_source_slots) {
+        const int32_t jk = static_cast<int32_t>(row / slots);
+        const int32_t slot = static_cast<int32_t>(row % slots);
+        row = static_cast<int32_t>(jk * slots) +
+              ll_compact_slot(a, slot / T, d * El + jk, slot % T);
+      }
+      to[k] = row;
+    }
   }
 }
 

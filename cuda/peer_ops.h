@@ -311,8 +311,9 @@ PeerError open_ll(Platform& p, int op, int R, int T, int K, int E, int H, bool f
 }
 
 // Both halves of low-latency dispatch: the send counts, then writes each message into its
-// expert's slot on the expert's rank (after that rank is done with the last dispatch's data);
-// the receive (after every message arrived) copies the counted rows out and writes the counts.
+// per-source slot on the expert's rank (after that rank is done with the last dispatch's
+// data); the receive (after every message arrived) copies the counted rows out to their compact
+// slots and writes the counts.
 template <typename Platform>
 PeerError run_ll_dispatch(Platform& p, int op, const LowLatencyArgs& out) {
   LowLatencyRegions r;
@@ -321,15 +322,16 @@ PeerError run_ll_dispatch(Platform& p, int op, const LowLatencyArgs& out) {
   if (!error.ok()) return error;
   LowLatencyArgs a = out;
   a.first_rank = p.rank();
+  a.per_source_slots = true;
   a.counts = r.counts;
   a.recv_x = r.recv_x;
   a.recv_scales = r.recv_scales;
   a.src_row = r.src_row;
   using Peers = typename Platform::Peers;
   if (op == kPeerLlDispatchSend) {
+    // The count numbers this rank's messages; the send needs no other rank's counts.
     p.barrier(op, Wait::kStart);  // peers are done with the last low-latency dispatch's data
     p.per_warp(LowLatencyCount<Peers>{a, p.peers()}, a.num_experts + 1);
-    p.barrier(op, Wait::kInOp);  // every rank's counts are here
     p.per_warp(LowLatencySend<Peers>{a, p.peers()}, a.num_tokens);
     return p.result(op);
   }

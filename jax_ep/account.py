@@ -243,7 +243,8 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     if not between:
         return send, recv
     landing = m * message  # the receive copies the counted rows out of the symmetric buffer
-    send = dataclasses.replace(send, launches=send.launches + 2, barriers=2)
+    # The send waits only for its peers to be done with the last call's slots.
+    send = dataclasses.replace(send, launches=send.launches + 1, barriers=1)
     recv = Account("ll_dispatch_recv", 1 + recv.launches, 1, landing, landing, 2 * landing)
     return send, recv
 
