@@ -8,7 +8,6 @@
 // (cuda/peer_ops.h is the same for one rank per device, with barriers between the launches).
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 
 #include "cuda/peer_ops.h"
