@@ -43,7 +43,8 @@ def assert_counts(got: dict, want: account.Account, ranks_running: int = 1):
 
 def draw(rng, R, kind=None, invalid=False):
     T, E = int(rng.integers(3, 12)), R * int(rng.integers(1, 4))
-    K = int(rng.integers(1, min(4, E) + 1))  # dispatch requires K <= E
+    # dispatch requires K <= E; up to 10, past the 8 destinations of one read (FAN_OUT)
+    K = int(rng.integers(1, min(10, E) + 1))
     H = 128 * int(rng.integers(1, 3))
     kind = kind or str(rng.choice(KINDS))
     idx, w = routing(rng, R, T, K, E, kind, invalid=invalid)

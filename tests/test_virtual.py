@@ -61,6 +61,7 @@ CASES = [
     (4, 11, 4, 8, 32, "empty_ranks"),
     (4, 10, 3, 12, 16, "hot_expert"),
     (8, 5, 4, 16, 8, "uniform"),
+    (2, 6, 10, 12, 16, "uniform"),  # more than 8 destinations: a row is read twice
 ]
 
 
@@ -168,6 +169,7 @@ LL_CASES = [
     (3, 6, 3, 9, 128, "masked"),
     (4, 9, 4, 8, 128, "empty_ranks"),
     (8, 4, 3, 16, 128, "hot_expert"),
+    (2, 5, 10, 12, 128, "uniform"),  # more than 8 messages per token
 ]
 
 
