@@ -50,9 +50,9 @@ cudaError_t launch_ll_dispatch(int op, const LowLatencyArgs& a, cudaStream_t str
   return l.status;
 }
 
-cudaError_t launch_ll_combine(int op, const LowLatencyCombineArgs& a, cudaStream_t stream) {
+cudaError_t launch_ll_combine(const LowLatencyCombineArgs& a, cudaStream_t stream) {
   VirtualLauncher l{a.num_ranks, stream};
-  run_virtual_ll_combine(l, op, a);
+  run_virtual_ll_combine(l, a);
   return l.status;
 }
 

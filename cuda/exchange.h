@@ -558,6 +558,103 @@ JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peer
 }
 
 // ---------------------------------------------------------------------------------------------
+// Ordered sums of rows (the combines)
+
+// Rows of one ordered sum (sum_rows), kSumBatch at a time, with their weights when the sum is
+// weighted. Like Fan, filled and read with compile-time indices: registers on the GPU.
+constexpr int kSumBatch = 4;
+template <typename T>
+struct Terms {
+  const T* row[kSumBatch];
+  float weight[kSumBatch];
+  int n = 0;
+  JAX_EP_HOST_DEVICE bool full() const { return n == kSumBatch; }
+  JAX_EP_HOST_DEVICE void add(const T* r, float w) {
+    JAX_EP_UNROLL for (int j = 0; j < kSumBatch; ++j) {
+      if (j == n) {
+        row[j] = r;
+        weight[j] = w;
+      }
+    }
+    ++n;
+  }
+  JAX_EP_HOST_DEVICE uintptr_t address_bits() const {
+    uintptr_t bits = 0;
+    JAX_EP_UNROLL for (int j = 0; j < kSumBatch; ++j) {
+      if (j < n) bits |= reinterpret_cast<uintptr_t>(row[j]);
+    }
+    return bits;
+  }
+};
+
+// N values of T moved as one load or store (16 bytes, or one value).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+// acc += the terms' packs i, in the terms' order: every load first, then each value times its
+// weight (when weighted) and added, each step rounded to float32.
+template <typename T, int N>
+JAX_EP_HOST_DEVICE void add_terms(const Terms<T>& t, int64_t i, bool weighted, float (&acc)[N]) {
+  Pack<T, N> p[kSumBatch];
+  JAX_EP_UNROLL for (int j = 0; j < kSumBatch; ++j) {
+    if (j < t.n) p[j] = reinterpret_cast<const Pack<T, N>*>(t.row[j])[i];
+  }
+  JAX_EP_UNROLL for (int j = 0; j < kSumBatch; ++j) {
+    if (j >= t.n) continue;
+    JAX_EP_UNROLL for (int q = 0; q < N; ++q) {
+      const float v = to_float(p[j].v[q]);
+      acc[q] = add_rn(acc[q], weighted ? mul_rn(v, t.weight[j]) : v);
+    }
+  }
+}
+
+// sum_rows with packs of N values: lane `lane` writes packs lane, lane + lanes, ...
+template <typename T, int N, typename Collect>
+JAX_EP_HOST_DEVICE void sum_rows_packed(T* out, int64_t packs, bool weighted, int end,
+                                        const Collect& collect, int lane, int lanes) {
+  // Not unrolled: kSumBatch loads per pack are in flight already.
+  JAX_EP_NO_UNROLL for (int64_t i = lane; i < packs; i += lanes) {
+    float acc[N] = {};
+    for (int from = 0; from < end;) {
+      Terms<T> batch;
+      from = collect(batch, from);
+      add_terms(batch, i, weighted, acc);
+    }
+    Pack<T, N> p;
+    JAX_EP_UNROLL for (int q = 0; q < N; ++q) p.v[q] = from_float<T>(acc[q]);
+    reinterpret_cast<Pack<T, N>*>(out)[i] = p;
+  }
+}
+
+// out[0, H) = the ordered sum of some rows of H values, in float32 from 0, each row times its
+// weight when weighted, every product and sum rounded, stored as T (the combine of
+// docs/contract.md). The rows are the terms at positions [0, end) of the caller's sequence:
+// collect(terms, from) adds those at from, from + 1, ... (positions that hold none are
+// skipped) until the batch is full or `end` is reached, and returns the next position.
+// Packs are 16 bytes when out, every row and the row size allow, else single values. The
+// terms are collected again for every pack, from ids that stay in L1: next to a 16-byte load
+// per term that costs little, and holding every term's address for the whole row would double
+// the registers (about 100 now).
+template <typename T, typename Collect>
+JAX_EP_HOST_DEVICE void sum_rows(T* out, int64_t H, bool weighted, int end,
+                                 const Collect& collect, int lane, int lanes) {
+  uintptr_t bits = reinterpret_cast<uintptr_t>(out) | static_cast<uintptr_t>(H * sizeof(T));
+  for (int from = 0; from < end;) {
+    Terms<T> batch;
+    from = collect(batch, from);
+    bits |= batch.address_bits();
+  }
+  constexpr int N = 16 / sizeof(T);
+  if ((bits & 15u) == 0) {
+    sum_rows_packed<T, N>(out, H / N, weighted, end, collect, lane, lanes);
+  } else {
+    sum_rows_packed<T, 1>(out, H, weighted, end, collect, lane, lanes);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Normal combine
 
 template <typename T>
@@ -618,17 +715,15 @@ JAX_EP_HOST_DEVICE void combine_reduce_entries(const CombineArgs<T>& a, int d, i
     while (n < K && entries[n] >= 0) ++n;
     meter_rows(n * int64_t{H} * sizeof(T), int64_t{H} * sizeof(T));
   }
-  for (int h = lane; h < H; h += lanes) {
-    float acc = 0.0f;
-    for (int k = 0; k < K; ++k) {
-      const int32_t e = entries[k];
-      if (e < 0) break;  // sorted: the -1 padding comes last
-      float v = to_float(y[static_cast<int64_t>(e) * H + h]);
-      if (w) v = mul_rn(v, w[e]);
-      acc = add_rn(acc, v);
-    }
-    out[h] = from_float<T>(acc);
-  }
+  sum_rows(out, H, w != nullptr, K,
+           [&](Terms<T>& terms, int k) {
+             for (; k < K && !terms.full(); ++k) {
+               const int32_t e = entries[k];
+               if (e >= 0) terms.add(y + static_cast<int64_t>(e) * H, w ? w[e] : 0.0f);
+             }
+             return k;
+           },
+           lane, lanes);
 }
 
 // Items (s, t): home rank s sums token t's rows over the receivers in rank order. `rows` are
@@ -648,17 +743,17 @@ JAX_EP_HOST_DEVICE void combine_token(const CombineArgs<T>& a, const Peers& peer
     for (int d = 0; d < R; ++d) n += peers.at(a.src_row, static_cast<int64_t>(R) * Tn, d)[src] >= 0;
     meter_rows(n * int64_t{H} * sizeof(T), int64_t{H} * sizeof(T));
   }
-  for (int h = lane; h < H; h += lanes) {
-    float acc = 0.0f;
-    for (int d = 0; d < R; ++d) {
-      const int32_t row = peers.at(a.src_row, static_cast<int64_t>(R) * Tn, d)[src];
-      if (row < 0) continue;  // adding +0.0 would change nothing
-      float v = to_float(peers.at(rows_base, rows_per_rank * H, d)[static_cast<int64_t>(row) * H + h]);
-      if (weights) v = mul_rn(v, peers.at(weights, rows_per_rank, d)[row]);
-      acc = add_rn(acc, v);
-    }
-    out[h] = from_float<T>(acc);
-  }
+  sum_rows(out, H, weights != nullptr, R,
+           [&](Terms<T>& terms, int d) {
+             for (; d < R && !terms.full(); ++d) {
+               const int32_t row = peers.at(a.src_row, static_cast<int64_t>(R) * Tn, d)[src];
+               if (row < 0) continue;  // adding +0.0 would change nothing
+               terms.add(peers.at(rows_base, rows_per_rank * H, d) + static_cast<int64_t>(row) * H,
+                         weights ? peers.at(weights, rows_per_rank, d)[row] : 0.0f);
+             }
+             return d;
+           },
+           lane, lanes);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -903,7 +998,9 @@ struct LowLatencyCombineArgs {
   const int32_t* src_row;     // [R(expert side), R(source), T, K]
   const int32_t* clean_idx;   // [R, T, K]
   const float* topk_weights;  // [R, T, K]
-  Bf16* staging;              // [R(home), T, K, H]
+  // Between devices: [R(home), T, K, H] in the symmetric buffer, where the send returns each
+  // choice's row to its token's home. Null with virtual ranks: the receive reads y in place.
+  Bf16* staging = nullptr;
   Bf16* out;                  // [R, T, H]
   // Rank whose data sits at index 0 of the per-rank arrays that are not reached through Peers
   // (inputs, workspace, summaries): 0 with virtual ranks (all ranks here), this rank's own
@@ -912,8 +1009,8 @@ struct LowLatencyCombineArgs {
   JAX_EP_HOST_DEVICE int64_t local(int rank) const { return rank - first_rank; }
 };
 
-// Combine send, items (d, s*T + t): expert rank d returns the rows of token t of source s,
-// one per choice it holds, to staging slot (t, k) of the home rank s.
+// Combine send between devices, items (d, s*T + t): expert rank d returns the rows of token t
+// of source s, one per choice it holds, to staging slot (t, k) of the home rank s.
 template <typename Peers>
 JAX_EP_HOST_DEVICE void ll_combine_send(const LowLatencyCombineArgs& a, const Peers& peers, int d,
                                         int64_t src, int lane, int lanes) {
@@ -932,27 +1029,38 @@ JAX_EP_HOST_DEVICE void ll_combine_send(const LowLatencyCombineArgs& a, const Pe
   }
 }
 
-// Combine receive, items (s, t): the top-k weighted sum in k order, float32 from 0, to bf16.
+// Combine receive, items (s, t): the top-k weighted sum in k order, float32 from 0, to bf16,
+// of the rows staged for token t of s or, with virtual ranks, of the expert rows in y (choice
+// k's row is src_row[d][s*T + t][k] of its expert's rank d).
 JAX_EP_HOST_DEVICE void ll_combine_token(const LowLatencyCombineArgs& a, int s, int t, int lane,
                                          int lanes) {
-  const int T = a.num_tokens, K = a.top_k, H = a.hidden;
-  const int64_t src = a.local(s) * T + t;
-  const int32_t* ids = a.clean_idx + src * K;
-  const float* w = a.topk_weights + src * K;
-  const Bf16* staging = a.staging + src * K * H;
+  const int T = a.num_tokens, K = a.top_k, H = a.hidden, El = a.num_experts / a.num_ranks;
+  const int64_t slots = static_cast<int64_t>(a.num_ranks) * T;
+  const int64_t here = a.local(s) * T + t, src = static_cast<int64_t>(s) * T + t;
+  const int32_t* ids = a.clean_idx + here * K;
+  const float* w = a.topk_weights + here * K;
   if (lane == 0) {
     int n = 0;
     for (int k = 0; k < K; ++k) n += ids[k] >= 0;
     meter_rows(n * int64_t{H} * 2, int64_t{H} * 2);
   }
-  for (int h = lane; h < H; h += lanes) {
-    float acc = 0.0f;
-    for (int k = 0; k < K; ++k) {
-      if (ids[k] < 0) continue;
-      acc = add_rn(acc, mul_rn(w[k], to_float(staging[static_cast<int64_t>(k) * H + h])));
-    }
-    a.out[src * H + h] = from_float<Bf16>(acc);
-  }
+  sum_rows(a.out + here * H, H, true, K,
+           [&](Terms<Bf16>& terms, int k) {
+             for (; k < K && !terms.full(); ++k) {
+               const int32_t e = ids[k];
+               if (e < 0) continue;
+               int64_t row = here * K + k;
+               const Bf16* rows = a.staging;
+               if (!rows) {
+                 const int d = e / El;
+                 row = d * El * slots + a.src_row[(d * slots + src) * K + k];
+                 rows = a.y;
+               }
+               terms.add(rows + row * H, w[k]);
+             }
+             return k;
+           },
+           lane, lanes);
 }
 
 }  // namespace jax_ep

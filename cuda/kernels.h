@@ -15,7 +15,7 @@ cudaError_t launch_combine(const CombineArgs<T>& args, cudaStream_t stream);
 
 // `op`: kPeerLlDispatchSend or kPeerLlDispatchRecv (cuda/peer_ops.h).
 cudaError_t launch_ll_dispatch(int op, const LowLatencyArgs& args, cudaStream_t stream);
-// `op`: kPeerLlCombineSend or kPeerLlCombineRecv.
-cudaError_t launch_ll_combine(int op, const LowLatencyCombineArgs& args, cudaStream_t stream);
+// The receive of low-latency combine (with virtual ranks it has no send).
+cudaError_t launch_ll_combine(const LowLatencyCombineArgs& args, cudaStream_t stream);
 
 }  // namespace jax_ep::cuda

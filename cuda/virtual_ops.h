@@ -44,15 +44,10 @@ void run_virtual_ll_dispatch(L& l, int op, const LowLatencyArgs& a) {
   }
 }
 
-// `op` is kPeerLlCombineSend or kPeerLlCombineRecv.
+// Low-latency combine: the receive reads the expert rows in place (no send, no staging).
 template <typename L>
-void run_virtual_ll_combine(L& l, int op, const LowLatencyCombineArgs& a) {
-  if (op == kPeerLlCombineSend) {
-    l.per_warp(LowLatencyCombineSend<VirtualPeers>{a},
-               static_cast<int64_t>(a.num_ranks) * a.num_tokens);
-  } else {
-    l.per_warp(LowLatencyCombineToken{a}, a.num_tokens);
-  }
+void run_virtual_ll_combine(L& l, const LowLatencyCombineArgs& a) {
+  l.per_warp(LowLatencyCombineToken{a}, a.num_tokens);
 }
 
 }  // namespace jax_ep

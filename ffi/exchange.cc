@@ -346,6 +346,10 @@ xffi::Error ParseLowLatencyCombineSend(xffi::RemainingArgs args, xffi::Remaining
   const int64_t V = src_row.dimensions()[0], T = src_row.dimensions()[2];
   const int64_t K = src_row.dimensions()[3], R = num_ranks;
   JAX_EP_RETURN_IF_ERROR(CheckStack(op, V, R));
+  if (V != 1 || R == 1) {
+    return Invalid(op, "with virtual ranks low-latency combine has no send: call " +
+                           std::string(kLowLatencyCombineRecvOp) + " with y");
+  }
   JAX_EP_RETURN_IF_ERROR(CheckExperts(op, num_experts, R));
   JAX_EP_RETURN_IF_ERROR(CheckRank(op, "y", b.Arg(0), 4));
   const int64_t El = num_experts / R, H = b.Arg(0).dimensions()[3];
@@ -367,13 +371,17 @@ xffi::Error ParseLowLatencyCombineRecv(xffi::RemainingArgs args, xffi::Remaining
                                        LowLatencyCombineArgs* a) {
   const std::string_view op = kLowLatencyCombineRecvOp;
   Buffers b(op, args, rets);
-  JAX_EP_RETURN_IF_ERROR(b.Count(3, 1));
-  const AnyBuffer staging = b.Arg(0);
-  JAX_EP_RETURN_IF_ERROR(CheckRank(op, "staging", staging, 4));
-  const int64_t V = staging.dimensions()[0], T = staging.dimensions()[1];
-  const int64_t K = staging.dimensions()[2], H = staging.dimensions()[3], R = num_ranks;
+  JAX_EP_RETURN_IF_ERROR(b.Count(4, 1));
+  const AnyBuffer idx = b.Arg(2);
+  JAX_EP_RETURN_IF_ERROR(CheckRank(op, "clean_idx", idx, 3));
+  const int64_t V = idx.dimensions()[0], T = idx.dimensions()[1], K = idx.dimensions()[2];
+  const int64_t R = num_ranks;
   JAX_EP_RETURN_IF_ERROR(CheckStack(op, V, R));
   JAX_EP_RETURN_IF_ERROR(CheckExperts(op, num_experts, R));
+  const AnyBuffer rows = b.Arg(0);
+  JAX_EP_RETURN_IF_ERROR(CheckRank(op, "rows", rows, 4));
+  const int64_t El = num_experts / R, H = rows.dimensions()[3];
+  const bool between = V == 1 && R > 1;  // as ParseRanks decides
 
   *a = LowLatencyCombineArgs{};
   a->num_ranks = static_cast<int>(R);
@@ -381,11 +389,16 @@ xffi::Error ParseLowLatencyCombineRecv(xffi::RemainingArgs args, xffi::Remaining
   a->num_tokens = static_cast<int>(T);
   a->top_k = static_cast<int>(K);
   a->hidden = static_cast<int>(H);
-  const Bf16* in = nullptr;
-  JAX_EP_RETURN_IF_ERROR(b.In(0, "staging", DataType::BF16, {V, T, K, H}, &in));
-  a->staging = const_cast<Bf16*>(in);  // read only in this phase
-  JAX_EP_RETURN_IF_ERROR(b.In(1, "clean_idx", DataType::S32, {V, T, K}, &a->clean_idx));
-  JAX_EP_RETURN_IF_ERROR(b.In(2, "topk_weights", DataType::F32, {V, T, K}, &a->topk_weights));
+  if (between) {
+    const Bf16* staging = nullptr;
+    JAX_EP_RETURN_IF_ERROR(b.In(0, "staging", DataType::BF16, {V, T, K, H}, &staging));
+    a->staging = const_cast<Bf16*>(staging);  // read only in this phase
+  } else {
+    JAX_EP_RETURN_IF_ERROR(b.In(0, "y", DataType::BF16, {V, El, R * T, H}, &a->y));
+  }
+  JAX_EP_RETURN_IF_ERROR(b.In(1, "src_row", DataType::S32, {V, R, T, K}, &a->src_row));
+  JAX_EP_RETURN_IF_ERROR(b.In(2, "clean_idx", DataType::S32, {V, T, K}, &a->clean_idx));
+  JAX_EP_RETURN_IF_ERROR(b.In(3, "topk_weights", DataType::F32, {V, T, K}, &a->topk_weights));
   JAX_EP_RETURN_IF_ERROR(b.Out(0, "out", DataType::BF16, {V, T, H}, &a->out));
   return xffi::Error::Success();
 }

@@ -90,13 +90,15 @@ xffi::Error ParseLowLatencyDispatchRecv(xffi::RemainingArgs args, xffi::Remainin
                                         int64_t num_ranks, int64_t num_experts,
                                         LowLatencyArgs* out);
 
-// Operands y bf16 [R,E/R,R*T,H], src_row s32 [R,R,T,K]. Result: staging bf16 [R,T,K,H].
+// Between devices only (with virtual ranks the receive reads y in place). Operands y bf16
+// [1,E/R,R*T,H], src_row s32 [1,R,T,K]. Result: staging bf16 [1,T,K,H].
 xffi::Error ParseLowLatencyCombineSend(xffi::RemainingArgs args, xffi::RemainingRets rets,
                                        int64_t num_ranks, int64_t num_experts,
                                        LowLatencyCombineArgs* out);
 
-// Operands staging bf16 [R,T,K,H], clean_idx s32 [R,T,K], topk_weights f32 [R,T,K].
-// Result: out bf16 [R,T,H].
+// Operands rows, src_row s32 [R,R,T,K], clean_idx s32 [R,T,K], topk_weights f32 [R,T,K];
+// rows are y bf16 [R,E/R,R*T,H] with virtual ranks, the send's staging bf16 [1,T,K,H]
+// between devices. Result: out bf16 [R,T,H].
 xffi::Error ParseLowLatencyCombineRecv(xffi::RemainingArgs args, xffi::RemainingRets rets,
                                        int64_t num_ranks, int64_t num_experts,
                                        LowLatencyCombineArgs* out);

@@ -120,13 +120,6 @@ xffi::Error LowLatencyDispatch(int op, const LowLatencyArgs& a, const Placement&
   return xffi::Error::Success();
 }
 
-xffi::Error LowLatencyCombine(int op, const LowLatencyCombineArgs& a, const Placement& at) {
-  if (at.between) return Done(host::ll_combine(op, a, at.rank, at.grid));
-  HostLauncher l{a.num_ranks, at.grid};
-  run_virtual_ll_combine(l, op, a);
-  return xffi::Error::Success();
-}
-
 xffi::Error LowLatencyDispatchSendCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingArgs args,
                                           xffi::RemainingRets rets, int64_t num_ranks,
                                           int64_t num_experts, int64_t use_fp8) {
@@ -158,7 +151,7 @@ xffi::Error LowLatencyCombineSendCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingA
   JAX_EP_RETURN_IF_ERROR(ParseLowLatencyCombineSend(args, rets, num_ranks, num_experts, &a));
   Placement at;
   JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyCombineSendOp, ranks, args, 0, a.num_ranks, &at));
-  return LowLatencyCombine(kPeerLlCombineSend, a, at);
+  return Done(host::ll_combine(kPeerLlCombineSend, a, at.rank, at.grid));  // between only
 }
 
 xffi::Error LowLatencyCombineRecvCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingArgs args,
@@ -167,8 +160,11 @@ xffi::Error LowLatencyCombineRecvCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingA
   LowLatencyCombineArgs a;
   JAX_EP_RETURN_IF_ERROR(ParseLowLatencyCombineRecv(args, rets, num_ranks, num_experts, &a));
   Placement at;
-  JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyCombineRecvOp, ranks, args, 0, a.num_ranks, &at));
-  return LowLatencyCombine(kPeerLlCombineRecv, a, at);
+  JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyCombineRecvOp, ranks, args, 2, a.num_ranks, &at));
+  if (at.between) return Done(host::ll_combine(kPeerLlCombineRecv, a, at.rank, at.grid));
+  HostLauncher l{a.num_ranks, at.grid};
+  run_virtual_ll_combine(l, a);
+  return xffi::Error::Success();
 }
 
 }  // namespace

@@ -104,9 +104,7 @@ xffi::Error LowLatencyCombineSendCudaImpl(cudaStream_t stream, xffi::AnyBuffer r
   const int32_t* axis;
   JAX_EP_RETURN_IF_ERROR(
       ParseRanks(kLowLatencyCombineSendOp, ranks, args, 0, a.num_ranks, &between, &axis));
-  if (between) return Done(cuda::peer_ll_combine(kPeerLlCombineSend, a, axis, stream));
-  return Launched(kLowLatencyCombineSendOp,
-                  cuda::launch_ll_combine(kPeerLlCombineSend, a, stream));
+  return Done(cuda::peer_ll_combine(kPeerLlCombineSend, a, axis, stream));  // between only
 }
 
 xffi::Error LowLatencyCombineRecvCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks,
@@ -117,10 +115,9 @@ xffi::Error LowLatencyCombineRecvCudaImpl(cudaStream_t stream, xffi::AnyBuffer r
   bool between;
   const int32_t* axis;
   JAX_EP_RETURN_IF_ERROR(
-      ParseRanks(kLowLatencyCombineRecvOp, ranks, args, 0, a.num_ranks, &between, &axis));
+      ParseRanks(kLowLatencyCombineRecvOp, ranks, args, 2, a.num_ranks, &between, &axis));
   if (between) return Done(cuda::peer_ll_combine(kPeerLlCombineRecv, a, axis, stream));
-  return Launched(kLowLatencyCombineRecvOp,
-                  cuda::launch_ll_combine(kPeerLlCombineRecv, a, stream));
+  return Launched(kLowLatencyCombineRecvOp, cuda::launch_ll_combine(a, stream));
 }
 
 }  // namespace

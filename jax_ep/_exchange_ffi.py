@@ -164,7 +164,8 @@ def ll_dispatch_recv(data, *, num_ranks, num_experts, axis_name=None):
 
 
 def ll_combine_send(y, src_row, *, num_ranks, num_experts, axis_name=None):
-    """The send half of low-latency combine: rows [V, T, K, H] staged at their homes."""
+    """The send half of low-latency combine between devices: rows [1, T, K, H] staged at
+    their homes (with virtual ranks there is no send: the receive reads y in place)."""
     _ffi.register()
     V, _, T, K = src_row.shape
     return _exchange_call(
@@ -173,11 +174,14 @@ def ll_combine_send(y, src_row, *, num_ranks, num_experts, axis_name=None):
       **_attrs(num_ranks=num_ranks, num_experts=num_experts))
 
 
-def ll_combine_recv(staging, clean_idx, topk_weights, *, num_ranks, num_experts,
+def ll_combine_recv(rows, src_row, clean_idx, topk_weights, *, num_ranks, num_experts,
                     axis_name=None):
-    """The receive half: the top-k weighted sums, bfloat16 [V, T, H]."""
-    V, T, _, H = staging.shape
+    """The receive half: the top-k weighted sums, bfloat16 [V, T, H], of `rows`: y [V, E/R,
+    R*T, H] read in place (virtual ranks, or one rank) or the send's staging (between
+    devices)."""
+    _ffi.register()
+    V, T, _ = clean_idx.shape
     return _exchange_call(
-        "jax_ep_ll_combine_recv", _types(staging, [((V, T, H), jnp.bfloat16)])[0]
-    )(_ranks(axis_name, V), staging, clean_idx, topk_weights,
+        "jax_ep_ll_combine_recv", _types(rows, [((V, T, rows.shape[3]), jnp.bfloat16)])[0]
+    )(_ranks(axis_name, V), rows, src_row, clean_idx, topk_weights,
       **_attrs(num_ranks=num_ranks, num_experts=num_experts))

@@ -258,17 +258,15 @@ def low_latency_combine(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     choices = int((_clean(topk_idx, num_experts) >= 0).sum())
     m = int(messages(topk_idx, num_experts).sum())
     out = R * T * row
-    # The send returns one row per choice into the home's staging; the receive sums them.
-    send = Account("ll_combine_send", _launch(R * T), 0, choices * row, choices * row, m * row)
-    recv = Account("ll_combine_recv", _launch(T), 0, choices * row, out, out)
     if not between:
-        return send, recv
-    # Each message passes through the home's symmetric buffer: written by the send, read by
-    # the receive.
-    send = dataclasses.replace(send, launches=send.launches + 1, barriers=1,
-                               minimum=2 * m * row)
-    recv = dataclasses.replace(recv, launches=recv.launches + 1, barriers=1,
-                               minimum=m * row + out)
+        # No send: the receive reads each choice's row where the expert wrote it.
+        return (Account("ll_combine_send", 0, 0, 0, 0, 0),
+                Account("ll_combine_recv", _launch(T), 0, choices * row, out, m * row + out))
+    # The send returns one row per choice to the home's symmetric buffer, where the receive
+    # reads and sums them: the bytes that must move pass through it.
+    send = Account("ll_combine_send", 1 + _launch(R * T), 1, choices * row, choices * row,
+                   2 * m * row)
+    recv = Account("ll_combine_recv", 1 + _launch(T), 1, choices * row, out, m * row + out)
     return send, recv
 
 

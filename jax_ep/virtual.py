@@ -245,8 +245,7 @@ def low_latency_combine_send(y, topk_idx, topk_weights, handle: LowLatencyHandle
     if name == "xla":
         data = jax.vmap(xla.low_latency_combine_send, axis_name=AXIS, axis_size=R)(y, handle)
     else:
-        data = _exchange_ffi.ll_combine_send(y, handle.src_row, num_ranks=R,
-                                             num_experts=handle.num_experts)
+        data = y  # no send: with virtual ranks the receive reads the expert rows in place
     return LowLatencyCombinePending(data=data, topk_weights=topk_weights, handle=handle,
                                     backend=name)
 
@@ -260,7 +259,8 @@ def low_latency_combine_recv(pending: LowLatencyCombinePending):
     if pending.backend == "xla":
         return jax.vmap(xla.low_latency_combine_recv, axis_name=AXIS)(
             pending.data, pending.topk_weights, handle)
-    return _exchange_ffi.ll_combine_recv(pending.data, handle.topk_idx, pending.topk_weights,
+    return _exchange_ffi.ll_combine_recv(pending.data, handle.src_row, handle.topk_idx,
+                                         pending.topk_weights,
                                          num_ranks=handle.num_ranks,
                                          num_experts=handle.num_experts)
 

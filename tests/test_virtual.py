@@ -279,8 +279,10 @@ def test_lowers_for_cuda(expert_major, use_fp8):
 
     args = (spec((R, T, H), bf16), spec((R, T, K), i32), spec((R, T, K), f32))
     hlo = _lower_for_cuda(normal, *args) + _lower_for_cuda(low_latency, *args)
+    # With virtual ranks low-latency combine has no send: its receive reads y in place.
     for target in TARGETS:
-        assert f'custom_call_target="{target}"' in hlo, target
+        lowered = f'custom_call_target="{target}"' in hlo
+        assert lowered == (target != "jax_ep_ll_combine_send"), target
     assert "api_version=API_VERSION_TYPED_FFI" in hlo
     # The receive half of low-latency dispatch updates the send's buffers in place.
     assert "output_to_operand_aliasing" in hlo

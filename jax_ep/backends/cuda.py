@@ -137,15 +137,18 @@ def low_latency_dispatch_recv(data, *, num_experts, axis_name):
 
 
 def low_latency_combine_send(y, handle: LowLatencyHandle):
+    if handle.num_ranks == 1:  # the receive reads y in place, as with virtual ranks
+        return _one(y)
     return _exchange_ffi.ll_combine_send(_one(y), _one(handle.src_row),
                                          num_ranks=handle.num_ranks,
                                          num_experts=handle.num_experts,
                                          axis_name=handle.axis_name)
 
 
-def low_latency_combine_recv(staging, topk_weights, handle: LowLatencyHandle):
-    out = _exchange_ffi.ll_combine_recv(staging, _one(handle.topk_idx), _one(topk_weights),
-                                        num_ranks=handle.num_ranks,
+def low_latency_combine_recv(rows, topk_weights, handle: LowLatencyHandle):
+    """`rows`: the send's staging, or y itself when there is one rank."""
+    out = _exchange_ffi.ll_combine_recv(rows, _one(handle.src_row), _one(handle.topk_idx),
+                                        _one(topk_weights), num_ranks=handle.num_ranks,
                                         num_experts=handle.num_experts,
                                         axis_name=handle.axis_name)
     return out[0]

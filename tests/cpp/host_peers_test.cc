@@ -262,7 +262,7 @@ void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& 
     host_per_warp(LowLatencyFinish<VirtualPeers>{la, p}, 0, s.R, int64_t{s.El()} * s.R * s.T,
                   grid);
     LowLatencyCombineArgs lc = ll.combine_args(s, -1);
-    host_per_warp(LowLatencyCombineSend<VirtualPeers>{lc, p}, 0, s.R, int64_t{s.R} * s.T, grid);
+    lc.staging = nullptr;  // virtual ranks: the receive reads y in place
     host_per_warp(LowLatencyCombineToken{lc}, 0, s.R, s.T, grid);
     return;
   }
