@@ -62,6 +62,7 @@ CASES = [
     (4, 10, 3, 12, 16, "hot_expert"),
     (8, 5, 4, 16, 8, "uniform"),
     (2, 6, 10, 12, 16, "uniform"),  # more than 8 destinations: a row is read twice
+    (3, 7, 5, 9, 13, "masked"),  # rows of 13 values: no 16-byte words, value by value
 ]
 
 
