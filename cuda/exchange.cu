@@ -1,6 +1,7 @@
 // Exchange kernels with virtual ranks: the ops of cuda/virtual_ops.h, each phase one kernel
 // over all R ranks' items on XLA's stream.
 #include <cstdint>
+#include <string>
 
 #include "cuda/kernels.h"
 #include "cuda/phases.cuh"
@@ -27,33 +28,22 @@ struct VirtualLauncher {
 
 }  // namespace
 
-cudaError_t launch_dispatch(const DispatchArgs& a, cudaStream_t stream) {
-  VirtualLauncher l{a.num_ranks, stream};
-  run_virtual_dispatch(l, a);
-  return l.status;
+PeerError launch_error(int op, cudaError_t status) {
+  if (status == cudaSuccess) return PeerError{};
+  return PeerError{std::string("CUDA error in ") + kPeerOpNames[op] + ": " +
+                   cudaGetErrorName(status) + ": " + cudaGetErrorString(status)};
 }
 
-template <typename T>
-cudaError_t launch_combine(const CombineArgs<T>& a, cudaStream_t stream) {
+template <typename Args>
+PeerError run_virtual_ranks(int op, const Args& a, cudaStream_t stream) {
   VirtualLauncher l{a.num_ranks, stream};
-  run_virtual_combine(l, a);
-  return l.status;
+  run_virtual(l, op, a);
+  return launch_error(op, l.status);
 }
 
-template cudaError_t launch_combine<float>(const CombineArgs<float>&, cudaStream_t);
-template cudaError_t launch_combine<Bf16>(const CombineArgs<Bf16>&, cudaStream_t);
-template cudaError_t launch_combine<F16>(const CombineArgs<F16>&, cudaStream_t);
-
-cudaError_t launch_ll_dispatch(int op, const LowLatencyArgs& a, cudaStream_t stream) {
-  VirtualLauncher l{a.num_ranks, stream};
-  run_virtual_ll_dispatch(l, op, a);
-  return l.status;
-}
-
-cudaError_t launch_ll_combine(const LowLatencyCombineArgs& a, cudaStream_t stream) {
-  VirtualLauncher l{a.num_ranks, stream};
-  run_virtual_ll_combine(l, a);
-  return l.status;
-}
+#define JAX_EP_INSTANTIATE(Args) \
+  template PeerError run_virtual_ranks<Args>(int, const Args&, cudaStream_t);
+JAX_EP_FOR_EACH_OP_ARGS(JAX_EP_INSTANTIATE)
+#undef JAX_EP_INSTANTIATE
 
 }  // namespace jax_ep::cuda

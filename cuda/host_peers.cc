@@ -207,14 +207,6 @@ class HostPlatform {
   PeerError error_;
 };
 
-template <typename Body>
-PeerError with_platform(int op, int num_ranks, int rank, const HostGrid& grid,
-                        const Body& body) {
-  HostPlatform platform(grid);
-  PeerError error = platform.open(op, num_ranks, rank);
-  return error.ok() ? body(platform) : error;
-}
-
 }  // namespace
 
 std::string initialize(size_t bytes_per_rank, size_t low_latency_bytes) {
@@ -243,29 +235,16 @@ size_t buffer_bytes() {
   return reg.bytes;
 }
 
-PeerError dispatch(const DispatchArgs& args, int rank, const HostGrid& grid) {
-  return with_platform(kPeerDispatch, args.num_ranks, rank, grid,
-                       [&](HostPlatform& p) { return run_dispatch(p, args); });
+template <typename Args>
+PeerError run(int op, const Args& args, int rank, const HostGrid& grid) {
+  HostPlatform platform(grid);
+  PeerError error = platform.open(op, args.num_ranks, rank);
+  return error.ok() ? run_op(platform, op, args) : error;
 }
 
-template <typename T>
-PeerError combine(const CombineArgs<T>& args, int rank, const HostGrid& grid) {
-  return with_platform(kPeerCombine, args.num_ranks, rank, grid,
-                       [&](HostPlatform& p) { return run_combine(p, args); });
-}
-
-template PeerError combine<float>(const CombineArgs<float>&, int, const HostGrid&);
-template PeerError combine<Bf16>(const CombineArgs<Bf16>&, int, const HostGrid&);
-template PeerError combine<F16>(const CombineArgs<F16>&, int, const HostGrid&);
-
-PeerError ll_dispatch(int op, const LowLatencyArgs& args, int rank, const HostGrid& grid) {
-  return with_platform(op, args.num_ranks, rank, grid,
-                       [&](HostPlatform& p) { return run_ll_dispatch(p, op, args); });
-}
-
-PeerError ll_combine(int op, const LowLatencyCombineArgs& args, int rank, const HostGrid& grid) {
-  return with_platform(op, args.num_ranks, rank, grid,
-                       [&](HostPlatform& p) { return run_ll_combine(p, op, args); });
-}
+#define JAX_EP_INSTANTIATE(Args) \
+  template PeerError run<Args>(int, const Args&, int, const HostGrid&);
+JAX_EP_FOR_EACH_OP_ARGS(JAX_EP_INSTANTIATE)
+#undef JAX_EP_INSTANTIATE
 
 }  // namespace jax_ep::host

@@ -34,13 +34,9 @@ void finalize();
 // The buffer size of initialize(), or 0 when not initialized.
 size_t buffer_bytes();
 
-// The ops of cuda/peer_ops.h for `rank` of args.num_ranks, with the phases run on `grid`.
-PeerError dispatch(const DispatchArgs& args, int rank, const HostGrid& grid);
-template <typename T>
-PeerError combine(const CombineArgs<T>& args, int rank, const HostGrid& grid);
-// `op`: kPeerLlDispatchSend or kPeerLlDispatchRecv.
-PeerError ll_dispatch(int op, const LowLatencyArgs& args, int rank, const HostGrid& grid);
-// `op`: kPeerLlCombineSend or kPeerLlCombineRecv.
-PeerError ll_combine(int op, const LowLatencyCombineArgs& args, int rank, const HostGrid& grid);
+// Op `op` (PeerOp) of cuda/peer_ops.h for `rank` of args.num_ranks, with the phases run on
+// `grid`. Args is one of JAX_EP_FOR_EACH_OP_ARGS.
+template <typename Args>
+PeerError run(int op, const Args& args, int rank, const HostGrid& grid);
 
 }  // namespace jax_ep::host

@@ -1,21 +1,30 @@
-// Launchers of the exchange kernels (cuda/exchange.cu) with virtual ranks: every phase of
-// cuda/exchange.h as one kernel on `stream`, in order. Each returns the launch status.
+// The exchange ops on a GPU: one entry point for every op, with virtual ranks and between
+// devices.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+
 #include "cuda/exchange.h"
+#include "cuda/peer_ops.h"
 
 namespace jax_ep::cuda {
 
-cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
+// Runs op `op` (PeerOp) on `stream`; the error is empty on success. With `axis_index` null:
+// virtual ranks, the op of cuda/virtual_ops.h over operands and results stacked [R, ...]
+// (cuda/exchange.cu). Else one rank per device: the op of cuda/peer_ops.h for this device's
+// rank, operands and results stacked [1, ...], `axis_index` the device address of the op's EP
+// axis index, peers through NVSHMEM (cuda/peer_exchange.cu). Args is one of
+// JAX_EP_FOR_EACH_OP_ARGS.
+template <typename Args>
+PeerError run(int op, const Args& args, const int32_t* axis_index, cudaStream_t stream);
 
-template <typename T>
-cudaError_t launch_combine(const CombineArgs<T>& args, cudaStream_t stream);
+// The virtual-rank half of run (cuda/exchange.cu).
+template <typename Args>
+PeerError run_virtual_ranks(int op, const Args& args, cudaStream_t stream);
 
-// `op`: kPeerLlDispatchSend or kPeerLlDispatchRecv (cuda/peer_ops.h).
-cudaError_t launch_ll_dispatch(int op, const LowLatencyArgs& args, cudaStream_t stream);
-// The receive of low-latency combine (with virtual ranks it has no send).
-cudaError_t launch_ll_combine(const LowLatencyCombineArgs& args, cudaStream_t stream);
+// "CUDA error in <op>: ..." for a failed launch, empty for cudaSuccess.
+PeerError launch_error(int op, cudaError_t status);
 
 }  // namespace jax_ep::cuda

@@ -24,7 +24,7 @@
 #include <string>
 
 #include "cuda/api.h"
-#include "cuda/peer_exchange.h"
+#include "cuda/kernels.h"
 #include "cuda/peer_ops.h"
 #include "cuda/phases.cuh"
 
@@ -223,11 +223,7 @@ class DevicePlatform {
     status_ = cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice,
                               stream_);
   }
-  PeerError result(int op) const {
-    if (status_ == cudaSuccess) return PeerError{};
-    return PeerError{std::string("CUDA error in ") + kPeerOpNames[op] + ": " +
-                     cudaGetErrorName(status_) + ": " + cudaGetErrorString(status_)};
-  }
+  PeerError result(int op) const { return launch_error(op, status_); }
 
  private:
   const int32_t* axis_index_ = nullptr;
@@ -236,44 +232,19 @@ class DevicePlatform {
   const SymmetricBuffer* buffer_ = nullptr;
 };
 
-// Opens the platform for `op` and runs `body(platform)`.
-template <typename Body>
-PeerError with_platform(int op, int num_ranks, const int32_t* axis_index, cudaStream_t stream,
-                        const Body& body) {
-  DevicePlatform platform;
-  PeerError error = platform.open(op, num_ranks, axis_index, stream);
-  return error.ok() ? body(platform) : error;
-}
-
 }  // namespace
 
-PeerError peer_dispatch(const DispatchArgs& args, const int32_t* axis_index,
-                        cudaStream_t stream) {
-  return with_platform(kPeerDispatch, args.num_ranks, axis_index, stream,
-                       [&](DevicePlatform& p) { return run_dispatch(p, args); });
+template <typename Args>
+PeerError run(int op, const Args& args, const int32_t* axis_index, cudaStream_t stream) {
+  if (axis_index == nullptr) return run_virtual_ranks(op, args, stream);
+  DevicePlatform platform;
+  PeerError error = platform.open(op, args.num_ranks, axis_index, stream);
+  return error.ok() ? run_op(platform, op, args) : error;
 }
 
-template <typename T>
-PeerError peer_combine(const CombineArgs<T>& args, const int32_t* axis_index,
-                       cudaStream_t stream) {
-  return with_platform(kPeerCombine, args.num_ranks, axis_index, stream,
-                       [&](DevicePlatform& p) { return run_combine(p, args); });
-}
-
-template PeerError peer_combine<float>(const CombineArgs<float>&, const int32_t*, cudaStream_t);
-template PeerError peer_combine<Bf16>(const CombineArgs<Bf16>&, const int32_t*, cudaStream_t);
-template PeerError peer_combine<F16>(const CombineArgs<F16>&, const int32_t*, cudaStream_t);
-
-PeerError peer_ll_dispatch(int op, const LowLatencyArgs& args, const int32_t* axis_index,
-                           cudaStream_t stream) {
-  return with_platform(op, args.num_ranks, axis_index, stream,
-                       [&](DevicePlatform& p) { return run_ll_dispatch(p, op, args); });
-}
-
-PeerError peer_ll_combine(int op, const LowLatencyCombineArgs& args, const int32_t* axis_index,
-                          cudaStream_t stream) {
-  return with_platform(op, args.num_ranks, axis_index, stream,
-                       [&](DevicePlatform& p) { return run_ll_combine(p, op, args); });
-}
+#define JAX_EP_INSTANTIATE(Args) \
+  template PeerError run<Args>(int, const Args&, const int32_t*, cudaStream_t);
+JAX_EP_FOR_EACH_OP_ARGS(JAX_EP_INSTANTIATE)
+#undef JAX_EP_INSTANTIATE
 
 }  // namespace jax_ep::cuda

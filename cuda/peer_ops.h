@@ -53,6 +53,11 @@ inline const char* const kPeerOpNames[] = {
     "jax_ep_dispatch", "jax_ep_combine", "jax_ep_ll_dispatch_send",
     "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send", "jax_ep_ll_combine_recv"};
 
+// X(Args) for each argument struct the ops take (explicit instantiations of the entry points).
+#define JAX_EP_FOR_EACH_OP_ARGS(X)                                                         \
+  X(DispatchArgs) X(CombineArgs<float>) X(CombineArgs<Bf16>) X(CombineArgs<F16>) X(LowLatencyArgs) \
+  X(LowLatencyCombineArgs)
+
 // What a barrier waits for, and so how long it may wait. The first barrier of an op waits for
 // peers that may not have started it yet (a process still compiling, or busy with other
 // work): bounded by the start timeout, $JAX_EP_START_TIMEOUT_S (default 600 s). Every later
@@ -253,9 +258,11 @@ inline RegionBytes buffer_region_bytes(int R, int T, int K, int E, int H, int dt
   return RegionBytes{kSignalBytes, normal, low_latency};
 }
 
+// run_op(platform, op, args): op `op` (PeerOp) for the platform's rank, one overload per
+// argument struct.
+
 template <typename Platform>
-PeerError run_dispatch(Platform& p, const DispatchArgs& out) {
-  constexpr int op = kPeerDispatch;
+PeerError run_op(Platform& p, int op, const DispatchArgs& out) {
   DispatchArgs a = out;
   a.first_rank = p.rank();
   a.out = out.results();  // the finish phase copies them out of the symmetric buffer
@@ -274,8 +281,7 @@ PeerError run_dispatch(Platform& p, const DispatchArgs& out) {
 }
 
 template <typename Platform, typename T>
-PeerError run_combine(Platform& p, const CombineArgs<T>& in) {
-  constexpr int op = kPeerCombine;
+PeerError run_op(Platform& p, int op, const CombineArgs<T>& in) {
   const int R = in.num_ranks;
   CombineArgs<T> a = in;
   a.first_rank = p.rank();
@@ -315,7 +321,7 @@ PeerError open_ll(Platform& p, int op, int R, int T, int K, int E, int H, bool f
 // data); the receive (after every message arrived) copies the counted rows out to their compact
 // slots and writes the counts.
 template <typename Platform>
-PeerError run_ll_dispatch(Platform& p, int op, const LowLatencyArgs& out) {
+PeerError run_op(Platform& p, int op, const LowLatencyArgs& out) {
   LowLatencyRegions r;
   PeerError error = open_ll(p, op, out.num_ranks, out.num_tokens, out.top_k, out.num_experts,
                             out.hidden, out.use_fp8, &r);
@@ -347,7 +353,7 @@ PeerError run_ll_dispatch(Platform& p, int op, const LowLatencyArgs& out) {
 // Both halves of low-latency combine: the send pushes rows into the homes' staging slots
 // (after the homes are done with them), the receive sums them (after they all arrived).
 template <typename Platform>
-PeerError run_ll_combine(Platform& p, int op, const LowLatencyCombineArgs& in) {
+PeerError run_op(Platform& p, int op, const LowLatencyCombineArgs& in) {
   LowLatencyRegions r;
   PeerError error = open_ll(p, op, in.num_ranks, in.num_tokens, in.top_k, in.num_experts,
                             in.hidden, false, &r);

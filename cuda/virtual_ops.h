@@ -2,8 +2,9 @@
 // [R, ...], peers reached as slices of the stacks (VirtualPeers). Each phase is one launch
 // over every rank's items, so a launch boundary is the barrier between phases.
 //
-// Written once for both launchers: the GPU's kernels (cuda/exchange.cu) and the CPU's
-// emulated grids (ffi/exchange_cpu.cc). A Launcher L provides
+// run_virtual(launcher, op, args) runs op `op` (PeerOp, cuda/peer_ops.h), one overload per
+// argument struct. Written once for both launchers: the GPU's kernels (cuda/exchange.cu) and
+// the CPU's emulated grids (ffi/exchange_cpu.cc). A Launcher L provides
 //   void per_thread(phase, items), per_warp(phase, items)   one launch over ranks [0, R)
 // (cuda/peer_ops.h is the same for one rank per device, with barriers between the launches).
 #pragma once
@@ -16,7 +17,7 @@
 namespace jax_ep {
 
 template <typename L>
-void run_virtual_dispatch(L& l, const DispatchArgs& a) {
+void run_virtual(L& l, int, const DispatchArgs& a) {
   using Peers = VirtualPeers;
   l.per_warp(DispatchCount<Peers>{a}, a.num_counters() + 1);
   l.per_thread(DispatchBases{a}, a.num_counters());
@@ -25,16 +26,15 @@ void run_virtual_dispatch(L& l, const DispatchArgs& a) {
 }
 
 template <typename L, typename T>
-void run_virtual_combine(L& l, const CombineArgs<T>& a) {
+void run_virtual(L& l, int, const CombineArgs<T>& a) {
   if (a.expert_major) {
     l.per_warp(CombineReduceEntries<T>{a}, static_cast<int64_t>(a.num_ranks) * a.num_tokens);
   }
   l.per_warp(CombineToken<T, VirtualPeers>{a}, a.num_tokens);
 }
 
-// `op` is kPeerLlDispatchSend or kPeerLlDispatchRecv (cuda/peer_ops.h).
 template <typename L>
-void run_virtual_ll_dispatch(L& l, int op, const LowLatencyArgs& a) {
+void run_virtual(L& l, int op, const LowLatencyArgs& a) {
   using Peers = VirtualPeers;
   if (op == kPeerLlDispatchSend) {
     l.per_warp(LowLatencyCount<Peers>{a}, a.num_experts + 1);
@@ -44,9 +44,10 @@ void run_virtual_ll_dispatch(L& l, int op, const LowLatencyArgs& a) {
   }
 }
 
-// Low-latency combine: the receive reads the expert rows in place (no send, no staging).
+// Low-latency combine has only its receive (`op` kPeerLlCombineRecv): it reads the expert
+// rows in place.
 template <typename L>
-void run_virtual_ll_combine(L& l, const LowLatencyCombineArgs& a) {
+void run_virtual(L& l, int, const LowLatencyCombineArgs& a) {
   l.per_warp(LowLatencyCombineToken{a}, a.num_tokens);
 }
 

@@ -106,8 +106,8 @@ xffi::Error CheckStack(std::string_view op, int64_t stacked, int64_t num_ranks) 
                          ", virtual ranks) or 1 (one rank per device)");
 }
 
-}  // namespace
-
+// Checks the `ranks` operand against the stacked count of the op's operands (the leading
+// dimension of args[stacked_operand]); `*between`: this call is one rank of several devices.
 xffi::Error ParseRanks(std::string_view op, const AnyBuffer& ranks,
                        const xffi::RemainingArgs& args, size_t stacked_operand,
                        int64_t num_ranks, bool* between, const int32_t** data) {
@@ -119,10 +119,12 @@ xffi::Error ParseRanks(std::string_view op, const AnyBuffer& ranks,
   return xffi::Error::Success();
 }
 
+}  // namespace
+
 xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t num_ranks,
                           int64_t num_experts, int64_t capacity, int64_t expert_major,
                           DispatchArgs* a) {
-  const std::string_view op = kDispatchOp;
+  const std::string_view op = kPeerOpNames[kPeerDispatch];
   Buffers b(op, args, rets);
   JAX_EP_RETURN_IF_ERROR(b.Count(4, 16));
   const AnyBuffer idx = b.Arg(2);
@@ -194,7 +196,7 @@ xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, in
 
 xffi::Error ParseCombine(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t num_ranks,
                          int64_t expert_major, RowType* type, CombineArgs<float>* a) {
-  const std::string_view op = kCombineOp;
+  const std::string_view op = kPeerOpNames[kPeerCombine];
   Buffers b(op, args, rets);
   JAX_EP_RETURN_IF_ERROR(b.Count(4, 2));
   const AnyBuffer y = b.Arg(0);
@@ -245,7 +247,7 @@ xffi::Error ParseCombine(xffi::RemainingArgs args, xffi::RemainingRets rets, int
 xffi::Error ParseLowLatencyDispatchSend(xffi::RemainingArgs args, xffi::RemainingRets rets,
                                         int64_t num_ranks, int64_t num_experts, int64_t use_fp8,
                                         LowLatencyArgs* a) {
-  const std::string_view op = kLowLatencyDispatchSendOp;
+  const std::string_view op = kPeerOpNames[kPeerLlDispatchSend];
   Buffers b(op, args, rets);
   JAX_EP_RETURN_IF_ERROR(b.Count(2, 7));
   const AnyBuffer idx = b.Arg(1);
@@ -287,7 +289,7 @@ xffi::Error ParseLowLatencyDispatchSend(xffi::RemainingArgs args, xffi::Remainin
 xffi::Error ParseLowLatencyDispatchRecv(xffi::RemainingArgs args, xffi::RemainingRets rets,
                                         int64_t num_ranks, int64_t num_experts,
                                         LowLatencyArgs* a) {
-  const std::string_view op = kLowLatencyDispatchRecvOp;
+  const std::string_view op = kPeerOpNames[kPeerLlDispatchRecv];
   Buffers b(op, args, rets);
   JAX_EP_RETURN_IF_ERROR(b.Count(4, 4));
   const AnyBuffer x = b.Arg(0);
@@ -338,7 +340,7 @@ xffi::Error ParseLowLatencyDispatchRecv(xffi::RemainingArgs args, xffi::Remainin
 xffi::Error ParseLowLatencyCombineSend(xffi::RemainingArgs args, xffi::RemainingRets rets,
                                        int64_t num_ranks, int64_t num_experts,
                                        LowLatencyCombineArgs* a) {
-  const std::string_view op = kLowLatencyCombineSendOp;
+  const std::string_view op = kPeerOpNames[kPeerLlCombineSend];
   Buffers b(op, args, rets);
   JAX_EP_RETURN_IF_ERROR(b.Count(2, 1));
   const AnyBuffer src_row = b.Arg(1);
@@ -348,7 +350,7 @@ xffi::Error ParseLowLatencyCombineSend(xffi::RemainingArgs args, xffi::Remaining
   JAX_EP_RETURN_IF_ERROR(CheckStack(op, V, R));
   if (V != 1 || R == 1) {
     return Invalid(op, "with virtual ranks low-latency combine has no send: call " +
-                           std::string(kLowLatencyCombineRecvOp) + " with y");
+                           std::string(kPeerOpNames[kPeerLlCombineRecv]) + " with y");
   }
   JAX_EP_RETURN_IF_ERROR(CheckExperts(op, num_experts, R));
   JAX_EP_RETURN_IF_ERROR(CheckRank(op, "y", b.Arg(0), 4));
@@ -369,7 +371,7 @@ xffi::Error ParseLowLatencyCombineSend(xffi::RemainingArgs args, xffi::Remaining
 xffi::Error ParseLowLatencyCombineRecv(xffi::RemainingArgs args, xffi::RemainingRets rets,
                                        int64_t num_ranks, int64_t num_experts,
                                        LowLatencyCombineArgs* a) {
-  const std::string_view op = kLowLatencyCombineRecvOp;
+  const std::string_view op = kPeerOpNames[kPeerLlCombineRecv];
   Buffers b(op, args, rets);
   JAX_EP_RETURN_IF_ERROR(b.Count(4, 1));
   const AnyBuffer idx = b.Arg(2);
@@ -401,6 +403,83 @@ xffi::Error ParseLowLatencyCombineRecv(xffi::RemainingArgs args, xffi::Remaining
   JAX_EP_RETURN_IF_ERROR(b.In(3, "topk_weights", DataType::F32, {V, T, K}, &a->topk_weights));
   JAX_EP_RETURN_IF_ERROR(b.Out(0, "out", DataType::BF16, {V, T, H}, &a->out));
   return xffi::Error::Success();
+}
+
+namespace {
+
+xffi::Error Attr(std::string_view op, const xffi::Dictionary& attrs, std::string_view name,
+                 int64_t* value) {
+  const xffi::ErrorOr<int64_t> got = attrs.get<int64_t>(name);
+  if (!got.has_value()) {
+    return Invalid(op, "needs the int64 attribute " + std::string(name));
+  }
+  *value = *got;
+  return xffi::Error::Success();
+}
+
+// The operand whose leading dimension stacks the op's ranks, by PeerOp.
+constexpr size_t kStackedOperand[] = {2, 0, 1, 0, 0, 2};
+
+}  // namespace
+
+xffi::Error ParseCall(int op, const AnyBuffer& ranks, xffi::RemainingArgs args,
+                      xffi::RemainingRets rets, const xffi::Dictionary& attrs, Call* call) {
+  const std::string_view name = kPeerOpNames[op];
+  int64_t R = 0, E = 0;
+  JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "num_ranks", &R));
+  if (op != kPeerCombine) JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "num_experts", &E));
+  switch (op) {
+    case kPeerDispatch: {
+      int64_t capacity = 0, expert_major = 0, zero_padding = 0;
+      JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "capacity", &capacity));
+      JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "expert_major", &expert_major));
+      JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "zero_padding", &zero_padding));
+      DispatchArgs a;
+      JAX_EP_RETURN_IF_ERROR(ParseDispatch(args, rets, R, E, capacity, expert_major, &a));
+      a.zero_padding = zero_padding != 0;
+      call->args = a;
+      break;
+    }
+    case kPeerCombine: {
+      int64_t expert_major = 0;
+      JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "expert_major", &expert_major));
+      CombineArgs<float> a;
+      RowType type;
+      JAX_EP_RETURN_IF_ERROR(ParseCombine(args, rets, R, expert_major, &type, &a));
+      switch (type) {
+        case RowType::kF32: call->args = a; break;
+        case RowType::kBF16: call->args = Retype<Bf16>(a); break;
+        case RowType::kF16: call->args = Retype<F16>(a); break;
+      }
+      break;
+    }
+    case kPeerLlDispatchSend: {
+      int64_t use_fp8 = 0;
+      JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "use_fp8", &use_fp8));
+      LowLatencyArgs a;
+      JAX_EP_RETURN_IF_ERROR(ParseLowLatencyDispatchSend(args, rets, R, E, use_fp8, &a));
+      call->args = a;
+      break;
+    }
+    case kPeerLlDispatchRecv: {
+      LowLatencyArgs a;
+      JAX_EP_RETURN_IF_ERROR(ParseLowLatencyDispatchRecv(args, rets, R, E, &a));
+      call->args = a;
+      break;
+    }
+    case kPeerLlCombineSend:
+    case kPeerLlCombineRecv: {
+      LowLatencyCombineArgs a;
+      JAX_EP_RETURN_IF_ERROR(op == kPeerLlCombineSend
+                                 ? ParseLowLatencyCombineSend(args, rets, R, E, &a)
+                                 : ParseLowLatencyCombineRecv(args, rets, R, E, &a));
+      call->args = a;
+      break;
+    }
+    default:
+      return xffi::Error::Internal("jax_ep: unknown exchange op " + std::to_string(op));
+  }
+  return ParseRanks(name, ranks, args, kStackedOperand[op], R, &call->between, &call->ranks);
 }
 
 }  // namespace jax_ep::ffi

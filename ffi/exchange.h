@@ -5,34 +5,23 @@
 // num_ranks (R) and, before the operands listed below, `ranks` s32 [R]: the EP rank of each
 // stacked rank (0..R-1 with virtual ranks; the EP axis index between devices).
 //
-// Each target takes its operands and results as variadic lists (the order is documented at
-// the parser below and mirrored by jax_ep/_virtual_ffi.py) and a few int64 attributes. The
-// parsers check every shape and dtype and fill the argument struct of the bodies; the CPU
-// handlers (exchange_cpu.cc) then run the phases in loops, the CUDA handlers
-// (exchange_cuda.cc) launch them as kernels.
+// The targets are named by kPeerOpNames (cuda/peer_ops.h). Each takes its operands and
+// results as variadic lists (the order is documented at the parser below and mirrored by
+// jax_ep/_exchange_ffi.py) and a few int64 attributes. The parsers check every shape and dtype
+// and fill the argument struct of the bodies; the CPU handlers (exchange_cpu.cc) then run the
+// op on the CPU, the CUDA handlers (exchange_cuda.cc) as kernels (cuda/kernels.h).
 #pragma once
 
 #include <cstdint>
 #include <string_view>
+#include <variant>
 
 #include "cuda/exchange.h"
+#include "cuda/peer_ops.h"
 #include "ffi/ffi_helpers.h"
 
 namespace jax_ep::ffi {
 
-inline constexpr const char kDispatchOp[] = "jax_ep_dispatch";
-inline constexpr const char kCombineOp[] = "jax_ep_combine";
-inline constexpr const char kLowLatencyDispatchSendOp[] = "jax_ep_ll_dispatch_send";
-inline constexpr const char kLowLatencyDispatchRecvOp[] = "jax_ep_ll_dispatch_recv";
-inline constexpr const char kLowLatencyCombineSendOp[] = "jax_ep_ll_combine_send";
-inline constexpr const char kLowLatencyCombineRecvOp[] = "jax_ep_ll_combine_recv";
-
-// Checks the `ranks` operand against the stacked count of the op's operands (the leading
-// dimension of args[stacked_operand]); `*between` tells whether this call is one rank of
-// several devices (stacked 1 < R), `*data` is the operand's data.
-xffi::Error ParseRanks(std::string_view op, const xffi::AnyBuffer& ranks,
-                       const xffi::RemainingArgs& args, size_t stacked_operand,
-                       int64_t num_ranks, bool* between, const int32_t** data);
 
 // Element type of combine's rows.
 enum class RowType { kF32, kBF16, kF16 };
@@ -102,6 +91,22 @@ xffi::Error ParseLowLatencyCombineSend(xffi::RemainingArgs args, xffi::Remaining
 xffi::Error ParseLowLatencyCombineRecv(xffi::RemainingArgs args, xffi::RemainingRets rets,
                                        int64_t num_ranks, int64_t num_experts,
                                        LowLatencyCombineArgs* out);
+
+// One call of an exchange target, parsed.
+using OpArgs = std::variant<DispatchArgs, CombineArgs<float>, CombineArgs<Bf16>, CombineArgs<F16>,
+                            LowLatencyArgs, LowLatencyCombineArgs>;
+struct Call {
+  OpArgs args;
+  bool between;          // one rank of several devices (else virtual ranks)
+  const int32_t* ranks;  // the ranks operand's data (device memory on GPUs)
+};
+
+// Parses a call of target `op` (PeerOp, cuda/peer_ops.h): its attributes, its ranks operand
+// and the operands and results of its parser above. Every target binds the same way on each
+// platform (exchange_cpu.cc, exchange_cuda.cc): the ranks operand, the remaining operands and
+// results, and the attributes as a dictionary.
+xffi::Error ParseCall(int op, const xffi::AnyBuffer& ranks, xffi::RemainingArgs args,
+                      xffi::RemainingRets rets, const xffi::Dictionary& attrs, Call* call);
 
 // Handlers (C symbols, wrapped in capsules by module.cc).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(DispatchCpu);

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <variant>
 
 #include "cuda/host_launch.h"
 #include "cuda/host_peers.h"
@@ -51,174 +52,61 @@ xffi::Error Done(const PeerError& error) {
 void Poison(void* data, int64_t bytes) {
   if (bytes > 0) std::memset(data, 0xFF, static_cast<size_t>(bytes));
 }
-
-// Where a call's ranks are and the grid its phases run on.
-struct Placement {
-  bool between;  // one rank of several devices: host peers
-  int rank;      // the first stacked rank's EP rank (this device's, between devices)
-  HostGrid grid;
-};
-
-// Parses the ranks operand (args[stacked_operand] stacks the op's ranks) and the grid.
-xffi::Error Place(const char* op, const xffi::AnyBuffer& ranks, const xffi::RemainingArgs& args,
-                  size_t stacked_operand, int num_ranks, Placement* at) {
-  const int32_t* data = nullptr;
-  JAX_EP_RETURN_IF_ERROR(
-      ParseRanks(op, ranks, args, stacked_operand, num_ranks, &at->between, &data));
-  at->rank = data[0];
-  return Grid(op, &at->grid);
+// The received rows of the ops that deliver them; `ranks`: the ranks stacked in this call.
+void PoisonPadding(int, const DispatchArgs& a, int64_t ranks) {
+  if (a.zero_padding) return;
+  Poison(a.recv_x, ranks * a.capacity * a.row_bytes);
+  Poison(a.recv_scales, ranks * a.capacity * a.scale_cols * 4);
 }
-
-xffi::Error DispatchCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingArgs args,
-                            xffi::RemainingRets rets, int64_t num_ranks, int64_t num_experts,
-                            int64_t capacity, int64_t expert_major, int64_t zero_padding) {
-  DispatchArgs a;
-  JAX_EP_RETURN_IF_ERROR(
-      ParseDispatch(args, rets, num_ranks, num_experts, capacity, expert_major, &a));
-  a.zero_padding = zero_padding != 0;
-  Placement at;
-  JAX_EP_RETURN_IF_ERROR(Place(kDispatchOp, ranks, args, 2, a.num_ranks, &at));
-  if (!a.zero_padding) {
-    const int64_t rows = (at.between ? 1 : a.num_ranks) * int64_t{a.capacity};
-    Poison(a.recv_x, rows * a.row_bytes);
-    Poison(a.recv_scales, rows * a.scale_cols * 4);
-  }
-  if (at.between) return Done(host::dispatch(a, at.rank, at.grid));
-  HostLauncher l{a.num_ranks, at.grid};
-  run_virtual_dispatch(l, a);
-  return xffi::Error::Success();
-}
-
-template <typename T>
-xffi::Error Combine(const CombineArgs<float>& untyped, const Placement& at) {
-  const CombineArgs<T> a = Retype<T>(untyped);
-  if (at.between) return Done(host::combine(a, at.rank, at.grid));
-  HostLauncher l{a.num_ranks, at.grid};
-  run_virtual_combine(l, a);
-  return xffi::Error::Success();
-}
-
-xffi::Error CombineCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingArgs args,
-                           xffi::RemainingRets rets, int64_t num_ranks, int64_t expert_major) {
-  CombineArgs<float> a;
-  RowType type;
-  JAX_EP_RETURN_IF_ERROR(ParseCombine(args, rets, num_ranks, expert_major, &type, &a));
-  Placement at;
-  JAX_EP_RETURN_IF_ERROR(Place(kCombineOp, ranks, args, 0, a.num_ranks, &at));
-  switch (type) {
-    case RowType::kF32: return Combine<float>(a, at);
-    case RowType::kBF16: return Combine<Bf16>(a, at);
-    case RowType::kF16: return Combine<F16>(a, at);
-  }
-  return xffi::Error::Internal("jax_ep_combine: unknown row type");
-}
-
-xffi::Error LowLatencyDispatch(int op, const LowLatencyArgs& a, const Placement& at) {
-  if (at.between) return Done(host::ll_dispatch(op, a, at.rank, at.grid));
-  HostLauncher l{a.num_ranks, at.grid};
-  run_virtual_ll_dispatch(l, op, a);
-  return xffi::Error::Success();
-}
-
-xffi::Error LowLatencyDispatchSendCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingArgs args,
-                                          xffi::RemainingRets rets, int64_t num_ranks,
-                                          int64_t num_experts, int64_t use_fp8) {
-  LowLatencyArgs a;
-  JAX_EP_RETURN_IF_ERROR(
-      ParseLowLatencyDispatchSend(args, rets, num_ranks, num_experts, use_fp8, &a));
-  Placement at;
-  JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyDispatchSendOp, ranks, args, 1, a.num_ranks, &at));
-  const int64_t slots = (at.between ? 1 : a.num_ranks) * a.experts_per_rank() * a.slots();
+void PoisonPadding(int op, const LowLatencyArgs& a, int64_t ranks) {
+  if (op != kPeerLlDispatchSend) return;
+  const int64_t slots = ranks * a.experts_per_rank() * a.slots();
   Poison(a.recv_x, slots * a.row_bytes());
   if (a.use_fp8) Poison(a.recv_scales, slots * (a.hidden / kFp8Block) * 4);
-  return LowLatencyDispatch(kPeerLlDispatchSend, a, at);
+}
+template <typename Args>
+void PoisonPadding(int, const Args&, int64_t) {}
+
+// Every target: parse, then run the op with virtual ranks (cuda/virtual_ops.h) or, between
+// devices, for this device's rank through host peers.
+template <int Op>
+xffi::Error ExchangeCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingArgs args,
+                            xffi::RemainingRets rets, xffi::Dictionary attrs) {
+  Call call;
+  JAX_EP_RETURN_IF_ERROR(ParseCall(Op, ranks, args, rets, attrs, &call));
+  HostGrid grid;
+  JAX_EP_RETURN_IF_ERROR(Grid(kPeerOpNames[Op], &grid));
+  return std::visit(
+      [&](const auto& a) {
+        PoisonPadding(Op, a, call.between ? 1 : a.num_ranks);
+        if (call.between) return Done(host::run(Op, a, call.ranks[0], grid));
+        HostLauncher l{a.num_ranks, grid};
+        run_virtual(l, Op, a);
+        return xffi::Error::Success();
+      },
+      call.args);
 }
 
-xffi::Error LowLatencyDispatchRecvCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingArgs args,
-                                          xffi::RemainingRets rets, int64_t num_ranks,
-                                          int64_t num_experts) {
-  LowLatencyArgs a;
-  JAX_EP_RETURN_IF_ERROR(ParseLowLatencyDispatchRecv(args, rets, num_ranks, num_experts, &a));
-  Placement at;
-  JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyDispatchRecvOp, ranks, args, 0, a.num_ranks, &at));
-  return LowLatencyDispatch(kPeerLlDispatchRecv, a, at);
-}
-
-xffi::Error LowLatencyCombineSendCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingArgs args,
-                                         xffi::RemainingRets rets, int64_t num_ranks,
-                                         int64_t num_experts) {
-  LowLatencyCombineArgs a;
-  JAX_EP_RETURN_IF_ERROR(ParseLowLatencyCombineSend(args, rets, num_ranks, num_experts, &a));
-  Placement at;
-  JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyCombineSendOp, ranks, args, 0, a.num_ranks, &at));
-  return Done(host::ll_combine(kPeerLlCombineSend, a, at.rank, at.grid));  // between only
-}
-
-xffi::Error LowLatencyCombineRecvCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingArgs args,
-                                         xffi::RemainingRets rets, int64_t num_ranks,
-                                         int64_t num_experts) {
-  LowLatencyCombineArgs a;
-  JAX_EP_RETURN_IF_ERROR(ParseLowLatencyCombineRecv(args, rets, num_ranks, num_experts, &a));
-  Placement at;
-  JAX_EP_RETURN_IF_ERROR(Place(kLowLatencyCombineRecvOp, ranks, args, 2, a.num_ranks, &at));
-  if (at.between) return Done(host::ll_combine(kPeerLlCombineRecv, a, at.rank, at.grid));
-  HostLauncher l{a.num_ranks, at.grid};
-  run_virtual_ll_combine(l, a);
-  return xffi::Error::Success();
+// The binding of every target.
+auto Binding() {
+  return xffi::Ffi::Bind()
+      .Arg<xffi::AnyBuffer>()
+      .RemainingArgs()
+      .RemainingRets()
+      .Attrs<xffi::Dictionary>();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DispatchCpu, DispatchCpuImpl,
-                              xffi::Ffi::Bind()
-                                  .Arg<xffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("capacity")
-                                  .Attr<int64_t>("expert_major")
-                                  .Attr<int64_t>("zero_padding"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineCpu, CombineCpuImpl,
-                              xffi::Ffi::Bind()
-                                  .Arg<xffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("expert_major"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendCpu, LowLatencyDispatchSendCpuImpl,
-                              xffi::Ffi::Bind()
-                                  .Arg<xffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("use_fp8"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecvCpu, LowLatencyDispatchRecvCpuImpl,
-                              xffi::Ffi::Bind()
-                                  .Arg<xffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("num_experts"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendCpu, LowLatencyCombineSendCpuImpl,
-                              xffi::Ffi::Bind()
-                                  .Arg<xffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("num_experts"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvCpu, LowLatencyCombineRecvCpuImpl,
-                              xffi::Ffi::Bind()
-                                  .Arg<xffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("num_experts"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DispatchCpu, ExchangeCpuImpl<kPeerDispatch>, Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineCpu, ExchangeCpuImpl<kPeerCombine>, Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendCpu, ExchangeCpuImpl<kPeerLlDispatchSend>,
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecvCpu, ExchangeCpuImpl<kPeerLlDispatchRecv>,
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendCpu, ExchangeCpuImpl<kPeerLlCombineSend>,
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvCpu, ExchangeCpuImpl<kPeerLlCombineRecv>,
+                              Binding());
 
 }  // namespace jax_ep::ffi

@@ -4,6 +4,7 @@
 #include <nanobind/stl/string.h>
 
 #include <cstdint>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 
@@ -21,30 +22,32 @@ namespace nb = nanobind;
 
 namespace {
 
-nb::capsule Capsule(XLA_FFI_Error* (*handler)(XLA_FFI_CallFrame*)) {
-  return nb::capsule(reinterpret_cast<void*>(handler));
-}
+using Handler = XLA_FFI_Error* (*)(XLA_FFI_CallFrame*);
+
+nb::capsule Capsule(Handler handler) { return nb::capsule(reinterpret_cast<void*>(handler)); }
+
+// The exchange targets' handlers, in PeerOp order (their names are kPeerOpNames).
+namespace ffi = jax_ep::ffi;
+constexpr Handler kExchangeCpu[] = {ffi::DispatchCpu, ffi::CombineCpu,
+                                    ffi::LowLatencyDispatchSendCpu, ffi::LowLatencyDispatchRecvCpu,
+                                    ffi::LowLatencyCombineSendCpu, ffi::LowLatencyCombineRecvCpu};
+#ifdef JAX_EP_WITH_CUDA
+constexpr Handler kExchangeCuda[] = {
+    ffi::DispatchCuda, ffi::CombineCuda, ffi::LowLatencyDispatchSendCuda,
+    ffi::LowLatencyDispatchRecvCuda, ffi::LowLatencyCombineSendCuda, ffi::LowLatencyCombineRecvCuda};
+static_assert(std::size(kExchangeCuda) == std::size(jax_ep::kPeerOpNames));
+#endif
+static_assert(std::size(kExchangeCpu) == std::size(jax_ep::kPeerOpNames));
 
 // {platform: {target name: handler capsule}} for jax.ffi.register_ffi_target. The same target
 // names on both platforms; the "CUDA" dict is empty when the CUDA kernels were not compiled.
 nb::dict Registrations() {
-  nb::dict cpu;
-  cpu["jax_ep_dispatch_layout"] = Capsule(jax_ep::ffi::LayoutCpu);
-  cpu[jax_ep::ffi::kDispatchOp] = Capsule(jax_ep::ffi::DispatchCpu);
-  cpu[jax_ep::ffi::kCombineOp] = Capsule(jax_ep::ffi::CombineCpu);
-  cpu[jax_ep::ffi::kLowLatencyDispatchSendOp] = Capsule(jax_ep::ffi::LowLatencyDispatchSendCpu);
-  cpu[jax_ep::ffi::kLowLatencyDispatchRecvOp] = Capsule(jax_ep::ffi::LowLatencyDispatchRecvCpu);
-  cpu[jax_ep::ffi::kLowLatencyCombineSendOp] = Capsule(jax_ep::ffi::LowLatencyCombineSendCpu);
-  cpu[jax_ep::ffi::kLowLatencyCombineRecvOp] = Capsule(jax_ep::ffi::LowLatencyCombineRecvCpu);
-  nb::dict cuda;
+  nb::dict cpu, cuda;
+  cpu["jax_ep_dispatch_layout"] = Capsule(ffi::LayoutCpu);
+  for (size_t op = 0; op < std::size(kExchangeCpu); ++op) cpu[jax_ep::kPeerOpNames[op]] = Capsule(kExchangeCpu[op]);
 #ifdef JAX_EP_WITH_CUDA
-  cuda["jax_ep_dispatch_layout"] = Capsule(jax_ep::ffi::LayoutCuda);
-  cuda[jax_ep::ffi::kDispatchOp] = Capsule(jax_ep::ffi::DispatchCuda);
-  cuda[jax_ep::ffi::kCombineOp] = Capsule(jax_ep::ffi::CombineCuda);
-  cuda[jax_ep::ffi::kLowLatencyDispatchSendOp] = Capsule(jax_ep::ffi::LowLatencyDispatchSendCuda);
-  cuda[jax_ep::ffi::kLowLatencyDispatchRecvOp] = Capsule(jax_ep::ffi::LowLatencyDispatchRecvCuda);
-  cuda[jax_ep::ffi::kLowLatencyCombineSendOp] = Capsule(jax_ep::ffi::LowLatencyCombineSendCuda);
-  cuda[jax_ep::ffi::kLowLatencyCombineRecvOp] = Capsule(jax_ep::ffi::LowLatencyCombineRecvCuda);
+  cuda["jax_ep_dispatch_layout"] = Capsule(ffi::LayoutCuda);
+  for (size_t op = 0; op < std::size(kExchangeCuda); ++op) cuda[jax_ep::kPeerOpNames[op]] = Capsule(kExchangeCuda[op]);
 #endif
   nb::dict out;
   out["cpu"] = cpu;

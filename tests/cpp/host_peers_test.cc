@@ -275,15 +275,15 @@ void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& 
       };
       // Each op twice in a row: the second meets the first's data in the symmetric buffer,
       // with no other op's barriers in between.
-      for (int i = 0; i < 2; ++i) check(host::dispatch(d.args(s, r), r, grid));
-      for (int i = 0; i < 2; ++i) check(host::combine(c.args(s, d, r), r, grid));
+      for (int i = 0; i < 2; ++i) check(host::run(kPeerDispatch, d.args(s, r), r, grid));
+      for (int i = 0; i < 2; ++i) check(host::run(kPeerCombine, c.args(s, d, r), r, grid));
       for (int i = 0; i < 2; ++i) {
-        check(host::ll_dispatch(kPeerLlDispatchSend, ll.dispatch_args(s, r), r, grid));
-        check(host::ll_dispatch(kPeerLlDispatchRecv, ll.dispatch_args(s, r), r, grid));
+        check(host::run(kPeerLlDispatchSend, ll.dispatch_args(s, r), r, grid));
+        check(host::run(kPeerLlDispatchRecv, ll.dispatch_args(s, r), r, grid));
       }
       for (int i = 0; i < 2; ++i) {
-        check(host::ll_combine(kPeerLlCombineSend, ll.combine_args(s, r), r, grid));
-        check(host::ll_combine(kPeerLlCombineRecv, ll.combine_args(s, r), r, grid));
+        check(host::run(kPeerLlCombineSend, ll.combine_args(s, r), r, grid));
+        check(host::run(kPeerLlCombineRecv, ll.combine_args(s, r), r, grid));
       }
     });
   }
@@ -344,9 +344,9 @@ void check_late_peer() {
   PeerError errors[2];
   std::thread late([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(600));
-    errors[1] = host::dispatch(d.args(s, 1), 1, HostGrid{});
+    errors[1] = host::run(kPeerDispatch, d.args(s, 1), 1, HostGrid{});
   });
-  errors[0] = host::dispatch(d.args(s, 0), 0, HostGrid{});
+  errors[0] = host::run(kPeerDispatch, d.args(s, 0), 0, HostGrid{});
   late.join();
   for (const PeerError& e : errors) expect(e.ok(), "a late peer is waited for: got " + e.message);
 }
@@ -358,11 +358,11 @@ void check_timeout() {
   DispatchData d(s);
   std::mt19937 gen(7);
   fill_inputs(s, d, gen);
-  const PeerError first = host::dispatch(d.args(s, 0), 0, HostGrid{});
+  const PeerError first = host::run(kPeerDispatch, d.args(s, 0), 0, HostGrid{});
   expect(first.message.find("timed out after 2 s waiting for peer 1 to start it") !=
              std::string::npos,
          "a lone rank times out: got '" + first.message + "'");
-  const PeerError again = host::dispatch(d.args(s, 0), 0, HostGrid{});
+  const PeerError again = host::run(kPeerDispatch, d.args(s, 0), 0, HostGrid{});
   expect(again.message.find("an earlier call of jax_ep_dispatch on this rank timed out") !=
              std::string::npos,
          "the timeout is remembered: got '" + again.message + "'");
