@@ -38,13 +38,15 @@ struct VirtualPeers {
   }
 };
 
+// The unit of the row copies: 16 bytes, one vector load or store per lane.
+struct alignas(16) Word {
+  uint32_t v[4];
+};
+
 // Copies `bytes` from src to dst with `lanes` cooperating lanes (16-byte words when both
 // pointers and the size allow, else single bytes).
 JAX_EP_HOST_DEVICE void copy_row(void* dst, const void* src, int64_t bytes, int lane, int lanes) {
   if (lane == 0) meter_rows(bytes, bytes);
-  struct alignas(16) Word {
-    uint32_t v[4];
-  };
   const bool aligned = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
                          static_cast<uintptr_t>(bytes)) &
                         15u) == 0;
@@ -74,6 +76,14 @@ struct Fan {
     }
     ++n;
   }
+  // The OR of the destinations' addresses (their common alignment).
+  JAX_EP_HOST_DEVICE uintptr_t address_bits() const {
+    uintptr_t bits = 0;
+    JAX_EP_UNROLL for (int j = 0; j < kFanOut; ++j) {
+      if (j < n) bits |= reinterpret_cast<uintptr_t>(to[j]);
+    }
+    return bits;
+  }
 };
 
 // Copies `bytes` from src to every destination of the fan, reading src once, and empties the
@@ -81,16 +91,11 @@ struct Fan {
 JAX_EP_HOST_DEVICE void fan_out_row(Fan<char>& fan, const void* src, int64_t bytes, int lane,
                                     int lanes) {
   const int n = fan.n;
+  const uintptr_t bits =
+      reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes) | fan.address_bits();
   fan.n = 0;
   if (n == 0) return;
   if (lane == 0) meter_rows(bytes, n * bytes);
-  struct alignas(16) Word {
-    uint32_t v[4];
-  };
-  uintptr_t bits = reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes);
-  JAX_EP_UNROLL for (int j = 0; j < kFanOut; ++j) {
-    if (j < n) bits |= reinterpret_cast<uintptr_t>(fan.to[j]);
-  }
   if ((bits & 15u) == 0) {
     const Word* s = static_cast<const Word*>(src);
     // Not unrolled: each unrolled copy would keep its own address per destination live.
@@ -115,9 +120,6 @@ JAX_EP_HOST_DEVICE void zero_row(void* dst, int64_t bytes, int lane, int lanes) 
   if (lane == 0) meter_rows(0, bytes);
   char* d = static_cast<char*>(dst);
   if (((reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(bytes)) & 15u) == 0) {
-    struct alignas(16) Word {
-      uint32_t v[4];
-    };
     Word* w = reinterpret_cast<Word*>(d);
     for (int64_t i = lane; i < bytes / 16; i += lanes) w[i] = Word{{0, 0, 0, 0}};
   } else {
@@ -578,7 +580,7 @@ struct Terms {
     }
     ++n;
   }
-  JAX_EP_HOST_DEVICE uintptr_t address_bits() const {
+  JAX_EP_HOST_DEVICE uintptr_t address_bits() const {  // as Fan's
     uintptr_t bits = 0;
     JAX_EP_UNROLL for (int j = 0; j < kSumBatch; ++j) {
       if (j < n) bits |= reinterpret_cast<uintptr_t>(row[j]);
@@ -633,19 +635,23 @@ JAX_EP_HOST_DEVICE void sum_rows_packed(T* out, int64_t packs, bool weighted, in
 // docs/contract.md). The rows are the terms at positions [0, end) of the caller's sequence:
 // collect(terms, from) adds those at from, from + 1, ... (positions that hold none are
 // skipped) until the batch is full or `end` is reached, and returns the next position.
-// Packs are 16 bytes when out, every row and the row size allow, else single values. The
-// terms are collected again for every pack, from ids that stay in L1: next to a 16-byte load
-// per term that costs little, and holding every term's address for the whole row would double
-// the registers (about 100 now).
+// Lane 0 meters the rows read and the one written. Packs are 16 bytes when out, every row
+// and the row size allow, else single values. The terms are collected again for every pack,
+// from ids that stay in L1: next to a 16-byte load per term that costs little, and holding
+// every term's address for the whole row would double the registers (about 100 now).
 template <typename T, typename Collect>
 JAX_EP_HOST_DEVICE void sum_rows(T* out, int64_t H, bool weighted, int end,
                                  const Collect& collect, int lane, int lanes) {
-  uintptr_t bits = reinterpret_cast<uintptr_t>(out) | static_cast<uintptr_t>(H * sizeof(T));
+  const int64_t row_bytes = H * static_cast<int64_t>(sizeof(T));
+  uintptr_t bits = reinterpret_cast<uintptr_t>(out) | static_cast<uintptr_t>(row_bytes);
+  int64_t terms = 0;
   for (int from = 0; from < end;) {
     Terms<T> batch;
     from = collect(batch, from);
     bits |= batch.address_bits();
+    terms += batch.n;
   }
+  if (lane == 0) meter_rows(terms * row_bytes, row_bytes);
   constexpr int N = 16 / sizeof(T);
   if ((bits & 15u) == 0) {
     sum_rows_packed<T, N>(out, H / N, weighted, end, collect, lane, lanes);
@@ -709,12 +715,7 @@ JAX_EP_HOST_DEVICE void combine_reduce_entries(const CombineArgs<T>& a, int d, i
   const T* y = a.y + a.local(d) * a.capacity * H;
   const float* w = a.weights ? a.weights + a.local(d) * a.capacity : nullptr;
   T* out = a.partial + (a.local(d) * rows + i) * H;
-  if (lane == 0) {
-    if (a.staged.src_row) a.staged.src_row[i] = a.src_row[a.local(d) * rows + i];
-    int n = 0;
-    while (n < K && entries[n] >= 0) ++n;
-    meter_rows(n * int64_t{H} * sizeof(T), int64_t{H} * sizeof(T));
-  }
+  if (lane == 0 && a.staged.src_row) a.staged.src_row[i] = a.src_row[a.local(d) * rows + i];
   sum_rows(out, H, w != nullptr, K,
            [&](Terms<T>& terms, int k) {
              for (; k < K && !terms.full(); ++k) {
@@ -738,11 +739,6 @@ JAX_EP_HOST_DEVICE void combine_token(const CombineArgs<T>& a, const Peers& peer
   const int64_t rows_per_rank = em ? static_cast<int64_t>(R) * Tn : a.capacity;
   const float* weights = em ? nullptr : a.weights;
   T* out = a.out + (a.local(s) * Tn + t) * H;
-  if (lane == 0) {
-    int n = 0;
-    for (int d = 0; d < R; ++d) n += peers.at(a.src_row, static_cast<int64_t>(R) * Tn, d)[src] >= 0;
-    meter_rows(n * int64_t{H} * sizeof(T), int64_t{H} * sizeof(T));
-  }
   sum_rows(out, H, weights != nullptr, R,
            [&](Terms<T>& terms, int d) {
              for (; d < R && !terms.full(); ++d) {
@@ -845,18 +841,11 @@ JAX_EP_HOST_DEVICE void ll_write_rows(const LowLatencyArgs& a, const Bf16* x, Fa
     return;
   }
   const int n = rows.n;
+  const bool aligned = (rows.address_bits() & 15u) == 0;
   rows.n = scales.n = 0;
   if (n == 0) return;
   const int64_t H = a.hidden;
   if (lane == 0) meter_rows(2 * H, n * (H + H / kFp8Block * 4));
-  struct alignas(16) Word {
-    uint32_t v[4];
-  };
-  uintptr_t bits = 0;
-  JAX_EP_UNROLL for (int j = 0; j < kFanOut; ++j) {
-    if (j < n) bits |= reinterpret_cast<uintptr_t>(rows.to[j]);
-  }
-  const bool aligned = (bits & 15u) == 0;
   for (int b = lane; b < a.hidden / kFp8Block; b += lanes) {
     const Bf16* block = x + static_cast<int64_t>(b) * kFp8Block;
     float amax = 0.0f;
@@ -1039,11 +1028,6 @@ JAX_EP_HOST_DEVICE void ll_combine_token(const LowLatencyCombineArgs& a, int s, 
   const int64_t here = a.local(s) * T + t, src = static_cast<int64_t>(s) * T + t;
   const int32_t* ids = a.clean_idx + here * K;
   const float* w = a.topk_weights + here * K;
-  if (lane == 0) {
-    int n = 0;
-    for (int k = 0; k < K; ++k) n += ids[k] >= 0;
-    meter_rows(n * int64_t{H} * 2, int64_t{H} * 2);
-  }
   sum_rows(a.out + here * H, H, true, K,
            [&](Terms<Bf16>& terms, int k) {
              for (; k < K && !terms.full(); ++k) {

@@ -7,7 +7,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
-#include <cstring>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -120,7 +119,7 @@ struct HostPeers {
 };
 
 // The CPU platform of cuda/peer_ops.h: phases on this thread (or the grid's threads), the
-// barrier of the file comment, copies with memcpy.
+// barrier of the file comment.
 class HostPlatform {
  public:
   using Peers = HostPeers;
@@ -192,11 +191,6 @@ class HostPlatform {
   template <typename Phase>
   void per_warp(const Phase& phase, int64_t items) {
     if (error_.ok()) host_per_warp(phase, me_, 1, items, grid_);
-  }
-  void copy(void* dst, const void* src, int64_t bytes) {
-    if (!error_.ok() || bytes == 0) return;
-    meter_launch();  // a copy on the GPU's stream
-    std::memcpy(dst, src, static_cast<size_t>(bytes));
   }
   PeerError result(int /*op*/) const { return error_; }
 

@@ -1,6 +1,6 @@
 // The exchange between GPUs: one rank per device, peers through NVSHMEM.
 //
-// The ops are those of cuda/peer_ops.h (carving, phase order, barriers, copies), shared with
+// The ops are those of cuda/peer_ops.h (carving, phase order, barriers), shared with
 // the CPU's host peers; this file is their GPU platform. Every buffer one rank writes for
 // another lives in the NVSHMEM symmetric buffer (same offset on every rank) and
 // `NvshmemPeers::at` turns it into the peer's address with nvshmem_ptr, so writes and reads
@@ -183,8 +183,7 @@ PeerError prepare(int op, int num_ranks, const SymmetricBuffer** out) {
   return PeerError{};
 }
 
-// The GPU platform of cuda/peer_ops.h: phases and barriers are kernels on `stream`, copies
-// are device-to-device copies on it.
+// The GPU platform of cuda/peer_ops.h: phases and barriers are kernels on `stream`.
 class DevicePlatform {
  public:
   using Peers = NvshmemPeers;
@@ -217,11 +216,6 @@ class DevicePlatform {
   template <typename Phase>
   void per_warp(const Phase& phase, int64_t items) {
     if (status_ == cudaSuccess) status_ = cuda::per_warp(phase, rank(), 1, items, stream_);
-  }
-  void copy(void* dst, const void* src, int64_t bytes) {
-    if (status_ != cudaSuccess || bytes == 0) return;
-    status_ = cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice,
-                              stream_);
   }
   PeerError result(int op) const { return launch_error(op, status_); }
 

@@ -2,7 +2,8 @@
 // platform: the GPUs through NVSHMEM (cuda/peer_exchange.cu) and the CPU devices of one
 // process through host memory (cuda/host_peers.cc). The phases are the bodies of
 // cuda/exchange.h; this file adds what the ranks must agree on: the carving of the symmetric
-// buffer, the order of phases and barriers, and the copies out to the results XLA owns.
+// buffer, and the order of phases and barriers (the finish phases copy what XLA owns out of the
+// symmetric buffer).
 //
 // Symmetric buffer: the same size and layout on every rank, and each rank's buffer reachable
 // by the others through the platform's Peers view. Layout, fixed by jax_ep.initialize():
@@ -22,7 +23,6 @@
 //   size_t low_latency_offset() const;        where its low-latency regions start
 //   void barrier(int op, Wait wait);          every rank meets; earlier writes are visible
 //   void per_thread(phase, items), per_warp(phase, items)   runs a phase for this rank
-//   void copy(void* dst, const void* src, int64_t bytes)
 //   PeerError result(int op);                 the first failure of the steps above, if any
 // Steps after a failure do nothing, so the ops below read as straight sequences.
 #pragma once

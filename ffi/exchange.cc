@@ -106,6 +106,10 @@ xffi::Error CheckStack(std::string_view op, int64_t stacked, int64_t num_ranks) 
                          ", virtual ranks) or 1 (one rank per device)");
 }
 
+// Whether operands stacking `stacked` ranks of a group of num_ranks are one rank of several
+// devices (else every rank of the group: virtual ranks).
+bool Between(int64_t stacked, int64_t num_ranks) { return stacked == 1 && num_ranks > 1; }
+
 // Checks the `ranks` operand against the stacked count of the op's operands (the leading
 // dimension of args[stacked_operand]); `*between`: this call is one rank of several devices.
 xffi::Error ParseRanks(std::string_view op, const AnyBuffer& ranks,
@@ -115,7 +119,7 @@ xffi::Error ParseRanks(std::string_view op, const AnyBuffer& ranks,
   void* p = nullptr;
   JAX_EP_RETURN_IF_ERROR(Check(op, "ranks", ranks, DataType::S32, {stacked}, &p));
   *data = static_cast<const int32_t*>(p);
-  *between = stacked == 1 && num_ranks > 1;
+  *between = Between(stacked, num_ranks);
   return xffi::Error::Success();
 }
 
@@ -348,7 +352,7 @@ xffi::Error ParseLowLatencyCombineSend(xffi::RemainingArgs args, xffi::Remaining
   const int64_t V = src_row.dimensions()[0], T = src_row.dimensions()[2];
   const int64_t K = src_row.dimensions()[3], R = num_ranks;
   JAX_EP_RETURN_IF_ERROR(CheckStack(op, V, R));
-  if (V != 1 || R == 1) {
+  if (!Between(V, R)) {
     return Invalid(op, "with virtual ranks low-latency combine has no send: call " +
                            std::string(kPeerOpNames[kPeerLlCombineRecv]) + " with y");
   }
@@ -383,7 +387,6 @@ xffi::Error ParseLowLatencyCombineRecv(xffi::RemainingArgs args, xffi::Remaining
   const AnyBuffer rows = b.Arg(0);
   JAX_EP_RETURN_IF_ERROR(CheckRank(op, "rows", rows, 4));
   const int64_t El = num_experts / R, H = rows.dimensions()[3];
-  const bool between = V == 1 && R > 1;  // as ParseRanks decides
 
   *a = LowLatencyCombineArgs{};
   a->num_ranks = static_cast<int>(R);
@@ -391,7 +394,7 @@ xffi::Error ParseLowLatencyCombineRecv(xffi::RemainingArgs args, xffi::Remaining
   a->num_tokens = static_cast<int>(T);
   a->top_k = static_cast<int>(K);
   a->hidden = static_cast<int>(H);
-  if (between) {
+  if (Between(V, R)) {
     const Bf16* staging = nullptr;
     JAX_EP_RETURN_IF_ERROR(b.In(0, "staging", DataType::BF16, {V, T, K, H}, &staging));
     a->staging = const_cast<Bf16*>(staging);  // read only in this phase

@@ -2,7 +2,7 @@
 
 For a routing and the op's shapes, an `Account` gives:
 
-- launches: kernels and stream copies on each rank's stream (a barrier between GPUs is a
+- launches: kernels on each rank's stream (a barrier between GPUs is a
   kernel too);
 - barriers: waits of every rank for every other, per rank (between GPUs; with virtual ranks a
   launch boundary orders the phases and no rank waits for another);

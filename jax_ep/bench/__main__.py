@@ -289,7 +289,7 @@ def footnote(bandwidth: float, shared: bool, backends: list[str], on_cpu: bool,
         f"model: jax_ep.perfmodel's prediction for {hardware.name} (uniform routing; "
         "docs/perfmodel.md; --model picks the hardware).",
         "launches, barriers, moved/min (cuda rows): jax_ep.account's count of what the "
-        "kernels do, per rank's stream: kernel launches and stream copies, barriers between "
+        "kernels do, per rank's stream: kernel launches, barriers between "
         "ranks, and bytes of row data read + written over the bytes that must move (targets: "
         "dispatch <= 3 launches, combine <= 2, low latency <= 2 per half; moved/min <= 1.15). "
         "Checked against the CPU handlers' own counts in tests/test_account.py.",
