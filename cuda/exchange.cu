@@ -1,7 +1,9 @@
 // Exchange kernels with virtual ranks: the ops of cuda/virtual_ops.h, each phase one kernel
 // over all R ranks' items on XLA's stream.
 #include <cstdint>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "cuda/kernels.h"
 #include "cuda/phases.cuh"
@@ -16,17 +18,34 @@ struct VirtualLauncher {
   cudaStream_t stream;
   cudaError_t status = cudaSuccess;
 
-  template <typename Phase>
-  void per_thread(const Phase& phase, int64_t items) {
-    if (status == cudaSuccess) status = cuda::per_thread(phase, 0, ranks, items, stream);
-  }
-  template <typename Phase>
-  void per_warp(const Phase& phase, int64_t items) {
-    if (status == cudaSuccess) status = cuda::per_warp(phase, 0, ranks, items, stream);
+  template <typename Phase, typename Tail = NoTail>
+  void per_warp(const Phase& phase, int64_t items, const Tail& tail = {}, int64_t tail_items = 0) {
+    if (status == cudaSuccess) {
+      status = cuda::per_warp(phase, 0, ranks, items, stream, tail, tail_items);
+    }
   }
 };
 
 }  // namespace
+
+cudaError_t stream_ticket(cudaStream_t stream, unsigned** ticket) {
+  static std::mutex mutex;
+  static std::unordered_map<cudaStream_t, unsigned*> tickets;  // kept for the process
+  std::lock_guard<std::mutex> lock(mutex);
+  unsigned*& t = tickets[stream];
+  if (t == nullptr) {
+    unsigned* fresh = nullptr;
+    cudaError_t status = cudaMalloc(&fresh, sizeof(unsigned));
+    if (status == cudaSuccess) status = cudaMemsetAsync(fresh, 0, sizeof(unsigned), stream);
+    if (status != cudaSuccess) {
+      tickets.erase(stream);
+      return status;
+    }
+    t = fresh;
+  }
+  *ticket = t;
+  return cudaSuccess;
+}
 
 PeerError launch_error(int op, cudaError_t status) {
   if (status == cudaSuccess) return PeerError{};

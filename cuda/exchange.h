@@ -300,26 +300,32 @@ JAX_EP_HOST_DEVICE void dispatch_count(const DispatchArgs& a, const Peers& peers
   }
 }
 
-// Phase 2, items (s, c) for c in [0, R + E): where source s starts writing. c < R: its first
-// rank-major row on rank c. c >= R (expert-major only): its first entry position for expert
+// The count phase's tail (run once every source's counts are here), items c in [0, R + E):
+// where the sources [first, first + ranks) start writing for counter c. c < R: their first
+// rank-major row on rank c. c >= R (expert-major only): their first entry position for expert
 // e = c - R on e's rank (entries of lower local experts of that rank first, then those of e
 // from lower source ranks).
-JAX_EP_HOST_DEVICE void dispatch_bases(const DispatchArgs& a, int s, int c) {
+JAX_EP_HOST_DEVICE void dispatch_bases(const DispatchArgs& a, int first, int ranks, int c) {
   const int R = a.num_ranks, n = a.num_counters();
-  if (c < R) {
-    int32_t base = 0;
-    for (int q = 0; q < s; ++q) base += a.counts[static_cast<int64_t>(q) * n + c];
-    a.row_base[a.local(s) * R + c] = base;
-    return;
-  }
-  if (!a.expert_major) return;
-  const int e = c - R, El = a.experts_per_rank();
+  if (c >= R && !a.expert_major) return;
+  auto count = [&](int q, int counter) { return a.counts[static_cast<int64_t>(q) * n + counter]; };
   int32_t base = 0;
-  for (int f = e - e % El; f < e; ++f) {
-    for (int q = 0; q < R; ++q) base += a.counts[static_cast<int64_t>(q) * n + R + f];
+  if (c >= R) {
+    const int e = c - R, El = a.experts_per_rank();
+    for (int f = e - e % El; f < e; ++f) {
+      for (int q = 0; q < R; ++q) base += count(q, R + f);
+    }
   }
-  for (int q = 0; q < s; ++q) base += a.counts[static_cast<int64_t>(q) * n + c];
-  a.entry_base[a.local(s) * a.num_experts + e] = base;
+  for (int q = 0; q < first + ranks; ++q) {
+    if (q >= first) {
+      if (c < R) {
+        a.row_base[a.local(q) * R + c] = base;
+      } else {
+        a.entry_base[a.local(q) * a.num_experts + c - R] = base;
+      }
+    }
+    base += count(q, c);
+  }
 }
 
 // Where token t of source s (`ids`: its routing, `here`: its index in this rank's inputs)
@@ -366,7 +372,7 @@ JAX_EP_HOST_DEVICE void dispatch_fan_out(const DispatchArgs& a, const Peers& pee
   fan_out_row(fan, src, bytes, lane, lanes);
 }
 
-// Phase 3's metadata, from one lane: token src (`ids`, `here` as above) in every receiver's
+// Phase 2's metadata, from one lane: token src (`ids`, `here` as above) in every receiver's
 // ids, weights and sources, and src_row = -1 on the receivers it does not go to.
 template <typename Peers>
 JAX_EP_HOST_DEVICE void dispatch_send_metadata(const DispatchArgs& a, const Peers& peers,
@@ -423,7 +429,7 @@ JAX_EP_HOST_DEVICE void dispatch_send_metadata(const DispatchArgs& a, const Peer
   }
 }
 
-// Phase 3, items (s, t): source s writes token t into every receiver: its row (and FP8
+// Phase 2, items (s, t): source s writes token t into every receiver: its row (and FP8
 // scales) to each row or entry it keeps, read once, and its metadata.
 template <typename Peers>
 JAX_EP_HOST_DEVICE void dispatch_send(const DispatchArgs& a, const Peers& peers, int s, int t,
@@ -480,7 +486,7 @@ JAX_EP_HOST_DEVICE Landing<T> landing(const Peers& peers, T* sent, T* out, int64
   return out ? Landing<T>{from, out + local_d * n, true} : Landing<T>{from, from, false};
 }
 
-// Phase 4, items (d, i) for i in [0, max(capacity, R*T, E/R)): receiver d's row i. Its data,
+// Phase 3, items (d, i) for i in [0, max(capacity, R*T, E/R)): receiver d's row i. Its data,
 // ids, weights and sources are final (moved to XLA's results when they arrived in the
 // symmetric buffer); rows past the count get -1 ids and zero weights and, with zero_padding,
 // zero data; i < E/R writes the per-expert totals and i == 0 the scalar counts.

@@ -11,6 +11,7 @@
 // threads that join at its end, like a kernel boundary (the ThreadSanitizer test uses this).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "cuda/meter.h"
+#include "cuda/phase_functors.h"
 
 namespace jax_ep {
 
@@ -70,34 +72,29 @@ void for_units(int64_t units, int threads, const Unit& unit) {
   for (std::thread& thread : pool) thread.join();
 }
 
-// phase(rank, item) for ranks [first_rank, first_rank + ranks) x items [0, items), one item
-// per thread of the grid (cuda/phases.cuh per_thread_kernel).
-template <typename Phase>
-void host_per_thread(const Phase& phase, int first_rank, int ranks, int64_t items,
-                     const HostGrid& grid) {
-  const int64_t total = static_cast<int64_t>(ranks) * items, stride = grid.num_lanes();
-  if (total == 0) return;  // the GPU launches nothing either
-  meter_launch();
-  for_units(stride, grid.threads, [&](int64_t unit) {
-    for (int64_t i = unit; i < total; i += stride) {
-      phase(first_rank + static_cast<int>(i / items), i % items);
-    }
-  });
-}
-
-// phase(rank, item, lane, lanes) with one item per warp (cuda/phases.cuh per_warp_kernel).
-template <typename Phase>
+// One launch (cuda/phases.cuh per_warp): phase(rank, item, lane, lanes) with one item per
+// warp, then, in the unit that finishes last (found with a ticket, as on the GPU), meet.last()
+// and tail(i) for i in [0, tail_items), from the last. Every unit runs meet.first() before its
+// items. A launch with no items still runs when it has a tail or meets its peers.
+template <typename Phase, typename Tail = NoTail, typename Meeting = NoMeet>
 void host_per_warp(const Phase& phase, int first_rank, int ranks, int64_t items,
-                   const HostGrid& grid) {
-  const int64_t total = static_cast<int64_t>(ranks) * items, stride = grid.num_warps();
-  if (total == 0) return;  // the GPU launches nothing either
+                   const HostGrid& grid, const Tail& tail = {}, int64_t tail_items = 0,
+                   const Meeting& meet = {}) {
+  const int64_t total = static_cast<int64_t>(ranks) * items, units = grid.num_warps();
+  const bool after = tail_items > 0 || meet.has_last();
+  if (total == 0 && !after && !meet.waits_first()) return;  // the GPU launches nothing either
   meter_launch();
-  for_units(stride, grid.threads, [&](int64_t warp) {
-    for (int64_t i = warp; i < total; i += stride) {
+  std::atomic<int64_t> ticket{0};
+  for_units(units, grid.threads, [&](int64_t warp) {
+    meet.first();
+    for (int64_t i = warp; i < total; i += units) {
       for (int lane = grid.lanes - 1; lane >= 0; --lane) {
         phase(first_rank + static_cast<int>(i / items), i % items, lane, grid.lanes);
       }
     }
+    if (!after || ticket.fetch_add(1, std::memory_order_acq_rel) != units - 1) return;
+    meet.last();
+    for (int64_t i = tail_items - 1; i >= 0; --i) tail(i);
   });
 }
 

@@ -21,15 +21,15 @@ using Signal = std::atomic<uint64_t>;
 
 // What made a rank's group unusable (0: nothing).
 struct RankStatus {
-  bool timed_out = false;  // a barrier gave up waiting for `peer` in `op`
+  bool timed_out = false;  // a wait gave up waiting for `peer` in `op`
   int op = 0;
   int peer = 0;
   Wait wait = Wait::kInOp;
 };
 
-// Per-rank state that only the rank's own thread touches between barriers.
+// Per-rank state that only the rank's own launches touch.
 struct RankState {
-  uint64_t epoch = 0;  // barriers passed
+  uint64_t epoch = 0;  // launches of this rank that arrived (Meet)
   RankStatus status;
 };
 
@@ -118,8 +118,8 @@ struct HostPeers {
   }
 };
 
-// The CPU platform of cuda/peer_ops.h: phases on this thread (or the grid's threads), the
-// barrier of the file comment.
+// The CPU platform of cuda/peer_ops.h: launches on this thread (or the grid's threads), meeting
+// the peers as in the file comment.
 class HostPlatform {
  public:
   using Peers = HostPeers;
@@ -141,6 +141,7 @@ class HostPlatform {
                               "(on CPU it sets up host buffers standing in for NVSHMEM's)"};
     }
     me_ = rank;
+    op_ = op;
     const RankStatus& status = group_->rank(me_).status;
     if (status.timed_out) {
       return after_timeout(op, status.op, status.peer, status.wait, group_->timeouts(),
@@ -155,19 +156,50 @@ class HostPlatform {
   size_t bytes() const { return group_->bytes(); }
   size_t low_latency_offset() const { return group_->low_latency_offset(); }
 
-  void barrier(int op, Wait wait) {
+  // One launch of this rank, meeting the peers as `meet` says (cuda/peer_ops.h) through the
+  // flags of the GPU's Meet (cuda/peer_exchange.cu), run by the units of host_per_warp.
+  template <typename Phase, typename Tail = NoTail>
+  void per_warp(const Phase& phase, int64_t items, const Meet& meet, const Tail& tail = {},
+                int64_t tail_items = 0) {
     if (!error_.ok()) return;
-    meter_barrier();
-    meter_launch();  // the GPU's barrier is a kernel
-    const uint64_t timeout_ns = group_->timeouts().of(wait);
-    RankState& state = group_->rank(me_);
-    const uint64_t target = ++state.epoch;
-    const int n = group_->num_ranks();
-    for (int p = 0; p < n; ++p) group_->signal(p, me_).store(target, std::memory_order_release);
+    for (int i = 0; i < meet.waits(); ++i) meter_barrier();
+    host_per_warp(phase, me_, 1, items, grid_, tail, tail_items, Flags{this, meet});
+  }
+  PeerError result(int /*op*/) const { return error_; }
+
+ private:
+  // The Meet of one launch, for host_per_warp (cuda/host_launch.h).
+  struct Flags {
+    HostPlatform* p;
+    Meet meet;
+    bool waits_first() const { return meet.before.has_value(); }
+    bool has_last() const { return meet.arrive || meet.after; }
+    void first() const {
+      if (meet.before) p->wait_for_peers(*meet.before);
+    }
+    void last() const {
+      if (meet.arrive) p->arrive();
+      if (meet.after) p->wait_for_peers(*meet.after);
+    }
+  };
+
+  // Tells every peer that this rank finished one more launch (after its writes).
+  void arrive() {
+    const uint64_t arrivals = ++group_->rank(me_).epoch;
+    for (int p = 0; p < group_->num_ranks(); ++p) {
+      group_->signal(p, me_).store(arrivals, std::memory_order_release);
+    }
+  }
+
+  // Until every peer arrived as often as this rank, bounded by the timeout of `wait`. Called
+  // by several units of a launch at once: the first to give up records why.
+  void wait_for_peers(Wait wait) {
+    const uint64_t target = group_->rank(me_).epoch, timeout_ns = group_->timeouts().of(wait);
     const Clock::time_point start = Clock::now();
-    for (int p = 0; p < n; ++p) {
+    for (int p = 0; p < group_->num_ranks(); ++p) {
       const Signal& arrived = group_->signal(me_, p);
       for (int spin = 0; arrived.load(std::memory_order_acquire) < target; ++spin) {
+        if (failed_.load(std::memory_order_acquire)) return;
         if (spin < 64) {
           std::this_thread::yield();
           continue;
@@ -175,30 +207,27 @@ class HostPlatform {
         const auto waited =
             std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start);
         if (static_cast<uint64_t>(waited.count()) > timeout_ns) {
-          state.status = RankStatus{true, op, p, wait};
-          error_ = PeerError{std::string(kPeerOpNames[op]) + ": " +
-                             timed_out(p, wait, group_->timeouts())};
+          std::lock_guard<std::mutex> lock(failure_);
+          if (!failed_.load(std::memory_order_relaxed)) {
+            group_->rank(me_).status = RankStatus{true, op_, p, wait};
+            error_ = PeerError{std::string(kPeerOpNames[op_]) + ": " +
+                               timed_out(p, wait, group_->timeouts())};
+            failed_.store(true, std::memory_order_release);
+          }
           return;
         }
         std::this_thread::sleep_for(std::chrono::microseconds(20));
       }
     }
   }
-  template <typename Phase>
-  void per_thread(const Phase& phase, int64_t items) {
-    if (error_.ok()) host_per_thread(phase, me_, 1, items, grid_);
-  }
-  template <typename Phase>
-  void per_warp(const Phase& phase, int64_t items) {
-    if (error_.ok()) host_per_warp(phase, me_, 1, items, grid_);
-  }
-  PeerError result(int /*op*/) const { return error_; }
 
- private:
   HostGrid grid_;
   Group* group_ = nullptr;
   int me_ = 0;
+  int op_ = 0;
   PeerError error_;
+  std::mutex failure_;
+  std::atomic<bool> failed_{false};
 };
 
 }  // namespace

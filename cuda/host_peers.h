@@ -1,16 +1,16 @@
 // Host peers: the exchange between the CPU devices of one process, the ops of
 // cuda/peer_ops.h on a host stand-in for NVSHMEM, so that CI runs the code the GPUs run
 // between each other (one rank per device, first_rank = that rank, the buffer carving and
-// the barrier protocol) without a GPU.
+// the flags the launches meet at) without a GPU.
 //
 // A group of R ranks has one symmetric buffer per rank in host memory, all the same size
 // (jax_ep.initialize() on CPU sets it). HostPeers turns an address in this rank's buffer into
 // the same offset in a peer's buffer, as nvshmem_ptr does. Each rank runs its ops on its own
 // thread (XLA:CPU runs the devices of a program concurrently), so the ranks of a group meet
-// at barriers built like the GPU's: per-peer signals at the start of each buffer, stored with
-// release and awaited with acquire, every wait bounded (cuda/peer_ops.h, Wait: peers starting
-// an op get $JAX_EP_START_TIMEOUT_S, peers inside it $JAX_EP_TIMEOUT_S). A timeout is
-// remembered, and every later op of that rank reports it.
+// as the GPUs do (cuda/peer_ops.h, Meet): per-peer signals at the start of each buffer, set
+// with release by the unit of a launch that finishes last and awaited with acquire, every
+// wait bounded (Wait: peers starting an op get $JAX_EP_START_TIMEOUT_S, peers inside it
+// $JAX_EP_TIMEOUT_S). A timeout is remembered, and every later op of that rank reports it.
 //
 // Groups are keyed by R: the programs that exchange through host peers with the same number
 // of ranks must not run at the same time on different devices.

@@ -4,17 +4,17 @@
 // the CPU's host peers; this file is their GPU platform. Every buffer one rank writes for
 // another lives in the NVSHMEM symmetric buffer (same offset on every rank) and
 // `NvshmemPeers::at` turns it into the peer's address with nvshmem_ptr, so writes and reads
-// are plain stores and loads over NVLink/P2P. Phases are kernels on XLA's stream; barriers
-// are kernels too (below).
+// are plain stores and loads over NVLink/P2P. Phases are kernels on XLA's stream, and they
+// meet the peers inside (cuda/peer_ops.h, Meet; DeviceMeet below): no barrier kernels.
 //
 // Rank: the kernels use this process's NVSHMEM PE. The op also receives its EP axis index;
-// every barrier compares the two on the device and a mismatch (a mesh whose EP order differs
+// every launch compares the two on the device and a mismatch (a mesh whose EP order differs
 // from the process order) is recorded and reported by the next call, like a timeout.
 //
-// Safety: every wait is bounded (cuda/peer_ops.h, Wait: the op's first barrier by the start
-// timeout, the later ones by the op timeout). A barrier that waits longer for a peer records
-// (op, peer) in a status word in host memory and gives up; the next call of any op on this
-// process reports it as an error.
+// Safety: every wait is bounded (cuda/peer_ops.h, Wait: by the start timeout where peers may
+// not have started the op, else by the op timeout). A wait that lasts longer for a peer
+// records (op, peer) in a status word in host memory and gives up; the next call of any op on
+// this process reports it as an error.
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -43,9 +43,9 @@ struct NvshmemPeers {
   }
 };
 
-// What went wrong in a barrier. In mapped host memory.
+// What went wrong in a wait. In mapped host memory.
 struct PeerStatus {
-  // 0 ok; 1 or 3: a barrier gave up waiting for `peer` inside the op (1) or to start it (3);
+  // 0 ok; 1 or 3: a wait gave up waiting for `peer` inside the op (1) or to start it (3);
   // 2: rank mismatch (EP axis index `peer`).
   int code;
   int op;
@@ -55,7 +55,7 @@ struct PeerStatus {
 struct State {
   PeerStatus* status = nullptr;         // host pointer (mapped)
   PeerStatus* device_status = nullptr;  // the same memory, as the device sees it
-  uint64_t* epoch = nullptr;            // device counter of barriers passed
+  uint64_t* epoch = nullptr;            // launches of this rank that arrived (device memory)
   Timeouts timeouts;
   int generation = 0;                   // the symmetric buffer the state above belongs to
 };
@@ -71,49 +71,85 @@ __device__ __forceinline__ uint64_t global_ns() {
   return t;
 }
 
-// All ranks meet: each thread p < n tells peer p that this rank arrived (after making this
-// rank's earlier stores visible), then waits, bounded, until peer p arrived here. Thread 0
-// also checks that the op's EP axis index is this PE.
-__global__ void barrier_kernel(uint64_t* signals, uint64_t* epoch, int me, int n,
-                               const int32_t* axis_index, uint64_t timeout_ns,
-                               int timeout_code, PeerStatus* status, int op) {
-  __shared__ uint64_t target;
-  if (threadIdx.x == 0) {
-    target = *epoch + 1;
+// A Meet (cuda/peer_ops.h) on the GPU, for per_warp_kernel (cuda/phases.cuh). signals[p] in
+// this rank's symmetric buffer counts the launches of peer p that arrived; `epoch` those of
+// this rank.
+struct DeviceMeet {
+  uint64_t* signals;
+  uint64_t* epoch;
+  int me, n, op;
+  const int32_t* axis_index;
+  PeerStatus* status;
+  uint64_t before_ns = 0, after_ns = 0;  // bounds of the waits; 0: no wait
+  int before_code = 0, after_code = 0;   // PeerStatus codes of their timeouts
+  bool arrive = false;
+
+  __host__ __device__ bool waits_first() const { return before_ns != 0; }
+  __host__ __device__ bool has_last() const { return arrive || after_ns != 0; }
+
+  __device__ void first() const {
+    if (blockIdx.x == 0 && threadIdx.x == 0) check_rank();
+    if (before_ns != 0) wait_for_peers(before_ns, before_code);
+  }
+  __device__ void last() const {
+    if (arrive) tell_peers();
+    if (after_ns != 0) wait_for_peers(after_ns, after_code);
+  }
+
+  // The op's EP axis index must be this PE.
+  __device__ void check_rank() const {
     const int32_t index = *axis_index;
-    if (index != me && static_cast<volatile PeerStatus*>(status)->code == 0) {
-      volatile PeerStatus* report = status;
+    volatile PeerStatus* report = status;
+    if (index != me && report->code == 0) {
       report->op = op;
       report->peer = index;
       __threadfence_system();
       report->code = 2;
     }
   }
-  __syncthreads();
-  if (threadIdx.x == 0) *epoch = target;
-  nvshmem_quiet();
-  __threadfence_system();
-  const int p = threadIdx.x;
-  if (p < n) {
-    nvshmemx_signal_op(signals + me, target, NVSHMEM_SIGNAL_SET, p);
-    volatile uint64_t* arrived = signals + p;
-    const uint64_t start = global_ns();
-    while (*arrived < target) {
-      if (static_cast<volatile PeerStatus*>(status)->code != 0) break;
-      if (global_ns() - start > timeout_ns) {
-        // Host memory: plain stores (any waiting thread's peer is a fine report).
-        volatile PeerStatus* report = status;
-        report->op = op;
-        report->peer = p;
-        __threadfence_system();
-        report->code = timeout_code;
-        break;
-      }
-      __nanosleep(200);
+
+  // Every thread of the block: this rank's writes (every block's, is_last_block) are visible,
+  // then each thread p < n sets this rank's signal in peer p.
+  __device__ void tell_peers() const {
+    __shared__ uint64_t arrivals;
+    if (threadIdx.x == 0) {
+      arrivals = *epoch + 1;
+      *epoch = arrivals;
+    }
+    __syncthreads();
+    nvshmem_quiet();
+    __threadfence_system();
+    for (int p = threadIdx.x; p < n; p += blockDim.x) {
+      nvshmemx_signal_op(signals + me, arrivals, NVSHMEM_SIGNAL_SET, p);
     }
   }
-  __threadfence_system();
-}
+
+  // Every thread of the block: until each peer arrived as often as this rank, thread p
+  // watching peer p, bounded by `timeout_ns`; then the peers' writes are visible to the block.
+  __device__ void wait_for_peers(uint64_t timeout_ns, int timeout_code) const {
+    __syncthreads();  // the block's reads of *epoch come after tell_peers' write
+    const uint64_t target = *epoch;
+    for (int p = threadIdx.x; p < n; p += blockDim.x) {
+      volatile uint64_t* arrived = signals + p;
+      const uint64_t start = global_ns();
+      while (*arrived < target) {
+        if (static_cast<volatile PeerStatus*>(status)->code != 0) break;
+        if (global_ns() - start > timeout_ns) {
+          // Host memory: plain stores (any waiting thread's peer is a fine report).
+          volatile PeerStatus* report = status;
+          report->op = op;
+          report->peer = p;
+          __threadfence_system();
+          report->code = timeout_code;
+          break;
+        }
+        __nanosleep(200);
+      }
+    }
+    __threadfence_system();
+    __syncthreads();
+  }
+};
 
 // The peers-mode preconditions; on success `*out` is the symmetric buffer of
 // jax_ep.initialize(), whose group has `num_ranks` ranks.
@@ -141,17 +177,17 @@ PeerError prepare(int op, int num_ranks, const SymmetricBuffer** out) {
         cudaHostGetDevicePointer(reinterpret_cast<void**>(&st.device_status), host, 0) !=
             cudaSuccess ||
         cudaMalloc(&st.epoch, sizeof(uint64_t)) != cudaSuccess) {
-      return PeerError{std::string(kPeerOpNames[op]) + ": cannot allocate the barrier state"};
+      return PeerError{std::string(kPeerOpNames[op]) + ": cannot allocate the peers' state"};
     }
     st.status = static_cast<PeerStatus*>(host);
     st.timeouts = timeouts_from_env();
   }
   if (st.generation != buffer->generation) {
-    // A new initialize(): its buffer's signals are zero, so barriers count from zero again,
+    // A new initialize(): its buffer's signals are zero, so arrivals count from zero again,
     // an old timeout no longer applies, and the new group's peers must be checked.
     if (cudaMemset(st.epoch, 0, sizeof(uint64_t)) != cudaSuccess ||
         cudaDeviceSynchronize() != cudaSuccess) {
-      return PeerError{std::string(kPeerOpNames[op]) + ": cannot reset the barrier state"};
+      return PeerError{std::string(kPeerOpNames[op]) + ": cannot reset the peers' state"};
     }
     *st.status = PeerStatus{0, 0, 0};
     // Every peer must be reachable by loads and stores (NVLink / P2P).
@@ -183,13 +219,14 @@ PeerError prepare(int op, int num_ranks, const SymmetricBuffer** out) {
   return PeerError{};
 }
 
-// The GPU platform of cuda/peer_ops.h: phases and barriers are kernels on `stream`.
+// The GPU platform of cuda/peer_ops.h: launches on `stream` that meet the peers inside.
 class DevicePlatform {
  public:
   using Peers = NvshmemPeers;
 
   // Checks the preconditions of `op`; rank() etc. are valid when the result is ok.
   PeerError open(int op, int num_ranks, const int32_t* axis_index, cudaStream_t stream) {
+    op_ = op;
     axis_index_ = axis_index;
     stream_ = stream;
     return prepare(op, num_ranks, &buffer_);
@@ -201,25 +238,27 @@ class DevicePlatform {
   size_t bytes() const { return buffer_->bytes; }
   size_t low_latency_offset() const { return buffer_->low_latency_offset; }
 
-  void barrier(int op, Wait wait) {
+  template <typename Phase, typename Tail = NoTail>
+  void per_warp(const Phase& phase, int64_t items, const Meet& meet, const Tail& tail = {},
+                int64_t tail_items = 0) {
     if (status_ != cudaSuccess) return;
-    State& st = state();
-    status_ = launch(barrier_kernel, 1, kMaxPeers, stream_,
-                     reinterpret_cast<uint64_t*>(symmetric()), st.epoch, rank(),
-                     buffer_->num_ranks, axis_index_, st.timeouts.of(wait),
-                     wait == Wait::kStart ? 3 : 1, st.device_status, op);
-  }
-  template <typename Phase>
-  void per_thread(const Phase& phase, int64_t items) {
-    if (status_ == cudaSuccess) status_ = cuda::per_thread(phase, rank(), 1, items, stream_);
-  }
-  template <typename Phase>
-  void per_warp(const Phase& phase, int64_t items) {
-    if (status_ == cudaSuccess) status_ = cuda::per_warp(phase, rank(), 1, items, stream_);
+    const State& st = state();
+    DeviceMeet m{reinterpret_cast<uint64_t*>(symmetric()), st.epoch, rank(), buffer_->num_ranks,
+                 op_, axis_index_, st.device_status};
+    auto bound = [&](const std::optional<Wait>& wait, uint64_t* ns, int* code) {
+      if (!wait) return;
+      *ns = std::max<uint64_t>(st.timeouts.of(*wait), 1);
+      *code = *wait == Wait::kStart ? 3 : 1;
+    };
+    bound(meet.before, &m.before_ns, &m.before_code);
+    bound(meet.after, &m.after_ns, &m.after_code);
+    m.arrive = meet.arrive;
+    status_ = cuda::per_warp(phase, rank(), 1, items, stream_, tail, tail_items, m);
   }
   PeerError result(int op) const { return launch_error(op, status_); }
 
  private:
+  int op_ = 0;
   const int32_t* axis_index_ = nullptr;
   cudaStream_t stream_ = nullptr;
   cudaError_t status_ = cudaSuccess;

@@ -2,12 +2,12 @@
 // platform: the GPUs through NVSHMEM (cuda/peer_exchange.cu) and the CPU devices of one
 // process through host memory (cuda/host_peers.cc). The phases are the bodies of
 // cuda/exchange.h; this file adds what the ranks must agree on: the carving of the symmetric
-// buffer, and the order of phases and barriers (the finish phases copy what XLA owns out of the
-// symmetric buffer).
+// buffer, and the order of the launches and how each meets the peers (Meet; the finish phases
+// copy what XLA owns out of the symmetric buffer).
 //
 // Symmetric buffer: the same size and layout on every rank, and each rank's buffer reachable
 // by the others through the platform's Peers view. Layout, fixed by jax_ep.initialize():
-//   [0, 4 KiB)                        barrier signals (one uint64 per peer)
+//   [0, 4 KiB)                        signals (one uint64 per peer: its arrivals, Meet)
 //   [4 KiB, low_latency_offset)       normal-mode regions (dispatch, combine)
 //   [low_latency_offset, bytes)       low-latency regions
 // so that no normal-mode call, however large, reaches a split low-latency dispatch or combine
@@ -21,10 +21,10 @@
 //   int rank() const;                         this rank
 //   char* symmetric() const; size_t bytes() const;   this rank's symmetric buffer
 //   size_t low_latency_offset() const;        where its low-latency regions start
-//   void barrier(int op, Wait wait);          every rank meets; earlier writes are visible
-//   void per_thread(phase, items), per_warp(phase, items)   runs a phase for this rank
-//   PeerError result(int op);                 the first failure of the steps above, if any
-// Steps after a failure do nothing, so the ops below read as straight sequences.
+//   void per_warp(phase, items, meet[, tail, tail_items])   one launch for this rank
+//                                             (cuda/phases.cuh), meeting the peers as `meet` says
+//   PeerError result(int op);                 the first failure of the launches, if any
+// Launches after a failure do nothing, so the ops below read as straight sequences.
 #pragma once
 
 #include <algorithm>
@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 #include "cuda/phase_functors.h"
@@ -58,13 +59,28 @@ inline const char* const kPeerOpNames[] = {
   X(DispatchArgs) X(CombineArgs<float>) X(CombineArgs<Bf16>) X(CombineArgs<F16>) X(LowLatencyArgs) \
   X(LowLatencyCombineArgs)
 
-// What a barrier waits for, and so how long it may wait. The first barrier of an op waits for
-// peers that may not have started it yet (a process still compiling, or busy with other
-// work): bounded by the start timeout, $JAX_EP_START_TIMEOUT_S (default 600 s). Every later
-// barrier of the op waits for peers that all started it: bounded by the op timeout,
-// $JAX_EP_TIMEOUT_S (default 60 s). So a slow start never poisons the group, and a peer that
-// stops inside an op is still found within the op timeout.
+// What a wait waits for, and so how long it may wait. A wait for the peers' earlier ops, or
+// for their first launch of this op, may wait for peers that have not started it yet (a
+// process still compiling, or busy with other work): bounded by the start timeout,
+// $JAX_EP_START_TIMEOUT_S (default 600 s). A later wait of the op waits for peers that all
+// started it: bounded by the op timeout, $JAX_EP_TIMEOUT_S (default 60 s). So a slow start
+// never poisons the group, and a peer that stops inside an op is still found within the op
+// timeout.
 enum class Wait { kStart, kInOp };
+
+// How a launch meets the peers: a barrier split in two and fused into the launches. A launch
+// that arrives tells every peer, once all its blocks are done, that this rank finished one
+// more such launch; its writes, to peers too, are visible to them from then on. A wait lasts
+// until every peer has arrived as often as this rank: at the start of a launch (`before`, in
+// every block before its items: the peers' earlier launches are done), or after the launch's
+// own arrival (`after`, in the block that finishes last, before the tail: every peer's part of
+// this launch is done). Every rank runs the same ops, so the counts agree.
+struct Meet {
+  std::optional<Wait> before;
+  bool arrive = false;
+  std::optional<Wait> after;
+  int waits() const { return before.has_value() + after.has_value(); }
+};
 
 struct Timeouts {
   uint64_t start_ns = 600ull * 1000 * 1000 * 1000;
@@ -270,13 +286,15 @@ PeerError run_op(Platform& p, int op, const DispatchArgs& out) {
   PeerError error = fits(op, "normal-mode", used, p.low_latency_offset() - kSignalBytes);
   if (!error.ok()) return error;
   using Peers = typename Platform::Peers;
-  p.barrier(op, Wait::kStart);  // peers are done with the last op's data
-  p.per_warp(DispatchCount<Peers>{a, p.peers()}, a.num_counters() + 1);
-  p.barrier(op, Wait::kInOp);  // every rank's counts are here
-  p.per_thread(DispatchBases{a}, a.num_counters());
-  p.per_warp(DispatchSend<Peers>{a, p.peers()}, a.num_tokens);
-  p.barrier(op, Wait::kInOp);  // every row has arrived
-  p.per_warp(DispatchFinish<Peers>{a, p.peers()}, a.finish_items());
+  // The count publishes into the peers' buffers once they are done with the last op's data;
+  // its tail, once every rank's counts are here, computes this rank's bases.
+  p.per_warp(DispatchCount<Peers>{a, p.peers()}, a.num_counters() + 1,
+             Meet{Wait::kStart, true, Wait::kStart}, DispatchBases{a, a.first_rank, 1},
+             a.num_counters());
+  p.per_warp(DispatchSend<Peers>{a, p.peers()}, a.num_tokens, Meet{{}, true, {}});
+  // The finish, once every row has arrived; its arrival frees this rank's buffer.
+  p.per_warp(DispatchFinish<Peers>{a, p.peers()}, a.finish_items(),
+             Meet{Wait::kInOp, true, {}});
   return p.result(op);
 }
 
@@ -293,17 +311,18 @@ PeerError run_op(Platform& p, int op, const CombineArgs<T>& in) {
   if (!error.ok()) return error;
   a.staged = {r.y, a.weights ? r.weights : nullptr, r.src_row};
   a.partial = r.partial;
-  p.barrier(op, Wait::kStart);  // peers are done reading the last op's data
+  // The stage writes this rank's buffer once the peers are done reading the last op's data;
+  // the sums read the peers' buffers once every rank's rows are in place.
+  const Meet meet{Wait::kStart, true, {}};
   if (em) {
-    p.per_warp(CombineReduceEntries<T>{a}, rows);  // reads the local y, row_entries, weights
+    p.per_warp(CombineReduceEntries<T>{a}, rows, meet);  // the local y, row_entries, weights
   } else {
-    p.per_warp(CombineStage<T>{a}, rows);
+    p.per_warp(CombineStage<T>{a}, rows, meet);
     a.y = r.y;
     a.weights = a.staged.weights;
   }
   a.src_row = r.src_row;
-  p.barrier(op, Wait::kInOp);  // every rank's rows are in place
-  p.per_warp(CombineToken<T, typename Platform::Peers>{a, p.peers()}, a.num_tokens);
+  p.per_warp(CombineToken<T, typename Platform::Peers>{a, p.peers()}, a.num_tokens, meet);
   return p.result(op);
 }
 
@@ -317,8 +336,8 @@ PeerError open_ll(Platform& p, int op, int R, int T, int K, int E, int H, bool f
 }
 
 // Both halves of low-latency dispatch: the send counts, then writes each message into its
-// per-source slot on the expert's rank (after that rank is done with the last dispatch's
-// data); the receive (after every message arrived) copies the counted rows out to their compact
+// per-source slot on the expert's rank (after the peers are done with the last op's data);
+// the receive (after every message arrived) copies the counted rows out to their compact
 // slots and writes the counts.
 template <typename Platform>
 PeerError run_op(Platform& p, int op, const LowLatencyArgs& out) {
@@ -336,17 +355,18 @@ PeerError run_op(Platform& p, int op, const LowLatencyArgs& out) {
   using Peers = typename Platform::Peers;
   if (op == kPeerLlDispatchSend) {
     // The count numbers this rank's messages; the send needs no other rank's counts.
-    p.barrier(op, Wait::kStart);  // peers are done with the last low-latency dispatch's data
-    p.per_warp(LowLatencyCount<Peers>{a, p.peers()}, a.num_experts + 1);
-    p.per_warp(LowLatencySend<Peers>{a, p.peers()}, a.num_tokens);
+    p.per_warp(LowLatencyCount<Peers>{a, p.peers()}, a.num_experts + 1,
+               Meet{Wait::kStart, false, {}});
+    p.per_warp(LowLatencySend<Peers>{a, p.peers()}, a.num_tokens, Meet{{}, true, {}});
     return p.result(op);
   }
   // The finish copies the counted rows and src_row out of the symmetric buffer.
   a.out_x = out.recv_x;
   a.out_scales = out.recv_scales;
   a.out_src_row = out.src_row;
-  p.barrier(op, Wait::kStart);  // every message has arrived (peers sent it in their send)
-  p.per_warp(LowLatencyFinish<Peers>{a, p.peers()}, a.experts_per_rank() * a.slots());
+  // Once every message has arrived (the peers sent it in their send).
+  p.per_warp(LowLatencyFinish<Peers>{a, p.peers()}, a.experts_per_rank() * a.slots(),
+             Meet{Wait::kStart, true, {}});
   return p.result(op);
 }
 
@@ -361,12 +381,13 @@ PeerError run_op(Platform& p, int op, const LowLatencyCombineArgs& in) {
   LowLatencyCombineArgs a = in;
   a.first_rank = p.rank();
   a.staging = r.staging;
-  p.barrier(op, Wait::kStart);  // the homes are done with their slots / every row is here
+  // The send once the homes are done with their slots, the receive once every row is here.
+  const Meet meet{Wait::kStart, true, {}};
   if (op == kPeerLlCombineSend) {
     p.per_warp(LowLatencyCombineSend<typename Platform::Peers>{a, p.peers()},
-               int64_t{a.num_ranks} * a.num_tokens);
+               int64_t{a.num_ranks} * a.num_tokens, meet);
   } else {
-    p.per_warp(LowLatencyCombineToken{a}, a.num_tokens);
+    p.per_warp(LowLatencyCombineToken{a}, a.num_tokens, meet);
   }
   return p.result(op);
 }

@@ -1,7 +1,8 @@
 // The phases of cuda/exchange.h as function objects, for any launcher: the CUDA kernels
 // (cuda/phases.cuh) and the CPU's emulated grids (cuda/host_launch.h). A functor holds the
 // op's arguments and, for phases that reach other ranks, the Peers view (passed by value:
-// kernel arguments on the GPU).
+// kernel arguments on the GPU). A phase is called per (rank, item) and warp lane; a tail,
+// which runs once after every item of its launch, per item alone.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +10,21 @@
 #include "cuda/exchange.h"
 
 namespace jax_ep {
+
+// A launch without a tail.
+struct NoTail {
+  JAX_EP_HOST_DEVICE void operator()(int64_t) const {}
+};
+
+// A launch that meets no other rank (virtual ranks). Between devices a Meet (cuda/peer_ops.h)
+// has first(), run by every block before its items, and last(), by the block that finishes
+// last after every block's items; waits_first() and has_last() say whether they do anything.
+struct NoMeet {
+  JAX_EP_HOST_DEVICE bool waits_first() const { return false; }
+  JAX_EP_HOST_DEVICE bool has_last() const { return false; }
+  JAX_EP_HOST_DEVICE void first() const {}
+  JAX_EP_HOST_DEVICE void last() const {}
+};
 
 template <typename Peers>
 struct DispatchCount {
@@ -18,10 +34,12 @@ struct DispatchCount {
     dispatch_count(a, peers, s, static_cast<int>(c), lane, lanes);
   }
 };
+// The tail of DispatchCount: the bases of the launch's source ranks.
 struct DispatchBases {
   DispatchArgs a;
-  JAX_EP_HOST_DEVICE void operator()(int s, int64_t c) const {
-    dispatch_bases(a, s, static_cast<int>(c));
+  int first, ranks;
+  JAX_EP_HOST_DEVICE void operator()(int64_t c) const {
+    dispatch_bases(a, first, ranks, static_cast<int>(c));
   }
 };
 template <typename Peers>

@@ -1,10 +1,14 @@
 // Launching the phases of cuda/exchange.h as kernels, for any Peers view.
 //
 // A launch covers ranks [first_rank, first_rank + ranks) x items [0, items): all R ranks with
-// virtual ranks, this rank alone between GPUs. Counting and addressing phases run one item per
-// thread; phases that move rows (and the counting phases, which vote per warp) one item per
-// warp, its 32 lanes copying 16-byte words. Grids are capped and grid-stride, so any problem
-// size fits one launch.
+// virtual ranks, this rank alone between GPUs, one item per warp, its 32 lanes copying
+// 16-byte words. Grids are capped and grid-stride, so any problem size fits one launch.
+//
+// A launch may also have a tail: items that need every item of the launch done (the count
+// phase's bases). The block that finishes last, found with a ticket, runs them with its
+// threads, one item per thread: no launch of its own. Between GPUs a launch also meets the
+// other ranks (Meet, cuda/peer_exchange.cu): before its items, every block waits for the
+// peers' earlier launches; after them, the last block tells the peers this launch is done.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -21,47 +25,60 @@ constexpr int kPhaseThreads = 256;
 constexpr int kPhaseWarps = kPhaseThreads / kWarpSize;
 constexpr int64_t kMaxPhaseBlocks = 132 * 16;  // fills an H100 several times over
 
-template <typename Phase>
-__global__ void __launch_bounds__(kPhaseThreads) per_thread_kernel(Phase phase, int first_rank,
-                                                                   int ranks, int64_t items) {
-  const int64_t total = static_cast<int64_t>(ranks) * items;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(kPhaseThreads) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * kPhaseThreads) {
-    phase(first_rank + static_cast<int>(i / items), i % items);
+// The ticket of the launches on `stream`: a zeroed device counter (cuda/exchange.cu). Launches
+// on one stream run one after another, so they can share it; the last block resets it.
+cudaError_t stream_ticket(cudaStream_t stream, unsigned** ticket);
+
+// True in the block that finishes last; every thread of every block calls it. What any block
+// wrote before (to peers too) is visible to the last block after it.
+__device__ __forceinline__ bool is_last_block(unsigned* ticket) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();  // this block's writes before its ticket
+    last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    if (last) *ticket = 0;  // ready for the stream's next launch
+    __threadfence_system();  // the other blocks' writes before what the last block reads
   }
+  __syncthreads();
+  return last;
 }
 
-template <typename Phase>
-__global__ void __launch_bounds__(kPhaseThreads) per_warp_kernel(Phase phase, int first_rank,
-                                                                 int ranks, int64_t items) {
+template <typename Phase, typename Tail, typename Meeting>
+__global__ void __launch_bounds__(kPhaseThreads)
+    per_warp_kernel(Phase phase, Tail tail, Meeting meet, unsigned* ticket, int first_rank,
+                    int ranks, int64_t items, int64_t tail_items) {
+  meet.first();
   const int64_t total = static_cast<int64_t>(ranks) * items;
   const int lane = threadIdx.x % kWarpSize;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(kPhaseWarps) + threadIdx.x / kWarpSize;
        i < total; i += static_cast<int64_t>(gridDim.x) * kPhaseWarps) {
     phase(first_rank + static_cast<int>(i / items), i % items, lane, kWarpSize);
   }
+  if (ticket == nullptr || !is_last_block(ticket)) return;  // no ticket: nothing comes after
+  meet.last();
+  for (int64_t i = threadIdx.x; i < tail_items; i += kPhaseThreads) tail(i);
 }
 
-template <typename Phase>
-cudaError_t per_thread(const Phase& phase, int first_rank, int ranks, int64_t items,
-                       cudaStream_t stream) {
-  const int64_t total = static_cast<int64_t>(ranks) * items;
-  if (total == 0) return cudaSuccess;
-  const int64_t blocks =
-      std::min<int64_t>((total + kPhaseThreads - 1) / kPhaseThreads, kMaxPhaseBlocks);
-  return launch(per_thread_kernel<Phase>, static_cast<unsigned>(blocks), kPhaseThreads, stream,
-                phase, first_rank, ranks, items);
-}
-
-template <typename Phase>
+// One launch of `phase` over ranks x items, then `tail` over tail_items, meeting as `meet`
+// says. A launch with no items still runs when it has a tail or meets its peers.
+template <typename Phase, typename Tail = NoTail, typename Meeting = NoMeet>
 cudaError_t per_warp(const Phase& phase, int first_rank, int ranks, int64_t items,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, const Tail& tail = {}, int64_t tail_items = 0,
+                     const Meeting& meet = {}) {
   const int64_t total = static_cast<int64_t>(ranks) * items;
-  if (total == 0) return cudaSuccess;
-  const int64_t blocks =
-      std::min<int64_t>((total + kPhaseWarps - 1) / kPhaseWarps, kMaxPhaseBlocks);
-  return launch(per_warp_kernel<Phase>, static_cast<unsigned>(blocks), kPhaseThreads, stream,
-                phase, first_rank, ranks, items);
+  const bool after = tail_items > 0 || meet.has_last();
+  if (total == 0 && !after && !meet.waits_first()) return cudaSuccess;
+  unsigned* ticket = nullptr;
+  if (after) {
+    const cudaError_t status = stream_ticket(stream, &ticket);
+    if (status != cudaSuccess) return status;
+  }
+  const int64_t blocks = std::clamp<int64_t>((total + kPhaseWarps - 1) / kPhaseWarps, 1,
+                                             kMaxPhaseBlocks);
+  return launch(per_warp_kernel<Phase, Tail, Meeting>, static_cast<unsigned>(blocks),
+                kPhaseThreads, stream, phase, tail, meet, ticket, first_rank, ranks, items,
+                tail_items);
 }
 
 }  // namespace jax_ep::cuda

@@ -5,8 +5,9 @@
 // run_virtual(launcher, op, args) runs op `op` (PeerOp, cuda/peer_ops.h), one overload per
 // argument struct. Written once for both launchers: the GPU's kernels (cuda/exchange.cu) and
 // the CPU's emulated grids (ffi/exchange_cpu.cc). A Launcher L provides
-//   void per_thread(phase, items), per_warp(phase, items)   one launch over ranks [0, R)
-// (cuda/peer_ops.h is the same for one rank per device, with barriers between the launches).
+//   void per_warp(phase, items[, tail, tail_items])   one launch over ranks [0, R), the tail
+//                                                      after all its items (cuda/phases.cuh)
+// (cuda/peer_ops.h is the same for one rank per device, meeting the peers in the launches).
 #pragma once
 
 #include <cstdint>
@@ -19,8 +20,8 @@ namespace jax_ep {
 template <typename L>
 void run_virtual(L& l, int, const DispatchArgs& a) {
   using Peers = VirtualPeers;
-  l.per_warp(DispatchCount<Peers>{a}, a.num_counters() + 1);
-  l.per_thread(DispatchBases{a}, a.num_counters());
+  l.per_warp(DispatchCount<Peers>{a}, a.num_counters() + 1, DispatchBases{a, 0, a.num_ranks},
+             a.num_counters());
   l.per_warp(DispatchSend<Peers>{a}, a.num_tokens);
   l.per_warp(DispatchFinish<Peers>{a}, a.finish_items());
 }

@@ -4,7 +4,7 @@
 // With virtual ranks (all R ranks stacked in one call) they run the ops of cuda/virtual_ops.h,
 // as the virtual-rank kernels do (cuda/exchange.cu). With one rank per device (R > 1
 // CPU devices in shard_map) each device's handler runs the ops of cuda/peer_ops.h through host
-// peers (cuda/host_peers.h), meeting the other devices' handlers at barriers. Either way the
+// peers (cuda/host_peers.h), meeting the other devices' handlers at the same flags as the GPUs. Either way the
 // phases run on the grid of $JAX_EP_CPU_GRID (cuda/host_launch.h): a plain loop by default,
 // GPU-shaped warps and blocks when asked.
 #include <cstdint>
@@ -24,13 +24,9 @@ namespace {
 struct HostLauncher {
   int ranks;
   HostGrid grid;
-  template <typename Phase>
-  void per_thread(const Phase& phase, int64_t items) {
-    host_per_thread(phase, 0, ranks, items, grid);
-  }
-  template <typename Phase>
-  void per_warp(const Phase& phase, int64_t items) {
-    host_per_warp(phase, 0, ranks, items, grid);
+  template <typename Phase, typename Tail = NoTail>
+  void per_warp(const Phase& phase, int64_t items, const Tail& tail = {}, int64_t tail_items = 0) {
+    host_per_warp(phase, 0, ranks, items, grid, tail, tail_items);
   }
 };
 

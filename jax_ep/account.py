@@ -2,10 +2,11 @@
 
 For a routing and the op's shapes, an `Account` gives:
 
-- launches: kernels on each rank's stream (a barrier between GPUs is a
-  kernel too);
-- barriers: waits of every rank for every other, per rank (between GPUs; with virtual ranks a
-  launch boundary orders the phases and no rank waits for another);
+- launches: kernels on each rank's stream. Between GPUs the launches meet their peers inside
+  (cuda/peer_ops.h, Meet), so every launch of an op runs, even one with no items;
+- barriers: waits of every rank for every other inside those launches, per rank (between
+  GPUs; with virtual ranks a launch boundary orders the phases and no rank waits for
+  another);
 - read, written: bytes of row data (token rows, FP8 scales, partial sums) read and written,
   all ranks together. Bookkeeping (ids, weights, counters, offsets) is left out: a few bytes
   per row next to kilobytes;
@@ -169,14 +170,14 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
     # The send reads each source row once per FAN_OUT destinations and writes every one.
     read, written = _fan_out_reads(destinations) * row, (delivered + padding) * row
     minimum = sources * row + delivered * row + padding * row
-    counters = R + E
-    phases = _launch(counters + 1, counters, T, max(capacity, R * T, E // R))
+    # The count (its tail computes the bases), the send, the finish.
     if not between:
+        phases = _launch(R + E + 1, T, max(capacity, R * T, E // R))
         return Account("dispatch", phases, 0, read, written, minimum)
     # The finish phase copies the delivered rows (and the metadata) out of the symmetric buffer.
+    # Waits: the count's for the peers' last op and for their counts, the finish's for the rows.
     landing = delivered * row
-    return Account("dispatch", 3 + phases, 3, read + landing, written + landing,
-                   minimum + 2 * landing)
+    return Account("dispatch", 3, 3, read + landing, written + landing, minimum + 2 * landing)
 
 
 def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
@@ -194,13 +195,11 @@ def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
         capacity = default_capacity(R, T, K, E, expert_major)
     out = R * T * row_bytes  # every output row is written
     rows = kept_rows(topk_idx, E, R * T if expert_major else capacity)
-    phases = _launch(T)
     read = int(rows.sum()) * row_bytes  # each home reads its rows from every receiver
     written = out
     if expert_major:
         entries = int(kept_entries(topk_idx, E, capacity).sum())
         # Each receiver first sums every rank-major row's entries into a partial row.
-        phases += _launch(R * T)
         read += entries * row_bytes
         written += R * R * T * row_bytes
         carried = entries
@@ -208,15 +207,16 @@ def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
         carried = int(rows.sum())
     minimum = carried * row_bytes + out
     if not between:
+        phases = _launch(R * T if expert_major else 0, T)
         return Account("combine", phases, 0, read, written, minimum)
     if not expert_major:
         # The rows of y that carry data are staged in the symmetric buffer, where the homes
         # read them (with src_row and the weights; expert-major, the partials are there and
         # their phase stages src_row).
-        phases += _launch(R * T)
         read += carried * row_bytes
         written += carried * row_bytes
-    return Account("combine", 2 + phases, 2, read, written, minimum + 2 * carried * row_bytes)
+    # The stage (or the partial sums) and the sums, each waiting for the peers.
+    return Account("combine", 2, 2, read, written, minimum + 2 * carried * row_bytes)
 
 
 def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
@@ -243,9 +243,10 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     if not between:
         return send, recv
     landing = m * message  # the receive copies the counted rows out of the symmetric buffer
-    # The send waits only for its peers to be done with the last call's slots.
-    send = dataclasses.replace(send, launches=send.launches + 1, barriers=1)
-    recv = Account("ll_dispatch_recv", 1 + recv.launches, 1, landing, landing, 2 * landing)
+    # The send's count waits only for its peers to be done with the last op's data, the
+    # receive for every message.
+    send = dataclasses.replace(send, launches=2, barriers=1)
+    recv = Account("ll_dispatch_recv", 1, 1, landing, landing, 2 * landing)
     return send, recv
 
 
@@ -264,9 +265,8 @@ def low_latency_combine(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
                 Account("ll_combine_recv", _launch(T), 0, choices * row, out, m * row + out))
     # The send returns one row per choice to the home's symmetric buffer, where the receive
     # reads and sums them: the bytes that must move pass through it.
-    send = Account("ll_combine_send", 1 + _launch(R * T), 1, choices * row, choices * row,
-                   2 * m * row)
-    recv = Account("ll_combine_recv", 1 + _launch(T), 1, choices * row, out, m * row + out)
+    send = Account("ll_combine_send", 1, 1, choices * row, choices * row, 2 * m * row)
+    recv = Account("ll_combine_recv", 1, 1, choices * row, out, m * row + out)
     return send, recv
 
 

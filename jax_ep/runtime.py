@@ -14,7 +14,7 @@ symmetric buffer per rank, sized for the largest call (`BufferConfig`, `required
 - CPU devices (one process, e.g. `--xla_force_host_platform_device_count=8`): host peers, a
   stand-in for NVSHMEM in host memory (cuda/host_peers.h), so that `backend="cuda"` runs
   between the CPU devices of `shard_map` the ops the GPUs run: same phases, buffer carving
-  and barriers. Buffers are reserved per group size and touched only where written.
+  and flags. Buffers are reserved per group size and touched only where written.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import threading
 
 import jax
 
-SIGNAL_BYTES = 4096  # barrier signals at the start of the buffer (cuda/peer_ops.h)
+SIGNAL_BYTES = 4096  # the peers' signals at the start of the buffer (cuda/peer_ops.h)
 KEY_TIMEOUT_MS = 10 * 60 * 1000
 
 _state: dict[str, object] = {}

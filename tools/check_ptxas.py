@@ -31,9 +31,7 @@ NVCC_FLAGS = [
     "-v",
 ]
 # Kernels on the per-step path of a model: any spill or stack frame there fails the check.
-HOT_KERNELS = frozenset(
-    {"dispatch_layout", "per_thread_kernel", "per_warp_kernel", "barrier_kernel"}
-)
+HOT_KERNELS = frozenset({"dispatch_layout", "per_warp_kernel"})
 
 ENTRY = re.compile(r"Compiling entry function '(\S+)' for")
 OWNER = re.compile(r"Function properties for (\S+)")

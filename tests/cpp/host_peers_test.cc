@@ -2,9 +2,9 @@
 // thread per rank, each launch on a GPU-shaped grid run by several threads per rank, each op
 // twice in a row (so it also meets the previous call's data in the symmetric buffer). The
 // results must equal the virtual-rank run of the same phases on one thread, byte for byte,
-// and TSan must see no race: the barriers alone must order every cross-rank access. The last
-// cases check the timeouts: a peer that starts late is waited for, one that never comes is
-// reported, to this rank only.
+// and TSan must see no race: the flags the launches meet at alone must order every cross-rank
+// access. The last cases check the timeouts: a peer that starts late is waited for, one that
+// never comes is reported, to this rank only.
 //
 // No Python, no XLA: built by tests/cpp/CMakeLists.txt, run by ctest (.ci/run).
 #include <chrono>
@@ -246,8 +246,8 @@ void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& 
   if (!peers) {
     const VirtualPeers p{};
     DispatchArgs a = d.args(s, -1);
-    host_per_warp(DispatchCount<VirtualPeers>{a, p}, 0, s.R, a.num_counters() + 1, grid);
-    host_per_thread(DispatchBases{a}, 0, s.R, a.num_counters(), grid);
+    host_per_warp(DispatchCount<VirtualPeers>{a, p}, 0, s.R, a.num_counters() + 1, grid,
+                  DispatchBases{a, 0, s.R}, a.num_counters());
     host_per_warp(DispatchSend<VirtualPeers>{a, p}, 0, s.R, s.T, grid);
     host_per_warp(DispatchFinish<VirtualPeers>{a, p}, 0, s.R,
                   std::max({s.capacity, s.rows(), s.El()}), grid);
@@ -274,7 +274,7 @@ void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& 
         if (!e.ok() && errors[r].empty()) errors[r] = e.message;
       };
       // Each op twice in a row: the second meets the first's data in the symmetric buffer,
-      // with no other op's barriers in between.
+      // with no other op's launches in between.
       for (int i = 0; i < 2; ++i) check(host::run(kPeerDispatch, d.args(s, r), r, grid));
       for (int i = 0; i < 2; ++i) check(host::run(kPeerCombine, c.args(s, d, r), r, grid));
       for (int i = 0; i < 2; ++i) {
@@ -334,8 +334,8 @@ void check_round(const Shape& s, uint32_t seed, const HostGrid& grid) {
 }
 
 // Run with a start timeout of 2 s and an op timeout of 0.2 s (main). A peer that starts an op
-// 0.6 s after the other (a slow compile) is waited for: only the op's first barrier waits for
-// peers to start, under the start timeout.
+// 0.6 s after the other (a slow compile) is waited for: the waits that may wait for a peer to
+// start the op are under the start timeout.
 void check_late_peer() {
   Shape s{2, 3, 2, 4, 128, 6, false, false};
   DispatchData d(s);
@@ -351,7 +351,7 @@ void check_late_peer() {
   for (const PeerError& e : errors) expect(e.ok(), "a late peer is waited for: got " + e.message);
 }
 
-// A barrier whose peer never comes times out (the start timeout: the peer never started the
+// A wait whose peer never comes times out (the start timeout: the peer never started the
 // op), and only this rank's later ops report it.
 void check_timeout() {
   Shape s{2, 3, 2, 4, 128, 6, false, false};
