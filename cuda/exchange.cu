@@ -14,14 +14,14 @@ namespace {
 
 // The GPU launcher of cuda/virtual_ops.h; launches after a failed one do nothing.
 struct VirtualLauncher {
-  int ranks;
+  int ranks, max_blocks;
   cudaStream_t stream;
   cudaError_t status = cudaSuccess;
 
   template <typename Phase, typename Tail = NoTail>
   void per_warp(const Phase& phase, int64_t items, const Tail& tail = {}, int64_t tail_items = 0) {
     if (status == cudaSuccess) {
-      status = cuda::per_warp(phase, 0, ranks, items, stream, tail, tail_items);
+      status = cuda::per_warp(phase, 0, ranks, items, stream, max_blocks, tail, tail_items);
     }
   }
 };
@@ -54,14 +54,14 @@ PeerError launch_error(int op, cudaError_t status) {
 }
 
 template <typename Args>
-PeerError run_virtual_ranks(int op, const Args& a, cudaStream_t stream) {
-  VirtualLauncher l{a.num_ranks, stream};
+PeerError run_virtual_ranks(int op, const Args& a, int max_blocks, cudaStream_t stream) {
+  VirtualLauncher l{a.num_ranks, max_blocks, stream};
   run_virtual(l, op, a);
   return launch_error(op, l.status);
 }
 
 #define JAX_EP_INSTANTIATE(Args) \
-  template PeerError run_virtual_ranks<Args>(int, const Args&, cudaStream_t);
+  template PeerError run_virtual_ranks<Args>(int, const Args&, int, cudaStream_t);
 JAX_EP_FOR_EACH_OP_ARGS(JAX_EP_INSTANTIATE)
 #undef JAX_EP_INSTANTIATE
 

@@ -61,11 +61,12 @@ __global__ void __launch_bounds__(kPhaseThreads)
 }
 
 // One launch of `phase` over ranks x items, then `tail` over tail_items, meeting as `meet`
-// says. A launch with no items still runs when it has a tail or meets its peers.
+// says, on at most `max_blocks` blocks (0: kMaxPhaseBlocks). A launch with no items still runs
+// when it has a tail or meets its peers.
 template <typename Phase, typename Tail = NoTail, typename Meeting = NoMeet>
 cudaError_t per_warp(const Phase& phase, int first_rank, int ranks, int64_t items,
-                     cudaStream_t stream, const Tail& tail = {}, int64_t tail_items = 0,
-                     const Meeting& meet = {}) {
+                     cudaStream_t stream, int max_blocks, const Tail& tail = {},
+                     int64_t tail_items = 0, const Meeting& meet = {}) {
   const int64_t total = static_cast<int64_t>(ranks) * items;
   const bool after = tail_items > 0 || meet.has_last();
   if (total == 0 && !after && !meet.waits_first()) return cudaSuccess;
@@ -74,8 +75,9 @@ cudaError_t per_warp(const Phase& phase, int first_rank, int ranks, int64_t item
     const cudaError_t status = stream_ticket(stream, &ticket);
     if (status != cudaSuccess) return status;
   }
-  const int64_t blocks = std::clamp<int64_t>((total + kPhaseWarps - 1) / kPhaseWarps, 1,
-                                             kMaxPhaseBlocks);
+  const int64_t most = max_blocks > 0 ? std::min<int64_t>(max_blocks, kMaxPhaseBlocks)
+                                       : kMaxPhaseBlocks;
+  const int64_t blocks = std::clamp<int64_t>((total + kPhaseWarps - 1) / kPhaseWarps, 1, most);
   return launch(per_warp_kernel<Phase, Tail, Meeting>, static_cast<unsigned>(blocks),
                 kPhaseThreads, stream, phase, tail, meet, ticket, first_rank, ranks, items,
                 tail_items);

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <limits>
 #include <string>
 #include <string_view>
 
@@ -430,6 +431,15 @@ xffi::Error ParseCall(int op, const AnyBuffer& ranks, xffi::RemainingArgs args,
   const std::string_view name = kPeerOpNames[op];
   int64_t R = 0, E = 0;
   JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "num_ranks", &R));
+  if (attrs.contains("num_sms")) {
+    int64_t num_sms = 0;
+    JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "num_sms", &num_sms));
+    if (num_sms < 0 || num_sms > std::numeric_limits<int>::max()) {
+      return Invalid(name, "num_sms must be in [0, 2^31) (0: no bound); got " +
+                               std::to_string(num_sms));
+    }
+    call->num_sms = static_cast<int>(num_sms);
+  }
   if (op != kPeerCombine) JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "num_experts", &E));
   switch (op) {
     case kPeerDispatch: {

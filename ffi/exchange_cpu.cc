@@ -7,6 +7,7 @@
 // peers (cuda/host_peers.h), meeting the other devices' handlers at the same flags as the GPUs. Either way the
 // phases run on the grid of $JAX_EP_CPU_GRID (cuda/host_launch.h): a plain loop by default,
 // GPU-shaped warps and blocks when asked.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -72,6 +73,7 @@ xffi::Error ExchangeCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingArgs args,
   JAX_EP_RETURN_IF_ERROR(ParseCall(Op, ranks, args, rets, attrs, &call));
   HostGrid grid;
   JAX_EP_RETURN_IF_ERROR(Grid(kPeerOpNames[Op], &grid));
+  if (call.num_sms > 0) grid.blocks = std::min(grid.blocks, call.num_sms);  // as on the GPU
   return std::visit(
       [&](const auto& a) {
         PoisonPadding(Op, a, call.between ? 1 : a.num_ranks);

@@ -21,7 +21,7 @@ xffi::Error ExchangeCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks,
   JAX_EP_RETURN_IF_ERROR(ParseCall(Op, ranks, args, rets, attrs, &call));
   const PeerError error = std::visit(
       [&](const auto& a) {
-        return cuda::run(Op, a, call.between ? call.ranks : nullptr, stream);
+        return cuda::run(Op, a, call.between ? call.ranks : nullptr, call.num_sms, stream);
       },
       call.args);
   return error.ok() ? xffi::Error::Success() : xffi::Error::Internal(error.message);

@@ -7,6 +7,10 @@ the other devices: GPUs through NVSHMEM, CPU devices through host peers). Every 
 operand holds the EP rank of each stacked rank: 0..R-1 with virtual ranks (`axis_name`
 None), the index along `axis_name` inside `shard_map`. Result types are derived from an
 operand's type, so they carry shard_map's varying-axis typing.
+
+Every call takes `num_sms`: at most that many blocks per kernel launch, so at most that many
+SMs (on the CPU, at most that many blocks of $JAX_EP_CPU_GRID); None, the default, bounds
+them only by the kernels' grid cap.
 """
 
 from __future__ import annotations
@@ -40,11 +44,12 @@ def _ranks(axis_name: str | None, stacked: int) -> jax.Array:
 
 
 def _attrs(**attrs) -> dict:
-    return {k: np.int64(int(v)) for k, v in attrs.items()}
+    """int64 attributes; None leaves one out (num_sms: then no bound)."""
+    return {k: np.int64(int(v)) for k, v in attrs.items() if v is not None}
 
 
 def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, capacity,
-             expert_major, axis_name=None, zero_padding=False):
+             expert_major, axis_name=None, zero_padding=False, num_sms=None):
     """Normal dispatch; returns the 16 results of "jax_ep_dispatch" as a dict. Rows of "x"
     and "scales" past the count are unspecified unless `zero_padding` (docs/contract.md,
     "Padding")."""
@@ -73,7 +78,7 @@ def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, ca
     outs = _exchange_call("jax_ep_dispatch", _types(topk_idx, names_shapes.values()))(
         _ranks(axis_name, V), data, scales, topk_idx, topk_weights,
         **_attrs(num_ranks=R, num_experts=E, capacity=cap, expert_major=expert_major,
-                 zero_padding=zero_padding))
+                 zero_padding=zero_padding, num_sms=num_sms))
     result = dict(zip(names_shapes, outs, strict=True))
     if not S:
         result["scales"] = None
@@ -112,7 +117,7 @@ def received_and_handle(out: dict, *, num_ranks, num_experts, capacity, expert_m
 
 
 def combine(y, weights, src_row, row_entries, *, num_ranks, top_k, expert_major,
-            axis_name=None):
+            axis_name=None, num_sms=None):
     """Combine of [V, rows, H] rows; `row_entries` None for the rank-major layout."""
     _ffi.register()
     V, _, H = y.shape
@@ -125,11 +130,12 @@ def combine(y, weights, src_row, row_entries, *, num_ranks, top_k, expert_major,
     out, _ = _exchange_call(
         "jax_ep_combine", _types(y, [((V, T, H), y.dtype), ((V, partial_rows, H), y.dtype)])
     )(_ranks(axis_name, V), y, weights, src_row, row_entries,
-      **_attrs(num_ranks=num_ranks, expert_major=expert_major))
+      **_attrs(num_ranks=num_ranks, expert_major=expert_major, num_sms=num_sms))
     return out
 
 
-def ll_dispatch_send(x, topk_idx, *, num_ranks, num_experts, use_fp8, axis_name=None):
+def ll_dispatch_send(x, topk_idx, *, num_ranks, num_experts, use_fp8, axis_name=None,
+                     num_sms=None):
     """The send half of low-latency dispatch; a dict for `ll_dispatch_recv`."""
     _ffi.register()
     V, T, K = topk_idx.shape
@@ -144,12 +150,12 @@ def ll_dispatch_send(x, topk_idx, *, num_ranks, num_experts, use_fp8, axis_name=
     recv_x, recv_scales, src_row, clean_idx, num_invalid, counts, _ = _exchange_call(
         "jax_ep_ll_dispatch_send", _types(topk_idx, shapes)
     )(_ranks(axis_name, V), x, topk_idx,
-      **_attrs(num_ranks=R, num_experts=E, use_fp8=use_fp8))
+      **_attrs(num_ranks=R, num_experts=E, use_fp8=use_fp8, num_sms=num_sms))
     return {"recv_x": recv_x, "recv_scales": recv_scales, "src_row": src_row,
             "clean_idx": clean_idx, "num_invalid": num_invalid, "counts": counts}
 
 
-def ll_dispatch_recv(data, *, num_ranks, num_experts, axis_name=None):
+def ll_dispatch_recv(data, *, num_ranks, num_experts, axis_name=None, num_sms=None):
     """The receive half: (recv_x, recv_scales or None, src_row, count [V, E/R])."""
     recv_x, recv_scales, src_row = data["recv_x"], data["recv_scales"], data["src_row"]
     V = recv_x.shape[0]
@@ -159,11 +165,11 @@ def ll_dispatch_recv(data, *, num_ranks, num_experts, axis_name=None):
                + [((V, num_experts // num_ranks), jnp.int32)]),
         input_output_aliases={1: 0, 2: 1, 3: 2},
     )(_ranks(axis_name, V), recv_x, recv_scales, src_row, data["counts"],
-      **_attrs(num_ranks=num_ranks, num_experts=num_experts))
+      **_attrs(num_ranks=num_ranks, num_experts=num_experts, num_sms=num_sms))
     return recv_x, recv_scales if recv_scales.shape[3] else None, src_row, count
 
 
-def ll_combine_send(y, src_row, *, num_ranks, num_experts, axis_name=None):
+def ll_combine_send(y, src_row, *, num_ranks, num_experts, axis_name=None, num_sms=None):
     """The send half of low-latency combine between devices: rows [1, T, K, H] staged at
     their homes (with virtual ranks there is no send: the receive reads y in place)."""
     _ffi.register()
@@ -171,11 +177,11 @@ def ll_combine_send(y, src_row, *, num_ranks, num_experts, axis_name=None):
     return _exchange_call(
         "jax_ep_ll_combine_send", _types(y, [((V, T, K, y.shape[3]), jnp.bfloat16)])[0]
     )(_ranks(axis_name, V), y, src_row,
-      **_attrs(num_ranks=num_ranks, num_experts=num_experts))
+      **_attrs(num_ranks=num_ranks, num_experts=num_experts, num_sms=num_sms))
 
 
 def ll_combine_recv(rows, src_row, clean_idx, topk_weights, *, num_ranks, num_experts,
-                    axis_name=None):
+                    axis_name=None, num_sms=None):
     """The receive half: the top-k weighted sums, bfloat16 [V, T, H], of `rows`: y [V, E/R,
     R*T, H] read in place (virtual ranks, or one rank) or the send's staging (between
     devices)."""
@@ -184,4 +190,4 @@ def ll_combine_recv(rows, src_row, clean_idx, topk_weights, *, num_ranks, num_ex
     return _exchange_call(
         "jax_ep_ll_combine_recv", _types(rows, [((V, T, rows.shape[3]), jnp.bfloat16)])[0]
     )(_ranks(axis_name, V), rows, src_row, clean_idx, topk_weights,
-      **_attrs(num_ranks=num_ranks, num_experts=num_experts))
+      **_attrs(num_ranks=num_ranks, num_experts=num_experts, num_sms=num_sms))

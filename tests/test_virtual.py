@@ -241,6 +241,39 @@ def test_jit_and_errors():
         virtual.combine(np.zeros((2, 8, 8), np.float64), handle)
 
 
+@needs_extension
+def test_num_sms_bounds_the_blocks_not_the_results():
+    """`num_sms` caps each launch's blocks (on the CPU, the blocks of $JAX_EP_CPU_GRID, which
+    CI sets to 2): the items are spread over fewer blocks and every result is the same."""
+    rng = np.random.default_rng()
+    R, T, K, E, H = 3, 11, 4, 9, 256
+    idx, w = routing(rng, R, T, K, E, "masked")
+    x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+
+    def every_op(num_sms):
+        out = _exchange_ffi.dispatch(x, None, idx, w, num_ranks=R, num_experts=E,
+                                     capacity=R * T, expert_major=False, zero_padding=True,
+                                     num_sms=num_sms)
+        y = _exchange_ffi.combine(out["x"], None, out["src_row"], None, num_ranks=R, top_k=K,
+                                  expert_major=False, num_sms=num_sms)
+        sent = _exchange_ffi.ll_dispatch_send(x, idx, num_ranks=R, num_experts=E,
+                                              use_fp8=False, num_sms=num_sms)
+        clean_idx = sent["clean_idx"]
+        recv_x, _, src_row, count = _exchange_ffi.ll_dispatch_recv(
+            sent, num_ranks=R, num_experts=E, num_sms=num_sms)
+        ll_y = _exchange_ffi.ll_combine_recv(recv_x, src_row, clean_idx, w, num_ranks=R,
+                                             num_experts=E, num_sms=num_sms)
+        return [out["x"], out["src_row"], y, src_row, count, ll_y]
+
+    unbounded = every_op(None)
+    for num_sms in (1, 2):
+        for i, (got, want) in enumerate(zip(every_op(num_sms), unbounded, strict=True)):
+            assert_bitwise(got, want, f"result {i} with num_sms={num_sms}")
+    with pytest.raises(Exception, match="num_sms must be in"):
+        _exchange_ffi.combine(x, None, np.zeros((R, R * T), np.int32), None, num_ranks=R,
+                              top_k=K, expert_major=False, num_sms=-1)
+
+
 # --- the CUDA lowering of every op, on this CPU-only jaxlib -----------------------------------
 
 TARGETS = ("jax_ep_dispatch", "jax_ep_combine", "jax_ep_ll_dispatch_send",
