@@ -61,6 +61,17 @@ JAX_EP_HOST_DEVICE void copy_row(void* dst, const void* src, int64_t bytes, int 
   }
 }
 
+// The OR of the first n addresses of `ptrs` (their common alignment), reading them with
+// indices known at compile time (Fan and Terms keep theirs in registers on the GPU).
+template <typename P, int N>
+JAX_EP_HOST_DEVICE uintptr_t address_bits(P* const (&ptrs)[N], int n) {
+  uintptr_t bits = 0;
+  JAX_EP_UNROLL for (int j = 0; j < N; ++j) {
+    if (j < n) bits |= reinterpret_cast<uintptr_t>(ptrs[j]);
+  }
+  return bits;
+}
+
 // Where one source row goes: up to kFanOut destinations, written from one read of the row
 // (fan_out_row). The slots are filled and read with indices known at compile time, so on the
 // GPU they stay in registers.
@@ -76,14 +87,6 @@ struct Fan {
     }
     ++n;
   }
-  // The OR of the destinations' addresses (their common alignment).
-  JAX_EP_HOST_DEVICE uintptr_t address_bits() const {
-    uintptr_t bits = 0;
-    JAX_EP_UNROLL for (int j = 0; j < kFanOut; ++j) {
-      if (j < n) bits |= reinterpret_cast<uintptr_t>(to[j]);
-    }
-    return bits;
-  }
 };
 
 // Copies `bytes` from src to every destination of the fan, reading src once, and empties the
@@ -92,7 +95,7 @@ JAX_EP_HOST_DEVICE void fan_out_row(Fan<char>& fan, const void* src, int64_t byt
                                     int lanes) {
   const int n = fan.n;
   const uintptr_t bits =
-      reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes) | fan.address_bits();
+      reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes) | address_bits(fan.to, fan.n);
   fan.n = 0;
   if (n == 0) return;
   if (lane == 0) meter_rows(bytes, n * bytes);
@@ -586,13 +589,6 @@ struct Terms {
     }
     ++n;
   }
-  JAX_EP_HOST_DEVICE uintptr_t address_bits() const {  // as Fan's
-    uintptr_t bits = 0;
-    JAX_EP_UNROLL for (int j = 0; j < kSumBatch; ++j) {
-      if (j < n) bits |= reinterpret_cast<uintptr_t>(row[j]);
-    }
-    return bits;
-  }
 };
 
 // N values of T moved as one load or store (16 bytes, or one value).
@@ -654,7 +650,7 @@ JAX_EP_HOST_DEVICE void sum_rows(T* out, int64_t H, bool weighted, int end,
   for (int from = 0; from < end;) {
     Terms<T> batch;
     from = collect(batch, from);
-    bits |= batch.address_bits();
+    bits |= address_bits(batch.row, batch.n);
     terms += batch.n;
   }
   if (lane == 0) meter_rows(terms * row_bytes, row_bytes);
@@ -847,7 +843,7 @@ JAX_EP_HOST_DEVICE void ll_write_rows(const LowLatencyArgs& a, const Bf16* x, Fa
     return;
   }
   const int n = rows.n;
-  const bool aligned = (rows.address_bits() & 15u) == 0;
+  const bool aligned = (address_bits(rows.to, rows.n) & 15u) == 0;
   rows.n = scales.n = 0;
   if (n == 0) return;
   const int64_t H = a.hidden;

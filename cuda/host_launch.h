@@ -31,7 +31,6 @@ struct HostGrid {
   int threads = 1;  // OS threads sharing a launch
 
   int64_t num_warps() const { return static_cast<int64_t>(blocks) * warps; }
-  int64_t num_lanes() const { return num_warps() * lanes; }
 };
 
 // Parses "blocks,warps,lanes[,threads]" (e.g. "2,2,32"); false on a malformed text.

@@ -1,10 +1,10 @@
 // The exchange between GPUs: one rank per device, peers through NVSHMEM.
 //
-// The ops are those of cuda/peer_ops.h (carving, phase order, barriers), shared with
-// the CPU's host peers; this file is their GPU platform. Every buffer one rank writes for
-// another lives in the NVSHMEM symmetric buffer (same offset on every rank) and
-// `NvshmemPeers::at` turns it into the peer's address with nvshmem_ptr, so writes and reads
-// are plain stores and loads over NVLink/P2P. Phases are kernels on XLA's stream, and they
+// The ops are those of cuda/peer_ops.h (carving, launch order, how the launches meet the
+// peers), shared with the CPU's host peers; this file is their GPU platform. Every buffer one
+// rank writes for another lives in the NVSHMEM symmetric buffer (same offset on every rank)
+// and `NvshmemPeers::at` turns it into the peer's address with nvshmem_ptr, so writes and
+// reads are plain stores and loads over NVLink/P2P. Phases are kernels on XLA's stream, and they
 // meet the peers inside (cuda/peer_ops.h, Meet; DeviceMeet below): no barrier kernels.
 //
 // Rank: the kernels use this process's NVSHMEM PE. The op also receives its EP axis index;
@@ -99,13 +99,17 @@ struct DeviceMeet {
   // The op's EP axis index must be this PE.
   __device__ void check_rank() const {
     const int32_t index = *axis_index;
-    volatile PeerStatus* report = status;
-    if (index != me && report->code == 0) {
-      report->op = op;
-      report->peer = index;
-      __threadfence_system();
-      report->code = 2;
-    }
+    if (index != me && static_cast<volatile PeerStatus*>(status)->code == 0) report(2, index);
+  }
+
+  // Records what went wrong, for the next call. Host memory: plain stores (any thread's
+  // report is a fine one).
+  __device__ void report(int code, int peer) const {
+    volatile PeerStatus* out = status;
+    out->op = op;
+    out->peer = peer;
+    __threadfence_system();
+    out->code = code;
   }
 
   // Every thread of the block: this rank's writes (every block's, is_last_block) are visible,
@@ -135,12 +139,7 @@ struct DeviceMeet {
       while (*arrived < target) {
         if (static_cast<volatile PeerStatus*>(status)->code != 0) break;
         if (global_ns() - start > timeout_ns) {
-          // Host memory: plain stores (any waiting thread's peer is a fine report).
-          volatile PeerStatus* report = status;
-          report->op = op;
-          report->peer = p;
-          __threadfence_system();
-          report->code = timeout_code;
+          report(timeout_code, p);
           break;
         }
         __nanosleep(200);

@@ -109,20 +109,17 @@ struct Call {
 xffi::Error ParseCall(int op, const xffi::AnyBuffer& ranks, xffi::RemainingArgs args,
                       xffi::RemainingRets rets, const xffi::Dictionary& attrs, Call* call);
 
-// Handlers (C symbols, wrapped in capsules by module.cc).
-XLA_FFI_DECLARE_HANDLER_SYMBOL(DispatchCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(CombineCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchSendCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchRecvCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyCombineSendCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyCombineRecvCpu);
-#ifdef JAX_EP_WITH_CUDA
-XLA_FFI_DECLARE_HANDLER_SYMBOL(DispatchCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(CombineCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchSendCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyDispatchRecvCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyCombineSendCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(LowLatencyCombineRecvCuda);
-#endif
+// X(Name, op) for every exchange target, in PeerOp order. Its handlers (C symbols, wrapped in
+// capsules by module.cc) are Name##Cpu (exchange_cpu.cc) and Name##Cuda (exchange_cuda.cc).
+#define JAX_EP_FOR_EACH_EXCHANGE_TARGET(X)                                                     \
+  X(Dispatch, kPeerDispatch) X(Combine, kPeerCombine)                                          \
+  X(LowLatencyDispatchSend, kPeerLlDispatchSend) X(LowLatencyDispatchRecv, kPeerLlDispatchRecv) \
+  X(LowLatencyCombineSend, kPeerLlCombineSend) X(LowLatencyCombineRecv, kPeerLlCombineRecv)
+
+#define JAX_EP_DECLARE_HANDLERS(Name, op)      \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(Name##Cpu);   \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(Name##Cuda);
+JAX_EP_FOR_EACH_EXCHANGE_TARGET(JAX_EP_DECLARE_HANDLERS)
+#undef JAX_EP_DECLARE_HANDLERS
 
 }  // namespace jax_ep::ffi

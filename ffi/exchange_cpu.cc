@@ -4,9 +4,9 @@
 // With virtual ranks (all R ranks stacked in one call) they run the ops of cuda/virtual_ops.h,
 // as the virtual-rank kernels do (cuda/exchange.cu). With one rank per device (R > 1
 // CPU devices in shard_map) each device's handler runs the ops of cuda/peer_ops.h through host
-// peers (cuda/host_peers.h), meeting the other devices' handlers at the same flags as the GPUs. Either way the
-// phases run on the grid of $JAX_EP_CPU_GRID (cuda/host_launch.h): a plain loop by default,
-// GPU-shaped warps and blocks when asked.
+// peers (cuda/host_peers.h), meeting the other devices' handlers at the same flags as the
+// GPUs. Either way the phases run on the grid of $JAX_EP_CPU_GRID (cuda/host_launch.h): a
+// plain loop by default, GPU-shaped warps and blocks when asked.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -96,15 +96,9 @@ auto Binding() {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DispatchCpu, ExchangeCpuImpl<kPeerDispatch>, Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineCpu, ExchangeCpuImpl<kPeerCombine>, Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendCpu, ExchangeCpuImpl<kPeerLlDispatchSend>,
-                              Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecvCpu, ExchangeCpuImpl<kPeerLlDispatchRecv>,
-                              Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendCpu, ExchangeCpuImpl<kPeerLlCombineSend>,
-                              Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvCpu, ExchangeCpuImpl<kPeerLlCombineRecv>,
-                              Binding());
+#define JAX_EP_DEFINE_HANDLER(Name, op) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Name##Cpu, ExchangeCpuImpl<op>, Binding());
+JAX_EP_FOR_EACH_EXCHANGE_TARGET(JAX_EP_DEFINE_HANDLER)
+#undef JAX_EP_DEFINE_HANDLER
 
 }  // namespace jax_ep::ffi

@@ -39,15 +39,9 @@ auto Binding() {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DispatchCuda, ExchangeCudaImpl<kPeerDispatch>, Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineCuda, ExchangeCudaImpl<kPeerCombine>, Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendCuda, ExchangeCudaImpl<kPeerLlDispatchSend>,
-                              Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecvCuda, ExchangeCudaImpl<kPeerLlDispatchRecv>,
-                              Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendCuda, ExchangeCudaImpl<kPeerLlCombineSend>,
-                              Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvCuda, ExchangeCudaImpl<kPeerLlCombineRecv>,
-                              Binding());
+#define JAX_EP_DEFINE_HANDLER(Name, op) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Name##Cuda, ExchangeCudaImpl<op>, Binding());
+JAX_EP_FOR_EACH_EXCHANGE_TARGET(JAX_EP_DEFINE_HANDLER)
+#undef JAX_EP_DEFINE_HANDLER
 
 }  // namespace jax_ep::ffi

@@ -28,13 +28,13 @@ nb::capsule Capsule(Handler handler) { return nb::capsule(reinterpret_cast<void*
 
 // The exchange targets' handlers, in PeerOp order (their names are kPeerOpNames).
 namespace ffi = jax_ep::ffi;
-constexpr Handler kExchangeCpu[] = {ffi::DispatchCpu, ffi::CombineCpu,
-                                    ffi::LowLatencyDispatchSendCpu, ffi::LowLatencyDispatchRecvCpu,
-                                    ffi::LowLatencyCombineSendCpu, ffi::LowLatencyCombineRecvCpu};
+#define JAX_EP_CPU_HANDLER(Name, op) ffi::Name##Cpu,
+constexpr Handler kExchangeCpu[] = {JAX_EP_FOR_EACH_EXCHANGE_TARGET(JAX_EP_CPU_HANDLER)};
+#undef JAX_EP_CPU_HANDLER
 #ifdef JAX_EP_WITH_CUDA
-constexpr Handler kExchangeCuda[] = {
-    ffi::DispatchCuda, ffi::CombineCuda, ffi::LowLatencyDispatchSendCuda,
-    ffi::LowLatencyDispatchRecvCuda, ffi::LowLatencyCombineSendCuda, ffi::LowLatencyCombineRecvCuda};
+#define JAX_EP_CUDA_HANDLER(Name, op) ffi::Name##Cuda,
+constexpr Handler kExchangeCuda[] = {JAX_EP_FOR_EACH_EXCHANGE_TARGET(JAX_EP_CUDA_HANDLER)};
+#undef JAX_EP_CUDA_HANDLER
 static_assert(std::size(kExchangeCuda) == std::size(jax_ep::kPeerOpNames));
 #endif
 static_assert(std::size(kExchangeCpu) == std::size(jax_ep::kPeerOpNames));
@@ -44,10 +44,14 @@ static_assert(std::size(kExchangeCpu) == std::size(jax_ep::kPeerOpNames));
 nb::dict Registrations() {
   nb::dict cpu, cuda;
   cpu["jax_ep_dispatch_layout"] = Capsule(ffi::LayoutCpu);
-  for (size_t op = 0; op < std::size(kExchangeCpu); ++op) cpu[jax_ep::kPeerOpNames[op]] = Capsule(kExchangeCpu[op]);
+  for (size_t op = 0; op < std::size(kExchangeCpu); ++op) {
+    cpu[jax_ep::kPeerOpNames[op]] = Capsule(kExchangeCpu[op]);
+  }
 #ifdef JAX_EP_WITH_CUDA
   cuda["jax_ep_dispatch_layout"] = Capsule(ffi::LayoutCuda);
-  for (size_t op = 0; op < std::size(kExchangeCuda); ++op) cuda[jax_ep::kPeerOpNames[op]] = Capsule(kExchangeCuda[op]);
+  for (size_t op = 0; op < std::size(kExchangeCuda); ++op) {
+    cuda[jax_ep::kPeerOpNames[op]] = Capsule(kExchangeCuda[op]);
+  }
 #endif
   nb::dict out;
   out["cpu"] = cpu;
