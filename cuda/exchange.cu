@@ -14,14 +14,14 @@ namespace {
 
 // The GPU launcher of cuda/virtual_ops.h; launches after a failed one do nothing.
 struct VirtualLauncher {
-  int ranks, max_blocks;
+  int ranks, num_sms;
   cudaStream_t stream;
   cudaError_t status = cudaSuccess;
 
   template <typename Phase, typename Tail = NoTail>
   void per_warp(const Phase& phase, int64_t items, const Tail& tail = {}, int64_t tail_items = 0) {
     if (status == cudaSuccess) {
-      status = cuda::per_warp(phase, 0, ranks, items, stream, max_blocks, tail, tail_items);
+      status = cuda::per_warp(phase, 0, ranks, items, stream, num_sms, tail, tail_items);
     }
   }
 };
@@ -54,8 +54,8 @@ PeerError launch_error(int op, cudaError_t status) {
 }
 
 template <typename Args>
-PeerError run_virtual_ranks(int op, const Args& a, int max_blocks, cudaStream_t stream) {
-  VirtualLauncher l{a.num_ranks, max_blocks, stream};
+PeerError run_virtual_ranks(int op, const Args& a, int num_sms, cudaStream_t stream) {
+  VirtualLauncher l{a.num_ranks, num_sms, stream};
   run_virtual(l, op, a);
   return launch_error(op, l.status);
 }

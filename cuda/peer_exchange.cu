@@ -224,11 +224,11 @@ class DevicePlatform {
   using Peers = NvshmemPeers;
 
   // Checks the preconditions of `op`; rank() etc. are valid when the result is ok.
-  PeerError open(int op, int num_ranks, const int32_t* axis_index, int max_blocks,
+  PeerError open(int op, int num_ranks, const int32_t* axis_index, int num_sms,
                  cudaStream_t stream) {
     op_ = op;
     axis_index_ = axis_index;
-    max_blocks_ = max_blocks;
+    num_sms_ = num_sms;
     stream_ = stream;
     return prepare(op, num_ranks, &buffer_);
   }
@@ -254,14 +254,14 @@ class DevicePlatform {
     bound(meet.before, &m.before_ns, &m.before_code);
     bound(meet.after, &m.after_ns, &m.after_code);
     m.arrive = meet.arrive;
-    status_ = cuda::per_warp(phase, rank(), 1, items, stream_, max_blocks_, tail, tail_items, m);
+    status_ = cuda::per_warp(phase, rank(), 1, items, stream_, num_sms_, tail, tail_items, m);
   }
   PeerError result(int op) const { return launch_error(op, status_); }
 
  private:
   int op_ = 0;
   const int32_t* axis_index_ = nullptr;
-  int max_blocks_ = 0;
+  int num_sms_ = 0;
   cudaStream_t stream_ = nullptr;
   cudaError_t status_ = cudaSuccess;
   const SymmetricBuffer* buffer_ = nullptr;
@@ -270,11 +270,11 @@ class DevicePlatform {
 }  // namespace
 
 template <typename Args>
-PeerError run(int op, const Args& args, const int32_t* axis_index, int max_blocks,
+PeerError run(int op, const Args& args, const int32_t* axis_index, int num_sms,
               cudaStream_t stream) {
-  if (axis_index == nullptr) return run_virtual_ranks(op, args, max_blocks, stream);
+  if (axis_index == nullptr) return run_virtual_ranks(op, args, num_sms, stream);
   DevicePlatform platform;
-  PeerError error = platform.open(op, args.num_ranks, axis_index, max_blocks, stream);
+  PeerError error = platform.open(op, args.num_ranks, axis_index, num_sms, stream);
   return error.ok() ? run_op(platform, op, args) : error;
 }
 

@@ -44,6 +44,18 @@ __device__ __forceinline__ bool is_last_block(unsigned* ticket) {
   return last;
 }
 
+// Blocks of kPhaseThreads threads that one SM holds at once (at least 1).
+template <typename Kernel>
+int blocks_per_sm(Kernel kernel) {
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kPhaseThreads, 0) !=
+      cudaSuccess) {
+    cudaGetLastError();  // not sticky; the launch reports real errors
+    return 1;
+  }
+  return std::max(blocks, 1);
+}
+
 template <typename Phase, typename Tail, typename Meeting>
 __global__ void __launch_bounds__(kPhaseThreads)
     per_warp_kernel(Phase phase, Tail tail, Meeting meet, unsigned* ticket, int first_rank,
@@ -61,11 +73,12 @@ __global__ void __launch_bounds__(kPhaseThreads)
 }
 
 // One launch of `phase` over ranks x items, then `tail` over tail_items, meeting as `meet`
-// says, on at most `max_blocks` blocks (0: kMaxPhaseBlocks). A launch with no items still runs
-// when it has a tail or meets its peers.
+// says, on at most `num_sms` SMs' worth of blocks (0: kMaxPhaseBlocks blocks): num_sms times
+// the blocks one SM holds at once, so the launch takes no more warp slots than num_sms SMs
+// have. A launch with no items still runs when it has a tail or meets its peers.
 template <typename Phase, typename Tail = NoTail, typename Meeting = NoMeet>
 cudaError_t per_warp(const Phase& phase, int first_rank, int ranks, int64_t items,
-                     cudaStream_t stream, int max_blocks, const Tail& tail = {},
+                     cudaStream_t stream, int num_sms, const Tail& tail = {},
                      int64_t tail_items = 0, const Meeting& meet = {}) {
   const int64_t total = static_cast<int64_t>(ranks) * items;
   const bool after = tail_items > 0 || meet.has_last();
@@ -75,8 +88,11 @@ cudaError_t per_warp(const Phase& phase, int first_rank, int ranks, int64_t item
     const cudaError_t status = stream_ticket(stream, &ticket);
     if (status != cudaSuccess) return status;
   }
-  const int64_t most = max_blocks > 0 ? std::min<int64_t>(max_blocks, kMaxPhaseBlocks)
-                                       : kMaxPhaseBlocks;
+  int64_t most = kMaxPhaseBlocks;
+  if (num_sms > 0) {
+    static const int per_sm = blocks_per_sm(per_warp_kernel<Phase, Tail, Meeting>);
+    most = std::min<int64_t>(static_cast<int64_t>(num_sms) * per_sm, kMaxPhaseBlocks);
+  }
   const int64_t blocks = std::clamp<int64_t>((total + kPhaseWarps - 1) / kPhaseWarps, 1, most);
   return launch(per_warp_kernel<Phase, Tail, Meeting>, static_cast<unsigned>(blocks),
                 kPhaseThreads, stream, phase, tail, meet, ticket, first_rank, ranks, items,

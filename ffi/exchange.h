@@ -99,7 +99,7 @@ struct Call {
   OpArgs args;
   bool between;          // one rank of several devices (else virtual ranks)
   const int32_t* ranks;  // the ranks operand's data (device memory on GPUs)
-  int num_sms = 0;       // at most this many blocks per launch (one per SM); 0: no bound
+  int num_sms = 0;  // launches on at most this many SMs (CPU grid: blocks); 0: no bound
 };
 
 // Parses a call of target `op` (PeerOp, cuda/peer_ops.h): its attributes, its ranks operand

@@ -6,7 +6,7 @@ backward) as shard_map-friendly functions with static shapes. See docs/contract.
 
 from jax_ep import backends, checks, eplb, fp8, overlap, profile, runtime, virtual
 from jax_ep.checks import checked
-from jax_ep.dispatch import combine, dispatch
+from jax_ep.dispatch import DEFAULT_NUM_SMS, combine, dispatch
 from jax_ep.layout import get_dispatch_layout
 from jax_ep.low_latency import (
     low_latency_combine,
@@ -29,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BufferConfig",
+    "DEFAULT_NUM_SMS",
     "DispatchHandle",
     "DispatchLayout",
     "LowLatencyHandle",

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ep import backends
+
 OVERFLOW_POLICIES = ("error", "drop")
 INVALID_POLICIES = ("error", "mask")
 MAX_TOP_K = 32  # the kernels keep a token's choices in registers
@@ -78,6 +80,29 @@ def check_positive_int(op: str, name: str, value: Any, *, allow_none: bool = Fal
         raise ValueError(
             f"{op}: {name} must be a positive Python int (a static value); got {value!r}."
         )
+
+
+def placement(op: str, num_sms: Any, stream: Any) -> backends.Placement:
+    """The checked Placement of an op's `num_sms` (the SMs each kernel launch may take, None:
+    every SM) and `stream` (a GPU stream of its own, None: XLA's compute stream)."""
+    if num_sms is not None and (
+        isinstance(num_sms, bool) or not isinstance(num_sms, (int, np.integer)) or num_sms < 1
+    ):
+        raise ValueError(
+            f"{op}: num_sms must be a positive int (the SMs each of its kernel launches may "
+            f"take) or None (every SM); got {num_sms!r}."
+        )
+    if stream is not None and (
+        isinstance(stream, bool) or not isinstance(stream, (int, np.integer)) or stream < 0
+    ):
+        raise ValueError(
+            f"{op}: stream must be a non-negative int (GPU stream N, as in "
+            f"compute_on('gpu_stream:N')) or None (XLA's compute stream); got {stream!r}."
+        )
+    return backends.Placement(
+        num_sms=None if num_sms is None else int(num_sms),
+        stream=None if stream is None else int(stream),
+    )
 
 
 def axis_size(op: str, axis_name: str) -> int:

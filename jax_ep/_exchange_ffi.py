@@ -8,9 +8,11 @@ operand holds the EP rank of each stacked rank: 0..R-1 with virtual ranks (`axis
 None), the index along `axis_name` inside `shard_map`. Result types are derived from an
 operand's type, so they carry shard_map's varying-axis typing.
 
-Every call takes `num_sms`: at most that many blocks per kernel launch, so at most that many
-SMs (on the CPU, at most that many blocks of $JAX_EP_CPU_GRID); None, the default, bounds
-them only by the kernels' grid cap.
+Every call takes a `Placement` (jax_ep.backends): `num_sms`, the SMs' worth of blocks each
+kernel launch may take (the blocks that many SMs hold at once; on the CPU, at most that many
+blocks of $JAX_EP_CPU_GRID), and `stream`, a GPU stream of the call's own: the custom call
+then sits in a `compute_on2("gpu_stream:N")` call, which XLA runs asynchronously on that
+stream (on the CPU the call runs as usual).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental.compute_on import compute_on2
 
 from jax_ep import _ffi, fp8
+from jax_ep.backends import ANYWHERE, Placement
 from jax_ep.structs import DispatchHandle, Received
 
 
@@ -29,11 +33,22 @@ def _types(like: jax.Array, shapes) -> list:
     return [base.update(shape=tuple(s), dtype=jnp.dtype(d)) for s, d in shapes]
 
 
-def _exchange_call(target: str, result_types, **kwargs):
+def _exchange_call(target: str, result_types, operands, attrs: dict, placement: Placement,
+                   **kwargs):
     """An exchange custom call, marked side-effecting: between devices it meets its peers, so
     XLA must run it exactly once on every rank, in program order (never drop, duplicate or
-    reorder it on one rank only)."""
-    return jax.ffi.ffi_call(target, result_types, has_side_effect=True, **kwargs)
+    reorder it on one rank only). Placed on `placement.stream` when it names one."""
+    call = jax.ffi.ffi_call(target, result_types, has_side_effect=True, **kwargs)
+    attrs = _attrs(**attrs, num_sms=placement.num_sms)
+
+    def run(*args):
+        return call(*args, **attrs)
+
+    if placement.stream is not None:
+        device = jax.tree.map(lambda _: jax.memory.Space.Device, result_types)
+        run = compute_on2(run, compute_type=f"gpu_stream:{placement.stream}",
+                          out_memory_spaces=device)
+    return run(*operands)
 
 
 def _ranks(axis_name: str | None, stacked: int) -> jax.Array:
@@ -49,7 +64,7 @@ def _attrs(**attrs) -> dict:
 
 
 def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, capacity,
-             expert_major, axis_name=None, zero_padding=False, num_sms=None):
+             expert_major, axis_name=None, zero_padding=False, placement=ANYWHERE):
     """Normal dispatch; returns the 16 results of "jax_ep_dispatch" as a dict. Rows of "x"
     and "scales" past the count are unspecified unless `zero_padding` (docs/contract.md,
     "Padding")."""
@@ -75,10 +90,11 @@ def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, ca
         "row_entries": ((V, em_rows, K), i32), "needed": ((V,), i32),
         "workspace": ((workspace,), i32),
     }
-    outs = _exchange_call("jax_ep_dispatch", _types(topk_idx, names_shapes.values()))(
-        _ranks(axis_name, V), data, scales, topk_idx, topk_weights,
-        **_attrs(num_ranks=R, num_experts=E, capacity=cap, expert_major=expert_major,
-                 zero_padding=zero_padding, num_sms=num_sms))
+    outs = _exchange_call(
+        "jax_ep_dispatch", _types(topk_idx, names_shapes.values()),
+        (_ranks(axis_name, V), data, scales, topk_idx, topk_weights),
+        dict(num_ranks=R, num_experts=E, capacity=cap, expert_major=expert_major,
+             zero_padding=zero_padding), placement)
     result = dict(zip(names_shapes, outs, strict=True))
     if not S:
         result["scales"] = None
@@ -117,7 +133,7 @@ def received_and_handle(out: dict, *, num_ranks, num_experts, capacity, expert_m
 
 
 def combine(y, weights, src_row, row_entries, *, num_ranks, top_k, expert_major,
-            axis_name=None, num_sms=None):
+            axis_name=None, placement=ANYWHERE):
     """Combine of [V, rows, H] rows; `row_entries` None for the rank-major layout."""
     _ffi.register()
     V, _, H = y.shape
@@ -128,14 +144,14 @@ def combine(y, weights, src_row, row_entries, *, num_ranks, top_k, expert_major,
         row_entries = jnp.zeros((V, 0, top_k), jnp.int32)
     partial_rows = num_ranks * T if expert_major else 0
     out, _ = _exchange_call(
-        "jax_ep_combine", _types(y, [((V, T, H), y.dtype), ((V, partial_rows, H), y.dtype)])
-    )(_ranks(axis_name, V), y, weights, src_row, row_entries,
-      **_attrs(num_ranks=num_ranks, expert_major=expert_major, num_sms=num_sms))
+        "jax_ep_combine", _types(y, [((V, T, H), y.dtype), ((V, partial_rows, H), y.dtype)]),
+        (_ranks(axis_name, V), y, weights, src_row, row_entries),
+        dict(num_ranks=num_ranks, expert_major=expert_major), placement)
     return out
 
 
 def ll_dispatch_send(x, topk_idx, *, num_ranks, num_experts, use_fp8, axis_name=None,
-                     num_sms=None):
+                     placement=ANYWHERE):
     """The send half of low-latency dispatch; a dict for `ll_dispatch_recv`."""
     _ffi.register()
     V, T, K = topk_idx.shape
@@ -148,14 +164,13 @@ def ll_dispatch_send(x, topk_idx, *, num_ranks, num_experts, use_fp8, axis_name=
         ((V, T, K), i32), ((V,), i32), ((R, E), i32), ((V, T, K), i32),
     ]
     recv_x, recv_scales, src_row, clean_idx, num_invalid, counts, _ = _exchange_call(
-        "jax_ep_ll_dispatch_send", _types(topk_idx, shapes)
-    )(_ranks(axis_name, V), x, topk_idx,
-      **_attrs(num_ranks=R, num_experts=E, use_fp8=use_fp8, num_sms=num_sms))
+        "jax_ep_ll_dispatch_send", _types(topk_idx, shapes), (_ranks(axis_name, V), x, topk_idx),
+        dict(num_ranks=R, num_experts=E, use_fp8=use_fp8), placement)
     return {"recv_x": recv_x, "recv_scales": recv_scales, "src_row": src_row,
             "clean_idx": clean_idx, "num_invalid": num_invalid, "counts": counts}
 
 
-def ll_dispatch_recv(data, *, num_ranks, num_experts, axis_name=None, num_sms=None):
+def ll_dispatch_recv(data, *, num_ranks, num_experts, axis_name=None, placement=ANYWHERE):
     """The receive half: (recv_x, recv_scales or None, src_row, count [V, E/R])."""
     recv_x, recv_scales, src_row = data["recv_x"], data["recv_scales"], data["src_row"]
     V = recv_x.shape[0]
@@ -163,31 +178,32 @@ def ll_dispatch_recv(data, *, num_ranks, num_experts, axis_name=None, num_sms=No
         "jax_ep_ll_dispatch_recv",
         _types(src_row, [(a.shape, a.dtype) for a in (recv_x, recv_scales, src_row)]
                + [((V, num_experts // num_ranks), jnp.int32)]),
-        input_output_aliases={1: 0, 2: 1, 3: 2},
-    )(_ranks(axis_name, V), recv_x, recv_scales, src_row, data["counts"],
-      **_attrs(num_ranks=num_ranks, num_experts=num_experts, num_sms=num_sms))
+        (_ranks(axis_name, V), recv_x, recv_scales, src_row, data["counts"]),
+        dict(num_ranks=num_ranks, num_experts=num_experts), placement,
+        input_output_aliases={1: 0, 2: 1, 3: 2})
     return recv_x, recv_scales if recv_scales.shape[3] else None, src_row, count
 
 
-def ll_combine_send(y, src_row, *, num_ranks, num_experts, axis_name=None, num_sms=None):
+def ll_combine_send(y, src_row, *, num_ranks, num_experts, axis_name=None,
+                    placement=ANYWHERE):
     """The send half of low-latency combine between devices: rows [1, T, K, H] staged at
     their homes (with virtual ranks there is no send: the receive reads y in place)."""
     _ffi.register()
     V, _, T, K = src_row.shape
     return _exchange_call(
-        "jax_ep_ll_combine_send", _types(y, [((V, T, K, y.shape[3]), jnp.bfloat16)])[0]
-    )(_ranks(axis_name, V), y, src_row,
-      **_attrs(num_ranks=num_ranks, num_experts=num_experts, num_sms=num_sms))
+        "jax_ep_ll_combine_send", _types(y, [((V, T, K, y.shape[3]), jnp.bfloat16)])[0],
+        (_ranks(axis_name, V), y, src_row),
+        dict(num_ranks=num_ranks, num_experts=num_experts), placement)
 
 
 def ll_combine_recv(rows, src_row, clean_idx, topk_weights, *, num_ranks, num_experts,
-                    axis_name=None, num_sms=None):
+                    axis_name=None, placement=ANYWHERE):
     """The receive half: the top-k weighted sums, bfloat16 [V, T, H], of `rows`: y [V, E/R,
     R*T, H] read in place (virtual ranks, or one rank) or the send's staging (between
     devices)."""
     _ffi.register()
     V, T, _ = clean_idx.shape
     return _exchange_call(
-        "jax_ep_ll_combine_recv", _types(rows, [((V, T, rows.shape[3]), jnp.bfloat16)])[0]
-    )(_ranks(axis_name, V), rows, src_row, clean_idx, topk_weights,
-      **_attrs(num_ranks=num_ranks, num_experts=num_experts, num_sms=num_sms))
+        "jax_ep_ll_combine_recv", _types(rows, [((V, T, rows.shape[3]), jnp.bfloat16)])[0],
+        (_ranks(axis_name, V), rows, src_row, clean_idx, topk_weights),
+        dict(num_ranks=num_ranks, num_experts=num_experts), placement)

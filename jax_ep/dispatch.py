@@ -19,6 +19,10 @@ from jax_ep import _checks, backends, checks, fp8
 from jax_ep.profile import scoped
 from jax_ep.structs import DispatchHandle, Received
 
+# SMs each normal-mode kernel launch takes by default: the budget DeepEP's normal kernels use on
+# a 132-SM H800, leaving the rest to the computation they overlap with.
+DEFAULT_NUM_SMS = 20
+
 
 @dataclasses.dataclass(frozen=True)
 class _DispatchConfig:
@@ -29,6 +33,7 @@ class _DispatchConfig:
     axis_name: str
     capacity: int
     expert_major: bool
+    placement: backends.Placement
 
 
 def _check_x(op: str, x, num_tokens: int) -> tuple[jax.Array, jax.Array | None]:
@@ -67,6 +72,8 @@ def dispatch(
     on_overflow: Literal["error", "drop"] = "error",
     on_invalid: Literal["error", "mask"] = "error",
     backend: str = "auto",
+    num_sms: int | None = DEFAULT_NUM_SMS,
+    stream: int | None = None,
 ) -> tuple[Received, DispatchHandle]:
     """Sends each token to the ranks that hold its chosen experts (per shard, in shard_map).
 
@@ -87,6 +94,12 @@ def dispatch(
       on_invalid: ids outside [-1, E) are treated as -1 and counted in `num_invalid`;
         "error" also records a check that `jax_ep.checks.checked` raises, "mask" does not.
       backend: "auto", "xla" or "cuda" (see `jax_ep.backends`).
+      num_sms: the SMs each kernel launch may take (also in the backward pass), so the rest
+        can compute beside it; None: every SM.
+      stream: None: run on XLA's compute stream. N: run on GPU stream N
+        (`compute_on("gpu_stream:N")`), beside the computation that does not depend on the
+        results (also in the backward pass). `num_sms` and `stream` place the "cuda"
+        backend's kernels; the "xla" backend leaves placement to XLA.
 
     Returns:
       (Received, DispatchHandle). Pass the handle to `combine`.
@@ -103,6 +116,7 @@ def dispatch(
         raise TypeError(f"{op}: expert_major must be a bool; got {expert_major!r}.")
     _checks.check_choice(op, "on_overflow", on_overflow, _checks.OVERFLOW_POLICIES)
     _checks.check_choice(op, "on_invalid", on_invalid, _checks.INVALID_POLICIES)
+    placement = _checks.placement(op, num_sms, stream)
     # Rows (entries) a rank can need at most; a capacity that large never overflows.
     worst_case = num_ranks * num_tokens * (top_k if expert_major else 1)
     if capacity is None:
@@ -116,6 +130,7 @@ def dispatch(
         axis_name=axis_name,
         capacity=capacity,
         expert_major=expert_major,
+        placement=placement,
     )
     received, handle, needed = _dispatch(config, data, scales, topk_idx, topk_weights)
     if on_invalid == "error":
@@ -128,7 +143,7 @@ def dispatch(
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dispatch(config: _DispatchConfig, x, scales, topk_idx, topk_weights):
-    run = backends.function(config.backend, "dispatch", "dispatch")
+    run = backends.function(config.backend, "dispatch", "dispatch", placement=config.placement)
     return run(
         x,
         scales,
@@ -151,12 +166,14 @@ def _dispatch_fwd(config, x, scales, topk_idx, topk_weights):
 def _dispatch_bwd(config, residuals, cotangents):
     handle, received_idx = residuals
     d_received = cotangents[0]
-    to_sources = backends.function(config.backend, "dispatch", "weights_to_sources")
+    to_sources = backends.function(config.backend, "dispatch", "weights_to_sources",
+                                   placement=config.placement)
     d_weights = to_sources(d_received.topk_weights, received_idx, handle)
     if d_received.scales is not None:  # FP8 data is not differentiated
         d_x = jnp.zeros((handle.num_tokens, d_received.x.shape[1]), d_received.x.dtype)
     else:
-        combine_rows = backends.function(config.backend, "dispatch", "combine")
+        combine_rows = backends.function(config.backend, "dispatch", "combine",
+                                         placement=config.placement)
         d_x = combine_rows(d_received.x, None, handle)
     return d_x, None, None, d_weights
 
@@ -171,6 +188,8 @@ def combine(
     *,
     topk_weights: jax.Array | None = None,
     backend: str = "auto",
+    num_sms: int | None = DEFAULT_NUM_SMS,
+    stream: int | None = None,
 ) -> jax.Array:
     """Sums each token's rows over the ranks that received it, at the token's home rank.
 
@@ -182,11 +201,13 @@ def combine(
         received `topk_weights` of each expert-major entry, so the weighted expert outputs
         are reduced per rank before they travel.
       backend: "auto", "xla" or "cuda".
+      num_sms, stream: where the kernels run, also in the backward pass; as in `dispatch`.
 
     Returns:
       [T, H] in y.dtype: the float32 sum, in rank order (docs/contract.md, "combine").
     """
     op = "jax_ep.combine"
+    placement = _checks.placement(op, num_sms, stream)
     if not isinstance(handle, DispatchHandle):
         raise TypeError(
             f"{op}: handle must be the DispatchHandle returned by jax_ep.dispatch; got "
@@ -205,22 +226,25 @@ def combine(
             op, "topk_weights", topk_weights, ndim=1, dtypes=(jnp.float32,), shape=(rows,),
             expect=f"float32 [{rows}] (one weight per row of y)",
         )
-    return _combine(backends.resolve(backend), y, topk_weights, handle)
+    return _combine(backends.resolve(backend), placement, y, topk_weights, handle)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _combine(backend: str, y, weights, handle):
-    return backends.function(backend, "combine", "combine")(y, weights, handle)
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _combine(backend: str, placement: backends.Placement, y, weights, handle):
+    run = backends.function(backend, "combine", "combine", placement=placement)
+    return run(y, weights, handle)
 
 
-def _combine_fwd(backend, y, weights, handle):
-    return _combine(backend, y, weights, handle), (y, weights, handle)
+def _combine_fwd(backend, placement, y, weights, handle):
+    return _combine(backend, placement, y, weights, handle), (y, weights, handle)
 
 
 @scoped("jax_ep.combine.backward")
-def _combine_bwd(backend, residuals, d_out):
+def _combine_bwd(backend, placement, residuals, d_out):
     y, weights, handle = residuals
-    rows = backends.function(backend, "combine", "rows_for_receivers")(d_out, handle)
+    to_receivers = backends.function(backend, "combine", "rows_for_receivers",
+                                     placement=placement)
+    rows = to_receivers(d_out, handle)
     if weights is None:
         return rows.astype(y.dtype), None, None
     rows = rows.astype(jnp.float32)

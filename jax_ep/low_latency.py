@@ -34,6 +34,8 @@ def low_latency_dispatch_send(
     use_fp8: bool = False,
     on_invalid: Literal["error", "mask"] = "error",
     backend: str = "auto",
+    num_sms: int | None = None,
+    stream: int | None = None,
 ) -> LowLatencyDispatchPending:
     """Issues the sends of `low_latency_dispatch`; complete with `low_latency_dispatch_recv`."""
     op = "jax_ep.low_latency_dispatch"
@@ -48,15 +50,18 @@ def low_latency_dispatch_send(
     _checks.check_num_experts(op, num_experts, num_ranks, axis_name)
     _checks.check_top_k(op, top_k, num_experts)
     _checks.check_choice(op, "on_invalid", on_invalid, _checks.INVALID_POLICIES)
+    placement = _checks.placement(op, num_sms, stream)
     if not isinstance(use_fp8, bool):
         raise TypeError(f"{op}: use_fp8 must be a bool; got {use_fp8!r}.")
     name = backends.resolve(backend)
-    send = backends.function(name, "low_latency_dispatch", "low_latency_dispatch_send")
+    send = backends.function(name, "low_latency_dispatch", "low_latency_dispatch_send",
+                             placement=placement)
     data = send(x, topk_idx, num_experts=num_experts, axis_name=axis_name, use_fp8=use_fp8)
     if on_invalid == "error":
         checks.invalid_ids(op, data["num_invalid"], num_experts=num_experts)
     return LowLatencyDispatchPending(
-        data=data, num_experts=num_experts, axis_name=axis_name, backend=name
+        data=data, num_experts=num_experts, axis_name=axis_name, backend=name,
+        placement=placement,
     )
 
 
@@ -64,13 +69,14 @@ def low_latency_dispatch_send(
 def low_latency_dispatch_recv(
     pending: LowLatencyDispatchPending,
 ) -> tuple[LowLatencyReceived, LowLatencyHandle]:
-    """Completes a `low_latency_dispatch_send`."""
+    """Completes a `low_latency_dispatch_send` (placed like the send)."""
     if not isinstance(pending, LowLatencyDispatchPending):
         raise TypeError(
             "jax_ep.low_latency_dispatch_recv: pending must be the value returned by "
             f"low_latency_dispatch_send; got {type(pending).__name__}."
         )
-    recv = backends.function(pending.backend, "low_latency_dispatch", "low_latency_dispatch_recv")
+    recv = backends.function(pending.backend, "low_latency_dispatch", "low_latency_dispatch_recv",
+                             placement=pending.placement)
     return recv(pending.data, num_experts=pending.num_experts, axis_name=pending.axis_name)
 
 
@@ -83,6 +89,8 @@ def low_latency_dispatch(
     use_fp8: bool = False,
     on_invalid: Literal["error", "mask"] = "error",
     backend: str = "auto",
+    num_sms: int | None = None,
+    stream: int | None = None,
 ) -> tuple[LowLatencyReceived, LowLatencyHandle]:
     """Sends one message per (token, expert) into per-expert slots (per shard, in shard_map).
 
@@ -96,6 +104,10 @@ def low_latency_dispatch(
       on_invalid: ids outside [-1, E) are treated as -1 and counted in `num_invalid`;
         "error" also records a check that `jax_ep.checks.checked` raises, "mask" does not.
       backend: "auto", "xla" or "cuda".
+      num_sms: the SMs each kernel launch may take; None (the default): every SM, since
+        low-latency messages are small and a launch holds its SMs only while it runs.
+      stream: None: XLA's compute stream; N: GPU stream N, beside the computation that does
+        not depend on the results (as in `jax_ep.dispatch`).
 
     Returns:
       (LowLatencyReceived, LowLatencyHandle): `.x` [E_local, R*T, H] (bf16, or FP8 with
@@ -105,7 +117,7 @@ def low_latency_dispatch(
     return low_latency_dispatch_recv(
         low_latency_dispatch_send(
             x, topk_idx, num_experts=num_experts, axis_name=axis_name, use_fp8=use_fp8,
-            on_invalid=on_invalid, backend=backend,
+            on_invalid=on_invalid, backend=backend, num_sms=num_sms, stream=stream,
         )
     )
 
@@ -118,6 +130,8 @@ def low_latency_combine_send(
     handle: LowLatencyHandle,
     *,
     backend: str = "auto",
+    num_sms: int | None = None,
+    stream: int | None = None,
 ) -> LowLatencyCombinePending:
     """Issues the sends of `low_latency_combine`; complete with `low_latency_combine_recv`."""
     op = "jax_ep.low_latency_combine"
@@ -138,22 +152,27 @@ def low_latency_combine_send(
         expect=f"int32 [T, K] = [{num_tokens}, {top_k}], the topk_idx given to dispatch",
     )
     _checks.check_topk_weights(op, topk_weights, num_tokens, top_k)
+    placement = _checks.placement(op, num_sms, stream)
     name = backends.resolve(backend)
-    send = backends.function(name, "low_latency_combine", "low_latency_combine_send")
+    send = backends.function(name, "low_latency_combine", "low_latency_combine_send",
+                             placement=placement)
     return LowLatencyCombinePending(
-        data=send(y, handle), topk_weights=topk_weights, handle=handle, backend=name
+        data=send(y, handle), topk_weights=topk_weights, handle=handle, backend=name,
+        placement=placement,
     )
 
 
 @scoped("jax_ep.low_latency_combine_recv")
 def low_latency_combine_recv(pending: LowLatencyCombinePending) -> jax.Array:
-    """Completes a `low_latency_combine_send`; returns bfloat16 [T, H]."""
+    """Completes a `low_latency_combine_send` (placed like the send); returns bfloat16
+    [T, H]."""
     if not isinstance(pending, LowLatencyCombinePending):
         raise TypeError(
             "jax_ep.low_latency_combine_recv: pending must be the value returned by "
             f"low_latency_combine_send; got {type(pending).__name__}."
         )
-    recv = backends.function(pending.backend, "low_latency_combine", "low_latency_combine_recv")
+    recv = backends.function(pending.backend, "low_latency_combine", "low_latency_combine_recv",
+                             placement=pending.placement)
     return recv(pending.data, pending.topk_weights, pending.handle)
 
 
@@ -164,6 +183,8 @@ def low_latency_combine(
     handle: LowLatencyHandle,
     *,
     backend: str = "auto",
+    num_sms: int | None = None,
+    stream: int | None = None,
 ) -> jax.Array:
     """Top-k weighted sum of the experts' outputs at each token's home rank.
 
@@ -174,11 +195,13 @@ def low_latency_combine(
       topk_weights: float32 [T, K] weights of the choices.
       handle: the LowLatencyHandle of that dispatch.
       backend: "auto", "xla" or "cuda".
+      num_sms, stream: where the kernels run, as in `low_latency_dispatch`.
 
     Returns:
       bfloat16 [T, H]: sum over k of topk_weights[t, k] * y[expert of k][slot of t], in
       float32, in k order.
     """
     return low_latency_combine_recv(
-        low_latency_combine_send(y, topk_idx, topk_weights, handle, backend=backend)
+        low_latency_combine_send(y, topk_idx, topk_weights, handle, backend=backend,
+                                 num_sms=num_sms, stream=stream)
     )

@@ -17,7 +17,9 @@ XLA is free to reorder independent operations, so the order is pinned with
   buffer).
 - whole (prefill): `Comm(send=...)` with no receive, e.g. `dispatch`. The operation and the
   other micro-batch's next compute share one step with no barrier between them, so a backend
-  whose collectives run asynchronously (XLA's on GPU) may execute them at the same time.
+  whose collectives run asynchronously (XLA's on GPU) may execute them at the same time. The
+  "cuda" backend's kernels do when the op runs on a stream of its own (`stream=COMM_STREAM`);
+  give it `num_sms` below the GPU's SMs so the compute keeps SMs to run on.
 
 Every step runs under `jax.named_scope("mb<i>/<stage>[.send|.recv]")`, which names its
 operations in profiles (see `jax_ep.profile`).
@@ -33,6 +35,11 @@ import jax
 import jax.numpy as jnp
 
 ORDERS = ("overlap", "sequential")
+
+# The GPU stream for communication that runs beside compute: pass `stream=COMM_STREAM` to
+# jax_ep's ops in `Comm` stages (as `jax_ep.nn.MoE(overlap=True)` does) and their kernels run
+# on it, so the other micro-batch's compute need not wait for them.
+COMM_STREAM = 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax_ep.backends import ANYWHERE, Placement
+
 
 def _pytree(cls: type) -> type:
     """Frozen dataclass whose `meta` fields are static and all other fields are leaves."""
@@ -175,6 +177,7 @@ class LowLatencyDispatchPending:
     num_experts: int = static()
     axis_name: str = static()
     backend: str = static()
+    placement: Placement = static(ANYWHERE)
 
 
 @_pytree
@@ -185,3 +188,4 @@ class LowLatencyCombinePending:
     topk_weights: jax.Array
     handle: LowLatencyHandle
     backend: str = static()
+    placement: Placement = static(ANYWHERE)

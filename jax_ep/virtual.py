@@ -8,6 +8,9 @@ those bodies in loops); with `backend="xla"` the portable implementation runs un
 `jax.vmap` with a named axis. Results are bit for bit those of the per-shard ops
 (docs/contract.md).
 
+Every op takes `num_sms`, the SMs each kernel launch may take with `backend="cuda"` (None,
+the default: every SM, since one device plays the whole group).
+
 Counts are reported, not raised: check `num_dropped` and `num_invalid` of the results. The
 ops are not differentiable here; their backward passes are these same ops (combine of the
 cotangents, dispatch with the handle) and are differentiable through `jax_ep.dispatch` and
@@ -94,6 +97,7 @@ def dispatch(
     capacity: int | None = None,
     expert_major: bool = False,
     backend: str = "cuda",
+    num_sms: int | None = None,
 ) -> tuple[Received, DispatchHandle]:
     """`jax_ep.dispatch` of every rank at once.
 
@@ -102,6 +106,7 @@ def dispatch(
       topk_idx: int32 [R, T, K]; topk_weights: float32 [R, T, K].
       num_experts, capacity, expert_major: as in `jax_ep.dispatch`.
       backend: "cuda" (our kernels) or "xla" (the portable implementation under vmap).
+      num_sms: the SMs each kernel launch may take (None: every SM).
 
     Returns:
       (Received, DispatchHandle) with every leaf stacked [R, ...]; pass the handle to
@@ -124,6 +129,7 @@ def dispatch(
                         shape=(num_ranks, num_tokens, top_k), ndim=3,
                         expect=f"float32 [R, T, K] = [{num_ranks}, {num_tokens}, {top_k}]")
     _checks.check_positive_int(op, "capacity", capacity, allow_none=True)
+    placement = _checks.placement(op, num_sms, None)
     if capacity is None:
         capacity = num_ranks * num_tokens
         if expert_major:
@@ -137,23 +143,20 @@ def dispatch(
 
         return jax.vmap(run, axis_name=AXIS, axis_size=num_ranks)(data, scales, topk_idx,
                                                                   topk_weights)
-    return _dispatch_ffi(data, scales, topk_idx, topk_weights, num_experts=num_experts,
-                         capacity=capacity, expert_major=expert_major)
-
-
-def _dispatch_ffi(data, scales, topk_idx, topk_weights, *, num_experts, capacity, expert_major):
     R = topk_idx.shape[0]
     out = _exchange_ffi.dispatch(data, scales, topk_idx, topk_weights, num_ranks=R,
                                  num_experts=num_experts, capacity=capacity,
-                                 expert_major=expert_major)
+                                 expert_major=expert_major, placement=placement)
     return _exchange_ffi.received_and_handle(
         out, num_ranks=R, num_experts=num_experts, capacity=capacity,
         expert_major=expert_major, axis_name=AXIS)
 
 
-def combine(y, handle: DispatchHandle, *, topk_weights=None, backend: str = "cuda"):
+def combine(y, handle: DispatchHandle, *, topk_weights=None, backend: str = "cuda",
+            num_sms: int | None = None):
     """`jax_ep.combine` of every rank at once: y [R, capacity, H] -> [R, T, H] in y.dtype."""
     op = "jax_ep.virtual.combine"
+    placement = _checks.placement(op, num_sms, None)
     if not isinstance(handle, DispatchHandle) or handle.axis_name != AXIS:
         raise TypeError(f"{op}: handle must be the DispatchHandle of jax_ep.virtual.dispatch.")
     R, cap = handle.num_ranks, handle.capacity
@@ -171,7 +174,7 @@ def combine(y, handle: DispatchHandle, *, topk_weights=None, backend: str = "cud
                          f"got {y.dtype}. Cast y, or use backend='xla'.")
     return _exchange_ffi.combine(y, topk_weights, handle.src_row, handle.row_entries,
                                  num_ranks=R, top_k=handle.topk_idx.shape[2],
-                                 expert_major=handle.expert_major)
+                                 expert_major=handle.expert_major, placement=placement)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,9 +182,11 @@ def combine(y, handle: DispatchHandle, *, topk_weights=None, backend: str = "cud
 
 
 def low_latency_dispatch_send(x, topk_idx, *, num_experts: int, use_fp8: bool = False,
-                              backend: str = "cuda") -> LowLatencyDispatchPending:
+                              backend: str = "cuda", num_sms: int | None = None
+                              ) -> LowLatencyDispatchPending:
     """Issues `jax_ep.low_latency_dispatch` for every rank; complete with `..._recv`."""
     op = "jax_ep.virtual.low_latency_dispatch"
+    placement = _checks.placement(op, num_sms, None)
     R, T, K = _check_routing(op, topk_idx, num_experts)
     _checks.check_array(op, "x", x, ndim=3, dtypes=(jnp.bfloat16,), shape=(R, T, None),
                         expect=f"bfloat16 [R, T, H] = [{R}, {T}, H]")
@@ -194,9 +199,9 @@ def low_latency_dispatch_send(x, topk_idx, *, num_experts: int, use_fp8: bool = 
             axis_name=AXIS, axis_size=R)(x, topk_idx)
     else:
         data = _exchange_ffi.ll_dispatch_send(x, topk_idx, num_ranks=R, num_experts=num_experts,
-                                              use_fp8=use_fp8)
+                                              use_fp8=use_fp8, placement=placement)
     return LowLatencyDispatchPending(data=data, num_experts=num_experts, axis_name=AXIS,
-                                     backend=name)
+                                     backend=name, placement=placement)
 
 
 def low_latency_dispatch_recv(pending: LowLatencyDispatchPending):
@@ -211,7 +216,7 @@ def low_latency_dispatch_recv(pending: LowLatencyDispatchPending):
             axis_name=AXIS)(data)
     R = data["recv_x"].shape[0]
     recv_x, recv_scales, src_row, count = _exchange_ffi.ll_dispatch_recv(
-        data, num_ranks=R, num_experts=E)
+        data, num_ranks=R, num_experts=E, placement=pending.placement)
     received = LowLatencyReceived(x=recv_x, scales=recv_scales, count=count,
                                   num_invalid=data["num_invalid"])
     handle = LowLatencyHandle(topk_idx=data["clean_idx"], src_row=src_row,
@@ -220,16 +225,19 @@ def low_latency_dispatch_recv(pending: LowLatencyDispatchPending):
 
 
 def low_latency_dispatch(x, topk_idx, *, num_experts: int, use_fp8: bool = False,
-                         backend: str = "cuda"):
+                         backend: str = "cuda", num_sms: int | None = None):
     """`jax_ep.low_latency_dispatch` of every rank: x bf16 [R, T, H] -> x [R, E/R, R*T, H]."""
     return low_latency_dispatch_recv(low_latency_dispatch_send(
-        x, topk_idx, num_experts=num_experts, use_fp8=use_fp8, backend=backend))
+        x, topk_idx, num_experts=num_experts, use_fp8=use_fp8, backend=backend,
+        num_sms=num_sms))
 
 
 def low_latency_combine_send(y, topk_idx, topk_weights, handle: LowLatencyHandle, *,
-                             backend: str = "cuda") -> LowLatencyCombinePending:
+                             backend: str = "cuda", num_sms: int | None = None
+                             ) -> LowLatencyCombinePending:
     """Issues `jax_ep.low_latency_combine` for every rank; complete with `..._recv`."""
     op = "jax_ep.virtual.low_latency_combine"
+    placement = _checks.placement(op, num_sms, None)
     if not isinstance(handle, LowLatencyHandle) or handle.axis_name != AXIS:
         raise TypeError(f"{op}: handle must be the LowLatencyHandle of "
                         f"jax_ep.virtual.low_latency_dispatch.")
@@ -247,7 +255,7 @@ def low_latency_combine_send(y, topk_idx, topk_weights, handle: LowLatencyHandle
     else:
         data = y  # no send: with virtual ranks the receive reads the expert rows in place
     return LowLatencyCombinePending(data=data, topk_weights=topk_weights, handle=handle,
-                                    backend=name)
+                                    backend=name, placement=placement)
 
 
 def low_latency_combine_recv(pending: LowLatencyCombinePending):
@@ -262,11 +270,12 @@ def low_latency_combine_recv(pending: LowLatencyCombinePending):
     return _exchange_ffi.ll_combine_recv(pending.data, handle.src_row, handle.topk_idx,
                                          pending.topk_weights,
                                          num_ranks=handle.num_ranks,
-                                         num_experts=handle.num_experts)
+                                         num_experts=handle.num_experts,
+                                         placement=pending.placement)
 
 
 def low_latency_combine(y, topk_idx, topk_weights, handle: LowLatencyHandle, *,
-                        backend: str = "cuda"):
+                        backend: str = "cuda", num_sms: int | None = None):
     """`jax_ep.low_latency_combine` of every rank: bfloat16 [R, T, H]."""
-    return low_latency_combine_recv(
-        low_latency_combine_send(y, topk_idx, topk_weights, handle, backend=backend))
+    return low_latency_combine_recv(low_latency_combine_send(
+        y, topk_idx, topk_weights, handle, backend=backend, num_sms=num_sms))

@@ -94,14 +94,15 @@ def test_stats_and_bias_update_move_toward_balance():
 
 def test_backends_give_the_same_training_trajectory():
     """Three optimizer steps with the cuda backend (its CPU handlers; one rank per EP group
-    here) and with the xla backend: the same losses."""
+    here), also overlapped (its dispatch and combine on a stream of their own), and with the
+    xla backend: the same losses."""
     import optax
 
     losses = {}
-    for backend in ("cuda", "xla"):
+    for backend, overlap in (("cuda", False), ("cuda", True), ("xla", False)):
         mesh = jax.make_mesh((8, 1), ("data", "ep"))
         model = MoE(16, 12, RouterConfig(num_experts=4, top_k=2), mesh=mesh,
-                    num_shared_experts=1, backend=backend, rngs=nnx.Rngs(0))
+                    num_shared_experts=1, backend=backend, overlap=overlap, rngs=nnx.Rngs(0))
         optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
         x = jax.random.normal(jax.random.key(5), (32, 16))
 
@@ -112,9 +113,11 @@ def test_backends_give_the_same_training_trajectory():
             return loss
 
         with jax.set_mesh(mesh):
-            losses[backend] = [float(step(model, optimizer, x)) for _ in range(3)]
-    np.testing.assert_allclose(losses["cuda"], losses["xla"], rtol=1e-6)
-    assert losses["xla"][2] < losses["xla"][0]
+            losses[backend, overlap] = [float(step(model, optimizer, x)) for _ in range(3)]
+    want = losses["xla", False]
+    np.testing.assert_allclose(losses["cuda", False], want, rtol=1e-6)
+    np.testing.assert_allclose(losses["cuda", True], want, rtol=1e-6)
+    assert want[2] < want[0]
 
 
 def test_masked_tokens_go_nowhere():

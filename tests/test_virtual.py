@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_ep import _exchange_ffi, _ffi, reference, virtual
+from jax_ep import _exchange_ffi, _ffi, backends, reference, virtual
 from jax_ep.bench.routings import make_routing
 
 BACKENDS = ["cuda", "xla"]
@@ -251,27 +251,26 @@ def test_num_sms_bounds_the_blocks_not_the_results():
     x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
 
     def every_op(num_sms):
-        out = _exchange_ffi.dispatch(x, None, idx, w, num_ranks=R, num_experts=E,
-                                     capacity=R * T, expert_major=False, zero_padding=True,
-                                     num_sms=num_sms)
-        y = _exchange_ffi.combine(out["x"], None, out["src_row"], None, num_ranks=R, top_k=K,
-                                  expert_major=False, num_sms=num_sms)
-        sent = _exchange_ffi.ll_dispatch_send(x, idx, num_ranks=R, num_experts=E,
-                                              use_fp8=False, num_sms=num_sms)
-        clean_idx = sent["clean_idx"]
-        recv_x, _, src_row, count = _exchange_ffi.ll_dispatch_recv(
-            sent, num_ranks=R, num_experts=E, num_sms=num_sms)
-        ll_y = _exchange_ffi.ll_combine_recv(recv_x, src_row, clean_idx, w, num_ranks=R,
-                                             num_experts=E, num_sms=num_sms)
-        return [out["x"], out["src_row"], y, src_row, count, ll_y]
+        recv, handle = virtual.dispatch(x, idx, w, num_experts=E, num_sms=num_sms)
+        y = virtual.combine(recv.with_zero_padding().x, handle, num_sms=num_sms)
+        ll_recv, ll_handle = virtual.low_latency_dispatch(x, idx, num_experts=E,
+                                                          num_sms=num_sms)
+        ll_y = virtual.low_latency_combine(ll_recv.with_zero_padding().x, idx, w, ll_handle,
+                                           num_sms=num_sms)
+        return [recv.with_zero_padding().x, handle.src_row, y, ll_handle.src_row,
+                ll_recv.count, ll_y]
 
     unbounded = every_op(None)
     for num_sms in (1, 2):
         for i, (got, want) in enumerate(zip(every_op(num_sms), unbounded, strict=True)):
             assert_bitwise(got, want, f"result {i} with num_sms={num_sms}")
-    with pytest.raises(Exception, match="num_sms must be in"):
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="num_sms must be a positive int"):
+            virtual.combine(x, virtual.dispatch(x, idx, w, num_experts=E)[1], num_sms=bad)
+    with pytest.raises(Exception, match="num_sms must be in"):  # the handlers check it too
         _exchange_ffi.combine(x, None, np.zeros((R, R * T), np.int32), None, num_ranks=R,
-                              top_k=K, expert_major=False, num_sms=-1)
+                              top_k=K, expert_major=False,
+                              placement=backends.Placement(num_sms=-1))
 
 
 # --- the CUDA lowering of every op, on this CPU-only jaxlib -----------------------------------

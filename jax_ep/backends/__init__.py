@@ -7,16 +7,39 @@
 
 A named backend never falls back to another: asking for one that cannot run raises an error
 that says why.
+
+The ops' `num_sms` and `stream` reach the "cuda" backend's functions as one `Placement`; XLA
+places its own collectives, so the "xla" backend takes none.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
+from functools import partial
 from types import ModuleType
 from typing import Any
 
 BACKENDS = ("xla", "cuda")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where the "cuda" backend runs an op's kernels (static and hashable).
+
+    Attributes:
+      num_sms: the SMs each kernel launch may take; None: every SM.
+      stream: None: XLA's compute stream, in program order with the computation. N: GPU
+        stream N (`gpu_stream:N` of `jax.experimental.compute_on`), where the kernels run
+        beside the computation that does not depend on them.
+    """
+
+    num_sms: int | None = None
+    stream: int | None = None
+
+
+ANYWHERE = Placement()  # every SM, on XLA's compute stream
 ENV_VAR = "JAX_EP_BACKEND"
 
 
@@ -48,8 +71,10 @@ def get(backend: str = "auto") -> ModuleType:
     return xla
 
 
-def function(backend: str, op: str, name: str) -> Callable[..., Any]:
-    """`name` from the module of `backend`; a clear error when that backend lacks it."""
+def function(backend: str, op: str, name: str, *, placement: Placement | None = None
+             ) -> Callable[..., Any]:
+    """`name` from the module of `backend`, with `placement` bound where the backend launches
+    kernels; a clear error when that backend lacks it."""
     module = get(backend)
     fn = getattr(module, name, None)
     if fn is None:
@@ -57,4 +82,6 @@ def function(backend: str, op: str, name: str) -> Callable[..., Any]:
             f"jax_ep.{op}: backend {module.NAME!r} does not implement {op} yet; "
             f"pass backend='xla' (runs everywhere)."
         )
+    if module.NAME == "cuda" and placement is not None:
+        return partial(fn, placement=placement)
     return fn

@@ -19,6 +19,7 @@ import numpy as np
 from jax import lax
 
 from jax_ep import _exchange_ffi, _ffi
+from jax_ep.backends import ANYWHERE
 from jax_ep.structs import DispatchHandle, DispatchLayout, LowLatencyHandle, LowLatencyReceived
 
 NAME = "cuda"
@@ -61,12 +62,12 @@ def get_dispatch_layout(
 
 
 def dispatch(x, scales, topk_idx, topk_weights, *, num_experts, axis_name, capacity,
-             expert_major):
+             expert_major, placement=ANYWHERE):
     num_ranks = lax.axis_size(axis_name)
     out = _exchange_ffi.dispatch(_one(x), _one(scales), _one(topk_idx), _one(topk_weights),
                                  num_ranks=num_ranks, num_experts=num_experts,
                                  capacity=capacity, expert_major=expert_major,
-                                 axis_name=axis_name)
+                                 axis_name=axis_name, placement=placement)
     needed = out.pop("needed")[0]
     del out["workspace"]
     received, handle = _exchange_ffi.received_and_handle(
@@ -75,15 +76,15 @@ def dispatch(x, scales, topk_idx, topk_weights, *, num_experts, axis_name, capac
     return received, handle, needed
 
 
-def combine(y, weights, handle: DispatchHandle):
+def combine(y, weights, handle: DispatchHandle, *, placement=ANYWHERE):
     out = _exchange_ffi.combine(_one(y), _one(weights), _one(handle.src_row),
                                 _one(handle.row_entries), num_ranks=handle.num_ranks,
                                 top_k=handle.top_k, expert_major=handle.expert_major,
-                                axis_name=handle.axis_name)
+                                axis_name=handle.axis_name, placement=placement)
     return out[0]
 
 
-def rows_for_receivers(values, handle: DispatchHandle):
+def rows_for_receivers(values, handle: DispatchHandle, *, placement=ANYWHERE):
     """Per-token values [T, H] delivered like the dispatch's rows (entries): its data
     movement again, with the handle's routing. Cotangents must be defined everywhere, so the
     rows past the count are zero."""
@@ -91,11 +92,13 @@ def rows_for_receivers(values, handle: DispatchHandle):
     out = _exchange_ffi.dispatch(_one(values), None, _one(handle.topk_idx), _one(zeros),
                                  num_ranks=handle.num_ranks, num_experts=handle.num_experts,
                                  capacity=handle.capacity, expert_major=handle.expert_major,
-                                 axis_name=handle.axis_name, zero_padding=True)
+                                 axis_name=handle.axis_name, zero_padding=True,
+                                 placement=placement)
     return out["x"][0]
 
 
-def weights_to_sources(d_weights, received_idx, handle: DispatchHandle):
+def weights_to_sources(d_weights, received_idx, handle: DispatchHandle, *,
+                       placement=ANYWHERE):
     """Cotangent of the received topk_weights -> cotangent of the source topk_weights [T, K]:
     each (row, choice) value goes home through combine; the other ranks add exact zeros."""
     d_weights = jnp.where(received_idx >= 0, d_weights, 0.0)
@@ -107,7 +110,7 @@ def weights_to_sources(d_weights, received_idx, handle: DispatchHandle):
             d_weights, mode="drop").reshape(num_rows, top_k)
     out = _exchange_ffi.combine(_one(d_weights), None, _one(handle.src_row), None,
                                 num_ranks=handle.num_ranks, top_k=top_k, expert_major=False,
-                                axis_name=handle.axis_name)
+                                axis_name=handle.axis_name, placement=placement)
     return out[0]
 
 
@@ -115,19 +118,21 @@ def weights_to_sources(d_weights, received_idx, handle: DispatchHandle):
 # Low-latency dispatch / combine
 
 
-def low_latency_dispatch_send(x, topk_idx, *, num_experts, axis_name, use_fp8):
+def low_latency_dispatch_send(x, topk_idx, *, num_experts, axis_name, use_fp8,
+                              placement=ANYWHERE):
     data = _exchange_ffi.ll_dispatch_send(_one(x), _one(topk_idx),
                                           num_ranks=lax.axis_size(axis_name),
                                           num_experts=num_experts, use_fp8=use_fp8,
-                                          axis_name=axis_name)
+                                          axis_name=axis_name, placement=placement)
     data["num_invalid"] = data["num_invalid"][0]  # checked between the halves
     return data
 
 
-def low_latency_dispatch_recv(data, *, num_experts, axis_name):
+def low_latency_dispatch_recv(data, *, num_experts, axis_name, placement=ANYWHERE):
     num_ranks = lax.axis_size(axis_name)
     recv_x, recv_scales, src_row, count = _exchange_ffi.ll_dispatch_recv(
-        data, num_ranks=num_ranks, num_experts=num_experts, axis_name=axis_name)
+        data, num_ranks=num_ranks, num_experts=num_experts, axis_name=axis_name,
+        placement=placement)
     received = LowLatencyReceived(x=recv_x[0], scales=_first(recv_scales), count=count[0],
                                   num_invalid=data["num_invalid"])
     handle = LowLatencyHandle(topk_idx=data["clean_idx"][0], src_row=src_row[0],
@@ -136,19 +141,20 @@ def low_latency_dispatch_recv(data, *, num_experts, axis_name):
     return received, handle
 
 
-def low_latency_combine_send(y, handle: LowLatencyHandle):
+def low_latency_combine_send(y, handle: LowLatencyHandle, *, placement=ANYWHERE):
     if handle.num_ranks == 1:  # the receive reads y in place, as with virtual ranks
         return _one(y)
     return _exchange_ffi.ll_combine_send(_one(y), _one(handle.src_row),
                                          num_ranks=handle.num_ranks,
                                          num_experts=handle.num_experts,
-                                         axis_name=handle.axis_name)
+                                         axis_name=handle.axis_name, placement=placement)
 
 
-def low_latency_combine_recv(rows, topk_weights, handle: LowLatencyHandle):
+def low_latency_combine_recv(rows, topk_weights, handle: LowLatencyHandle, *,
+                             placement=ANYWHERE):
     """`rows`: the send's staging, or y itself when there is one rank."""
     out = _exchange_ffi.ll_combine_recv(rows, _one(handle.src_row), _one(handle.topk_idx),
                                         _one(topk_weights), num_ranks=handle.num_ranks,
                                         num_experts=handle.num_experts,
-                                        axis_name=handle.axis_name)
+                                        axis_name=handle.axis_name, placement=placement)
     return out[0]

@@ -23,9 +23,9 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep import backends, eplb, fp8
-from jax_ep.overlap import Comm, Compute
 from jax_ep.nn import router as routing
 from jax_ep.nn.router import RouterConfig
+from jax_ep.overlap import Comm, Compute
 
 
 class ExpertBias(nnx.Variable):
@@ -77,9 +77,11 @@ def _dispatch_fp8_fwd(x, weights, idx, options):
 def _dispatch_fp8_bwd(options, residuals, cotangents):
     handle, received_idx = residuals
     d_rows, d_received = cotangents[0], cotangents[1]
-    backend = dict(options)["backend"]
-    d_x = jax_ep.combine(d_rows, handle, backend=backend)  # dispatch's VJP: combine
-    to_sources = backends.function(backend, "dispatch", "weights_to_sources")
+    options = dict(options)
+    backend, num_sms, stream = options["backend"], options["num_sms"], options["stream"]
+    d_x = jax_ep.combine(d_rows, handle, backend=backend, num_sms=num_sms, stream=stream)
+    to_sources = backends.function(backend, "dispatch", "weights_to_sources",
+                                   placement=backends.Placement(num_sms, stream))
     return d_x, to_sources(d_received.topk_weights, received_idx, handle), None
 
 
@@ -118,8 +120,11 @@ class MoE(nnx.Module):
         experts kept on nodes when the nodes divide `router.num_groups`).
       overlap: split each device's tokens into two micro-batches and interleave them
         (`jax_ep.overlap.run`) so that one's dispatch and combine can run under the
-        other's compute; the token count per device must then be even.
+        other's compute; the token count per device must then be even. The dispatch and
+        combine then run on GPU stream `jax_ep.overlap.COMM_STREAM`, beside the compute.
       backend: jax_ep backend ("auto", "xla", "cuda").
+      num_sms: SMs each kernel launch of the dispatch and combine may take (the "cuda"
+        backend; None: every SM).
       dtype: parameter and computation dtype.
       rngs: nnx.Rngs for the initial parameters.
     """
@@ -128,8 +133,9 @@ class MoE(nnx.Module):
                  ep_axis: str = "ep", num_shared_experts: int = 0, capacity: int | None = None,
                  fp8_dispatch: bool = False, bias_rate: float = 1e-3, overlap: bool = False,
                  redundant_experts: int = 0, num_nodes: int = 1,
-                 backend: Literal["auto", "xla", "cuda"] = "auto", dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 backend: Literal["auto", "xla", "cuda"] = "auto",
+                 num_sms: int | None = jax_ep.DEFAULT_NUM_SMS,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
         if ep_axis not in mesh.axis_names:
             raise ValueError(f"MoE: ep_axis {ep_axis!r} is not an axis of the mesh "
                              f"{mesh.axis_names}.")
@@ -140,7 +146,7 @@ class MoE(nnx.Module):
         self.config = router
         self.mesh, self.ep_axis, self.capacity = mesh, ep_axis, capacity
         self.bias_rate, self.backend, self.fp8_dispatch = bias_rate, backend, fp8_dispatch
-        self.overlap = overlap
+        self.overlap, self.num_sms = overlap, num_sms
         R = mesh.shape[ep_axis]
         if redundant_experts < 0 or (E + redundant_experts) % R:
             raise ValueError(f"MoE: num_experts + redundant_experts ({E} + {redundant_experts})"
@@ -190,11 +196,14 @@ class MoE(nnx.Module):
         bias = jax.lax.stop_gradient(self.expert_bias[...])
 
         num_physical = self.placement[0]
+        stream = jax_ep.overlap.COMM_STREAM if self.overlap else None
 
         def per_device(x, valid, router_w, bias, w_gate, w_up, w_down, *maps):
             log2phy, logcnt = maps if maps else (None, None)
-            options = (("num_experts", num_physical), ("axis_name", ep), ("capacity", self.capacity),
-                       ("on_overflow", "drop"), ("backend", backends.resolve(self.backend)))
+            options = (("num_experts", num_physical), ("axis_name", ep),
+                       ("capacity", self.capacity), ("on_overflow", "drop"),
+                       ("backend", backends.resolve(self.backend)), ("num_sms", self.num_sms),
+                       ("stream", stream))
 
             def route(c):
                 idx, weights, scores = routing.select(c["x"] @ router_w, cfg, bias)
@@ -221,7 +230,8 @@ class MoE(nnx.Module):
             def combine(c):
                 recv, handle = c.pop("recv"), c.pop("handle")
                 out = jax_ep.combine(c.pop("y"), handle, topk_weights=recv.topk_weights,
-                                     backend=self.backend)
+                                     backend=self.backend, num_sms=self.num_sms,
+                                     stream=stream)
                 return {**c, "out": out, "dropped": recv.num_dropped[None],
                         "received": jnp.sum(recv.tokens_per_expert)[None]}
 
