@@ -779,6 +779,7 @@ struct LowLatencyArgs {
   // need no other rank's counts (no barrier between the count and the send); the receive
   // moves them to their compact slots. Off with virtual ranks: messages land in place.
   bool per_source_slots = false;
+  int buffer = 0;  // between devices: which of the two low-latency regions (cuda/peer_ops.h)
   // Rank whose data sits at index 0 of the per-rank arrays that are not reached through Peers
   // (inputs, workspace, summaries): 0 with virtual ranks (all ranks here), this rank's own
   // number between GPUs (one rank here).
@@ -993,6 +994,7 @@ struct LowLatencyCombineArgs {
   // choice's row to its token's home. Null with virtual ranks: the receive reads y in place.
   Bf16* staging = nullptr;
   Bf16* out;                  // [R, T, H]
+  int buffer = 0;  // between devices: which of the two low-latency regions (cuda/peer_ops.h)
   // Rank whose data sits at index 0 of the per-rank arrays that are not reached through Peers
   // (inputs, workspace, summaries): 0 with virtual ranks (all ranks here), this rank's own
   // number between GPUs (one rank here).

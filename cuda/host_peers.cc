@@ -30,6 +30,7 @@ struct RankStatus {
 // Per-rank state that only the rank's own launches touch.
 struct RankState {
   uint64_t epoch = 0;  // launches of this rank that arrived (Meet)
+  uint64_t last_use[2] = {0, 0};  // epoch after the last launch of each low-latency region
   RankStatus status;
 };
 
@@ -155,6 +156,11 @@ class HostPlatform {
   char* symmetric() const { return group_->regions()[me_]; }
   size_t bytes() const { return group_->bytes(); }
   size_t low_latency_offset() const { return group_->low_latency_offset(); }
+  uint64_t last_use(int buffer) const { return group_->rank(me_).last_use[buffer]; }
+  void used(int buffer) {
+    RankState& state = group_->rank(me_);
+    state.last_use[buffer] = state.epoch;  // the launches ran: epoch counts their arrivals
+  }
 
   // One launch of this rank, meeting the peers as `meet` says (cuda/peer_ops.h) through the
   // flags of the GPU's Meet (cuda/peer_exchange.cu), run by the units of host_per_warp.
@@ -175,11 +181,11 @@ class HostPlatform {
     bool waits_first() const { return meet.before.has_value(); }
     bool has_last() const { return meet.arrive || meet.after; }
     void first() const {
-      if (meet.before) p->wait_for_peers(*meet.before);
+      if (meet.before) p->wait_for_peers(*meet.before, meet.before_arrivals);
     }
     void last() const {
       if (meet.arrive) p->arrive();
-      if (meet.after) p->wait_for_peers(*meet.after);
+      if (meet.after) p->wait_for_peers(*meet.after, kAllEarlier);
     }
   };
 
@@ -191,10 +197,12 @@ class HostPlatform {
     }
   }
 
-  // Until every peer arrived as often as this rank, bounded by the timeout of `wait`. Called
-  // by several units of a launch at once: the first to give up records why.
-  void wait_for_peers(Wait wait) {
-    const uint64_t target = group_->rank(me_).epoch, timeout_ns = group_->timeouts().of(wait);
+  // Until every peer arrived as often as this rank (or `arrivals` times), bounded by the
+  // timeout of `wait`. Called by several units of a launch at once: the first to give up
+  // records why.
+  void wait_for_peers(Wait wait, uint64_t arrivals) {
+    const uint64_t target = arrivals == kAllEarlier ? group_->rank(me_).epoch : arrivals;
+    const uint64_t timeout_ns = group_->timeouts().of(wait);
     const Clock::time_point start = Clock::now();
     for (int p = 0; p < group_->num_ranks(); ++p) {
       const Signal& arrived = group_->signal(me_, p);

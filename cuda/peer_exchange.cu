@@ -56,6 +56,10 @@ struct State {
   PeerStatus* status = nullptr;         // host pointer (mapped)
   PeerStatus* device_status = nullptr;  // the same memory, as the device sees it
   uint64_t* epoch = nullptr;            // launches of this rank that arrived (device memory)
+  uint64_t arrivals = 0;                // the arriving launches issued so far: *epoch once
+                                        // they ran
+  uint64_t last_use[2] = {0, 0};        // arrivals when the last launch of each low-latency
+                                        // region was issued (peer_ops.h)
   Timeouts timeouts;
   int generation = 0;                   // the symmetric buffer the state above belongs to
 };
@@ -82,6 +86,7 @@ struct DeviceMeet {
   PeerStatus* status;
   uint64_t before_ns = 0, after_ns = 0;  // bounds of the waits; 0: no wait
   int before_code = 0, after_code = 0;   // PeerStatus codes of their timeouts
+  uint64_t before_arrivals = kAllEarlier;  // Meet::before_arrivals
   bool arrive = false;
 
   __host__ __device__ bool waits_first() const { return before_ns != 0; }
@@ -89,11 +94,11 @@ struct DeviceMeet {
 
   __device__ void first() const {
     if (blockIdx.x == 0 && threadIdx.x == 0) check_rank();
-    if (before_ns != 0) wait_for_peers(before_ns, before_code);
+    if (before_ns != 0) wait_for_peers(before_ns, before_code, before_arrivals);
   }
   __device__ void last() const {
     if (arrive) tell_peers();
-    if (after_ns != 0) wait_for_peers(after_ns, after_code);
+    if (after_ns != 0) wait_for_peers(after_ns, after_code, kAllEarlier);
   }
 
   // The op's EP axis index must be this PE.
@@ -128,11 +133,13 @@ struct DeviceMeet {
     }
   }
 
-  // Every thread of the block: until each peer arrived as often as this rank, thread p
-  // watching peer p, bounded by `timeout_ns`; then the peers' writes are visible to the block.
-  __device__ void wait_for_peers(uint64_t timeout_ns, int timeout_code) const {
+  // Every thread of the block: until each peer arrived as often as this rank (or `arrivals`
+  // times), thread p watching peer p, bounded by `timeout_ns`; then the peers' writes are
+  // visible to the block.
+  __device__ void wait_for_peers(uint64_t timeout_ns, int timeout_code,
+                                 uint64_t arrivals) const {
     __syncthreads();  // the block's reads of *epoch come after tell_peers' write
-    const uint64_t target = *epoch;
+    const uint64_t target = arrivals == kAllEarlier ? *epoch : arrivals;
     for (int p = threadIdx.x; p < n; p += blockDim.x) {
       volatile uint64_t* arrived = signals + p;
       const uint64_t start = global_ns();
@@ -189,6 +196,8 @@ PeerError prepare(int op, int num_ranks, const SymmetricBuffer** out) {
       return PeerError{std::string(kPeerOpNames[op]) + ": cannot reset the peers' state"};
     }
     *st.status = PeerStatus{0, 0, 0};
+    st.arrivals = 0;
+    st.last_use[0] = st.last_use[1] = 0;
     // Every peer must be reachable by loads and stores (NVLink / P2P).
     for (int p = 0; p < num_ranks; ++p) {
       if (nvshmem_ptr(buffer->ptr, p) == nullptr) {
@@ -238,12 +247,14 @@ class DevicePlatform {
   char* symmetric() const { return static_cast<char*>(buffer_->ptr); }
   size_t bytes() const { return buffer_->bytes; }
   size_t low_latency_offset() const { return buffer_->low_latency_offset; }
+  uint64_t last_use(int buffer) const { return state().last_use[buffer]; }
+  void used(int buffer) { state().last_use[buffer] = state().arrivals; }
 
   template <typename Phase, typename Tail = NoTail>
   void per_warp(const Phase& phase, int64_t items, const Meet& meet, const Tail& tail = {},
                 int64_t tail_items = 0) {
     if (status_ != cudaSuccess) return;
-    const State& st = state();
+    State& st = state();
     DeviceMeet m{reinterpret_cast<uint64_t*>(symmetric()), st.epoch, rank(), buffer_->num_ranks,
                  op_, axis_index_, st.device_status};
     auto bound = [&](const std::optional<Wait>& wait, uint64_t* ns, int* code) {
@@ -253,8 +264,10 @@ class DevicePlatform {
     };
     bound(meet.before, &m.before_ns, &m.before_code);
     bound(meet.after, &m.after_ns, &m.after_code);
+    m.before_arrivals = meet.before_arrivals;
     m.arrive = meet.arrive;
     status_ = cuda::per_warp(phase, rank(), 1, items, stream_, num_sms_, tail, tail_items, m);
+    if (status_ == cudaSuccess && meet.arrive) ++st.arrivals;
   }
   PeerError result(int op) const { return launch_error(op, status_); }
 

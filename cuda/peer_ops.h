@@ -9,9 +9,9 @@
 // by the others through the platform's Peers view. Layout, fixed by jax_ep.initialize():
 //   [0, 4 KiB)                        signals (one uint64 per peer: its arrivals, Meet)
 //   [4 KiB, low_latency_offset)       normal-mode regions (dispatch, combine)
-//   [low_latency_offset, bytes)       low-latency regions
+//   [low_latency_offset, bytes)       low-latency regions, two halves (`buffer` 0 and 1)
 // so that no normal-mode call, however large, reaches a split low-latency dispatch or combine
-// in flight. The carve_* functions below are the one description of the regions: the ops
+// in flight, and two low-latency exchanges on different halves can be in flight at once. The carve_* functions below are the one description of the regions: the ops
 // carve with them, and buffer_region_bytes sizes a configuration with them
 // (jax_ep.runtime.buffer_regions).
 //
@@ -21,6 +21,9 @@
 //   int rank() const;                         this rank
 //   char* symmetric() const; size_t bytes() const;   this rank's symmetric buffer
 //   size_t low_latency_offset() const;        where its low-latency regions start
+//   uint64_t last_use(int buffer) const;      this rank's arrivals when its last launch that
+//                                             used low-latency region `buffer` was issued
+//   void used(int buffer);                    records that the launch just issued used it
 //   void per_warp(phase, items, meet[, tail, tail_items])   one launch for this rank
 //                                             (cuda/phases.cuh), meeting the peers as `meet` says
 //   PeerError result(int op);                 the first failure of the launches, if any
@@ -75,10 +78,16 @@ enum class Wait { kStart, kInOp };
 // every block before its items: the peers' earlier launches are done), or after the launch's
 // own arrival (`after`, in the block that finishes last, before the tail: every peer's part of
 // this launch is done). Every rank runs the same ops, so the counts agree.
+//
+// `before` may wait for less: until every peer arrived `before_arrivals` times, when the launch
+// needs only the peers' launches up to that point (the last users of a low-latency region).
+constexpr uint64_t kAllEarlier = ~uint64_t{0};
+
 struct Meet {
   std::optional<Wait> before;
   bool arrive = false;
   std::optional<Wait> after;
+  uint64_t before_arrivals = kAllEarlier;
   int waits() const { return before.has_value() + after.has_value(); }
 };
 
@@ -271,7 +280,7 @@ inline RegionBytes buffer_region_bytes(int R, int T, int K, int E, int H, int dt
           std::max(low_latency, carve_low_latency(nullptr, R, ll_tokens, K, E, H, fp8, &r));
     }
   }
-  return RegionBytes{kSignalBytes, normal, low_latency};
+  return RegionBytes{kSignalBytes, normal, 2 * low_latency};  // two halves
 }
 
 // run_op(platform, op, args): op `op` (PeerOp) for the platform's rank, one overload per
@@ -326,24 +335,26 @@ PeerError run_op(Platform& p, int op, const CombineArgs<T>& in) {
   return p.result(op);
 }
 
-// The low-latency regions of one call, or why they do not fit.
+// The low-latency regions of one call in half `buffer` of the low-latency part, or why they
+// do not fit.
 template <typename Platform>
-PeerError open_ll(Platform& p, int op, int R, int T, int K, int E, int H, bool fp8,
+PeerError open_ll(Platform& p, int op, int R, int T, int K, int E, int H, bool fp8, int buffer,
                   LowLatencyRegions* r) {
-  const size_t used =
-      carve_low_latency(p.symmetric() + p.low_latency_offset(), R, T, K, E, H, fp8, r);
-  return fits(op, "low-latency", used, p.bytes() - p.low_latency_offset());
+  const size_t half = (p.bytes() - p.low_latency_offset()) / 2 / kAlign * kAlign;
+  char* base = p.symmetric() + p.low_latency_offset() + buffer * half;
+  return fits(op, "low-latency", carve_low_latency(base, R, T, K, E, H, fp8, r), half);
 }
 
 // Both halves of low-latency dispatch: the send counts, then writes each message into its
-// per-source slot on the expert's rank (after the peers are done with the last op's data);
-// the receive (after every message arrived) copies the counted rows out to their compact
-// slots and writes the counts.
+// per-source slot on the expert's rank (once the peers are done with the last call that used
+// the same low-latency region, so a send need not wait for a call on the other one); the
+// receive (after every message arrived) copies the counted rows out to their compact slots
+// and writes the counts.
 template <typename Platform>
 PeerError run_op(Platform& p, int op, const LowLatencyArgs& out) {
   LowLatencyRegions r;
   PeerError error = open_ll(p, op, out.num_ranks, out.num_tokens, out.top_k, out.num_experts,
-                            out.hidden, out.use_fp8, &r);
+                            out.hidden, out.use_fp8, out.buffer, &r);
   if (!error.ok()) return error;
   LowLatencyArgs a = out;
   a.first_rank = p.rank();
@@ -356,8 +367,9 @@ PeerError run_op(Platform& p, int op, const LowLatencyArgs& out) {
   if (op == kPeerLlDispatchSend) {
     // The count numbers this rank's messages; the send needs no other rank's counts.
     p.per_warp(LowLatencyCount<Peers>{a, p.peers()}, a.num_experts + 1,
-               Meet{Wait::kStart, false, {}});
+               Meet{Wait::kStart, false, {}, p.last_use(a.buffer)});
     p.per_warp(LowLatencySend<Peers>{a, p.peers()}, a.num_tokens, Meet{{}, true, {}});
+    p.used(a.buffer);
     return p.result(op);
   }
   // The finish copies the counted rows and src_row out of the symmetric buffer.
@@ -367,28 +379,30 @@ PeerError run_op(Platform& p, int op, const LowLatencyArgs& out) {
   // Once every message has arrived (the peers sent it in their send).
   p.per_warp(LowLatencyFinish<Peers>{a, p.peers()}, a.experts_per_rank() * a.slots(),
              Meet{Wait::kStart, true, {}});
+  p.used(a.buffer);
   return p.result(op);
 }
 
 // Both halves of low-latency combine: the send pushes rows into the homes' staging slots
-// (after the homes are done with them), the receive sums them (after they all arrived).
+// (once the homes are done with the last call that used the region), the receive sums them
+// (after they all arrived).
 template <typename Platform>
 PeerError run_op(Platform& p, int op, const LowLatencyCombineArgs& in) {
   LowLatencyRegions r;
   PeerError error = open_ll(p, op, in.num_ranks, in.num_tokens, in.top_k, in.num_experts,
-                            in.hidden, false, &r);
+                            in.hidden, false, in.buffer, &r);
   if (!error.ok()) return error;
   LowLatencyCombineArgs a = in;
   a.first_rank = p.rank();
   a.staging = r.staging;
-  // The send once the homes are done with their slots, the receive once every row is here.
-  const Meet meet{Wait::kStart, true, {}};
   if (op == kPeerLlCombineSend) {
     p.per_warp(LowLatencyCombineSend<typename Platform::Peers>{a, p.peers()},
-               int64_t{a.num_ranks} * a.num_tokens, meet);
+               int64_t{a.num_ranks} * a.num_tokens,
+               Meet{Wait::kStart, true, {}, p.last_use(a.buffer)});
   } else {
-    p.per_warp(LowLatencyCombineToken{a}, a.num_tokens, meet);
+    p.per_warp(LowLatencyCombineToken{a}, a.num_tokens, Meet{Wait::kStart, true, {}});
   }
+  p.used(a.buffer);
   return p.result(op);
 }
 

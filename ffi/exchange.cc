@@ -421,6 +421,19 @@ xffi::Error Attr(std::string_view op, const xffi::Dictionary& attrs, std::string
   return xffi::Error::Success();
 }
 
+// The optional attribute `buffer`: which of the two low-latency regions a call uses (0 or 1).
+xffi::Error LowLatencyBuffer(std::string_view op, const xffi::Dictionary& attrs, int* buffer) {
+  if (!attrs.contains("buffer")) return xffi::Error::Success();
+  int64_t value = 0;
+  JAX_EP_RETURN_IF_ERROR(Attr(op, attrs, "buffer", &value));
+  if (value != 0 && value != 1) {
+    return Invalid(op, "buffer must be 0 or 1 (one of the two low-latency regions); got " +
+                           std::to_string(value));
+  }
+  *buffer = static_cast<int>(value);
+  return xffi::Error::Success();
+}
+
 // The operand whose leading dimension stacks the op's ranks, by PeerOp.
 constexpr size_t kStackedOperand[] = {2, 0, 1, 0, 0, 2};
 
@@ -471,12 +484,14 @@ xffi::Error ParseCall(int op, const AnyBuffer& ranks, xffi::RemainingArgs args,
       JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "use_fp8", &use_fp8));
       LowLatencyArgs a;
       JAX_EP_RETURN_IF_ERROR(ParseLowLatencyDispatchSend(args, rets, R, E, use_fp8, &a));
+      JAX_EP_RETURN_IF_ERROR(LowLatencyBuffer(name, attrs, &a.buffer));
       call->args = a;
       break;
     }
     case kPeerLlDispatchRecv: {
       LowLatencyArgs a;
       JAX_EP_RETURN_IF_ERROR(ParseLowLatencyDispatchRecv(args, rets, R, E, &a));
+      JAX_EP_RETURN_IF_ERROR(LowLatencyBuffer(name, attrs, &a.buffer));
       call->args = a;
       break;
     }
@@ -486,6 +501,7 @@ xffi::Error ParseCall(int op, const AnyBuffer& ranks, xffi::RemainingArgs args,
       JAX_EP_RETURN_IF_ERROR(op == kPeerLlCombineSend
                                  ? ParseLowLatencyCombineSend(args, rets, R, E, &a)
                                  : ParseLowLatencyCombineRecv(args, rets, R, E, &a));
+      JAX_EP_RETURN_IF_ERROR(LowLatencyBuffer(name, attrs, &a.buffer));
       call->args = a;
       break;
     }

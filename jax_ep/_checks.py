@@ -82,9 +82,10 @@ def check_positive_int(op: str, name: str, value: Any, *, allow_none: bool = Fal
         )
 
 
-def placement(op: str, num_sms: Any, stream: Any) -> backends.Placement:
+def placement(op: str, num_sms: Any, stream: Any, buffer: Any = 0) -> backends.Placement:
     """The checked Placement of an op's `num_sms` (the SMs each kernel launch may take, None:
-    every SM) and `stream` (a GPU stream of its own, None: XLA's compute stream)."""
+    every SM), `stream` (a GPU stream of its own, None: XLA's compute stream) and `buffer`
+    (the low-latency region, 0 or 1)."""
     if num_sms is not None and (
         isinstance(num_sms, bool) or not isinstance(num_sms, (int, np.integer)) or num_sms < 1
     ):
@@ -99,9 +100,14 @@ def placement(op: str, num_sms: Any, stream: Any) -> backends.Placement:
             f"{op}: stream must be a non-negative int (GPU stream N, as in "
             f"compute_on('gpu_stream:N')) or None (XLA's compute stream); got {stream!r}."
         )
+    if buffer not in (0, 1) or isinstance(buffer, bool):
+        raise ValueError(
+            f"{op}: buffer must be 0 or 1 (one of the two low-latency regions); got {buffer!r}."
+        )
     return backends.Placement(
         num_sms=None if num_sms is None else int(num_sms),
         stream=None if stream is None else int(stream),
+        buffer=int(buffer),
     )
 
 

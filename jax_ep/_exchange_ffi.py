@@ -10,9 +10,10 @@ operand's type, so they carry shard_map's varying-axis typing.
 
 Every call takes a `Placement` (jax_ep.backends): `num_sms`, the SMs' worth of blocks each
 kernel launch may take (the blocks that many SMs hold at once; on the CPU, at most that many
-blocks of $JAX_EP_CPU_GRID), and `stream`, a GPU stream of the call's own: the custom call
-then sits in a `compute_on2("gpu_stream:N")` call, which XLA runs asynchronously on that
-stream (on the CPU the call runs as usual).
+blocks of $JAX_EP_CPU_GRID); `stream`, a GPU stream of the call's own: the custom call then
+sits in a `compute_on2("gpu_stream:N")` call, which XLA runs asynchronously on that stream
+(on the CPU the call runs as usual); and, for the low-latency calls, `buffer`, the half of the
+low-latency regions they use.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def ll_dispatch_send(x, topk_idx, *, num_ranks, num_experts, use_fp8, axis_name=
     ]
     recv_x, recv_scales, src_row, clean_idx, num_invalid, counts, _ = _exchange_call(
         "jax_ep_ll_dispatch_send", _types(topk_idx, shapes), (_ranks(axis_name, V), x, topk_idx),
-        dict(num_ranks=R, num_experts=E, use_fp8=use_fp8), placement)
+        dict(num_ranks=R, num_experts=E, use_fp8=use_fp8, buffer=placement.buffer), placement)
     return {"recv_x": recv_x, "recv_scales": recv_scales, "src_row": src_row,
             "clean_idx": clean_idx, "num_invalid": num_invalid, "counts": counts}
 
@@ -179,7 +180,7 @@ def ll_dispatch_recv(data, *, num_ranks, num_experts, axis_name=None, placement=
         _types(src_row, [(a.shape, a.dtype) for a in (recv_x, recv_scales, src_row)]
                + [((V, num_experts // num_ranks), jnp.int32)]),
         (_ranks(axis_name, V), recv_x, recv_scales, src_row, data["counts"]),
-        dict(num_ranks=num_ranks, num_experts=num_experts), placement,
+        dict(num_ranks=num_ranks, num_experts=num_experts, buffer=placement.buffer), placement,
         input_output_aliases={1: 0, 2: 1, 3: 2})
     return recv_x, recv_scales if recv_scales.shape[3] else None, src_row, count
 
@@ -193,7 +194,7 @@ def ll_combine_send(y, src_row, *, num_ranks, num_experts, axis_name=None,
     return _exchange_call(
         "jax_ep_ll_combine_send", _types(y, [((V, T, K, y.shape[3]), jnp.bfloat16)])[0],
         (_ranks(axis_name, V), y, src_row),
-        dict(num_ranks=num_ranks, num_experts=num_experts), placement)
+        dict(num_ranks=num_ranks, num_experts=num_experts, buffer=placement.buffer), placement)
 
 
 def ll_combine_recv(rows, src_row, clean_idx, topk_weights, *, num_ranks, num_experts,
@@ -206,4 +207,4 @@ def ll_combine_recv(rows, src_row, clean_idx, topk_weights, *, num_ranks, num_ex
     return _exchange_call(
         "jax_ep_ll_combine_recv", _types(rows, [((V, T, rows.shape[3]), jnp.bfloat16)])[0],
         (_ranks(axis_name, V), rows, src_row, clean_idx, topk_weights),
-        dict(num_ranks=num_ranks, num_experts=num_experts), placement)
+        dict(num_ranks=num_ranks, num_experts=num_experts, buffer=placement.buffer), placement)

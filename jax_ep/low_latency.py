@@ -9,12 +9,13 @@ outputs are specified in docs/contract.md.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _checks, backends, checks, fp8
+from jax_ep import _checks, backends, checks, fp8, overlap
 from jax_ep.profile import scoped
 from jax_ep.structs import (
     LowLatencyCombinePending,
@@ -36,6 +37,7 @@ def low_latency_dispatch_send(
     backend: str = "auto",
     num_sms: int | None = None,
     stream: int | None = None,
+    buffer: int | None = None,
 ) -> LowLatencyDispatchPending:
     """Issues the sends of `low_latency_dispatch`; complete with `low_latency_dispatch_recv`."""
     op = "jax_ep.low_latency_dispatch"
@@ -50,7 +52,9 @@ def low_latency_dispatch_send(
     _checks.check_num_experts(op, num_experts, num_ranks, axis_name)
     _checks.check_top_k(op, top_k, num_experts)
     _checks.check_choice(op, "on_invalid", on_invalid, _checks.INVALID_POLICIES)
-    placement = _checks.placement(op, num_sms, stream)
+    if buffer is None:
+        buffer = overlap.micro_batch() % 2
+    placement = _checks.placement(op, num_sms, stream, buffer)
     if not isinstance(use_fp8, bool):
         raise TypeError(f"{op}: use_fp8 must be a bool; got {use_fp8!r}.")
     name = backends.resolve(backend)
@@ -77,7 +81,10 @@ def low_latency_dispatch_recv(
         )
     recv = backends.function(pending.backend, "low_latency_dispatch", "low_latency_dispatch_recv",
                              placement=pending.placement)
-    return recv(pending.data, num_experts=pending.num_experts, axis_name=pending.axis_name)
+    received, handle = recv(pending.data, num_experts=pending.num_experts,
+                            axis_name=pending.axis_name)
+    # The combine exchanges on the dispatch's low-latency region.
+    return received, dataclasses.replace(handle, buffer=pending.placement.buffer)
 
 
 def low_latency_dispatch(
@@ -91,6 +98,7 @@ def low_latency_dispatch(
     backend: str = "auto",
     num_sms: int | None = None,
     stream: int | None = None,
+    buffer: int | None = None,
 ) -> tuple[LowLatencyReceived, LowLatencyHandle]:
     """Sends one message per (token, expert) into per-expert slots (per shard, in shard_map).
 
@@ -108,6 +116,10 @@ def low_latency_dispatch(
         low-latency messages are small and a launch holds its SMs only while it runs.
       stream: None: XLA's compute stream; N: GPU stream N, beside the computation that does
         not depend on the results (as in `jax_ep.dispatch`).
+      buffer: which of the two low-latency regions the exchange (and its combine) uses, 0 or
+        1; a call waits only for the peers to be done with the last call on the same region,
+        so two exchanges on different regions can be in flight at once. None (default): the
+        micro-batch inside `jax_ep.overlap.run`, else 0.
 
     Returns:
       (LowLatencyReceived, LowLatencyHandle): `.x` [E_local, R*T, H] (bf16, or FP8 with
@@ -118,6 +130,7 @@ def low_latency_dispatch(
         low_latency_dispatch_send(
             x, topk_idx, num_experts=num_experts, axis_name=axis_name, use_fp8=use_fp8,
             on_invalid=on_invalid, backend=backend, num_sms=num_sms, stream=stream,
+            buffer=buffer,
         )
     )
 
@@ -152,7 +165,7 @@ def low_latency_combine_send(
         expect=f"int32 [T, K] = [{num_tokens}, {top_k}], the topk_idx given to dispatch",
     )
     _checks.check_topk_weights(op, topk_weights, num_tokens, top_k)
-    placement = _checks.placement(op, num_sms, stream)
+    placement = _checks.placement(op, num_sms, stream, handle.buffer)
     name = backends.resolve(backend)
     send = backends.function(name, "low_latency_combine", "low_latency_combine_send",
                              placement=placement)

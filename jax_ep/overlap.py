@@ -13,8 +13,9 @@ XLA is free to reorder independent operations, so the order is pinned with
 
 - split (decode): `Comm(send=..., recv=...)`, e.g. `low_latency_dispatch_send`/`_recv`. The
   other micro-batch's compute is placed between the send and the receive; at most one
-  micro-batch has a message in flight at any time (the CUDA backend keeps one low-latency
-  buffer).
+  micro-batch has a message in flight at any time. Each micro-batch's low-latency exchanges
+  use their own low-latency region (`micro_batch()`), so a send never waits for the other
+  micro-batch's receive.
 - whole (prefill): `Comm(send=...)` with no receive, e.g. `dispatch`. The operation and the
   other micro-batch's next compute share one step with no barrier between them, so a backend
   whose collectives run asynchronously (XLA's on GPU) may execute them at the same time. The
@@ -27,6 +28,8 @@ operations in profiles (see `jax_ep.profile`).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -40,6 +43,22 @@ ORDERS = ("overlap", "sequential")
 # jax_ep's ops in `Comm` stages (as `jax_ep.nn.MoE(overlap=True)` does) and their kernels run
 # on it, so the other micro-batch's compute need not wait for them.
 COMM_STREAM = 1
+
+_MICRO_BATCH = contextvars.ContextVar("jax_ep_micro_batch", default=0)
+
+
+def micro_batch() -> int:
+    """The micro-batch whose step `run` is tracing (0 outside `run`)."""
+    return _MICRO_BATCH.get()
+
+
+@contextlib.contextmanager
+def _tracing(micro_batch: int):
+    token = _MICRO_BATCH.set(micro_batch)
+    try:
+        yield
+    finally:
+        _MICRO_BATCH.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +243,7 @@ def run(
     program = schedule(block, order)
     carries = list(_split(inputs, axis))
     for i, step in enumerate(program):
-        with jax.named_scope(step.label):
+        with jax.named_scope(step.label), _tracing(step.micro_batch):
             carries[step.micro_batch] = step.fn(carries[step.micro_batch])
         if not step.joins_next and i + 1 < len(program):
             carries = list(jax.lax.optimization_barrier(tuple(carries)))

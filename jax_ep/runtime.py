@@ -87,8 +87,9 @@ def buffer_regions(config: BufferConfig) -> dict[str, int]:
 
     Computed by the extension from the carving the ops use (cuda/peer_ops.h), so the sizes
     here are the sizes there. The normal-mode region holds the largest dispatch (with FP8
-    scales) or combine (with weights) of the config; the low-latency region its low-latency
-    calls, and no normal-mode call reaches into it.
+    scales) or combine (with weights) of the config; the low-latency region two halves, each
+    holding its low-latency calls (two exchanges in flight, `buffer` 0 and 1), and no
+    normal-mode call reaches into it.
     """
     config.check()
     from jax_ep import _ffi

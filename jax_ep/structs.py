@@ -167,6 +167,7 @@ class LowLatencyHandle:
     num_experts: int = static()
     num_ranks: int = static()
     axis_name: str = static()
+    buffer: int = static(0)  # the low-latency region of the exchange (backends.Placement)
 
 
 @_pytree

@@ -105,6 +105,37 @@ def test_low_latency_split_matches_portable_backend(R, use_fp8):
     assert_trees_bitwise(got, want)
 
 
+@pytest.mark.parametrize("R", [2, 3])
+def test_two_low_latency_exchanges_in_flight_on_the_two_regions(R):
+    """Micro-batches a and b: a's send, b's send, a's receive, b's receive, then their
+    combines the same way. Each uses its own low-latency region, so b's send waits only for
+    the last call on its region, never for a's receive; the results are the portable
+    backend's."""
+    rng = np.random.default_rng()
+    T, K, E, H = int(rng.integers(3, 7)), 2, 2 * R, 256
+    idx_a, w_a = routing(rng, R, T, K, E, "hot_expert")
+    idx_b, w_b = routing(rng, R, T, K, E, "masked")
+    x_a, x_b = (rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16) for _ in "ab")
+
+    def program(backend):
+        def per_shard(x_a, x_b, idx_a, idx_b, w_a, w_b):
+            sent = [jax_ep.low_latency_dispatch_send(x, idx, num_experts=E, backend=backend,
+                                                     buffer=b)
+                    for b, (x, idx) in enumerate(((x_a, idx_a), (x_b, idx_b)))]
+            received = [jax_ep.low_latency_dispatch_recv(p) for p in sent]
+            routings = zip(received, (idx_a, idx_b), (w_a, w_b), strict=True)
+            staged = [jax_ep.low_latency_combine_send(recv.x * 3, idx, w, handle,
+                                                      backend=backend)
+                      for (recv, handle), idx, w in routings]
+            return ([recv.with_zero_padding() for recv, _ in received],
+                    [jax_ep.low_latency_combine_recv(s) for s in staged])
+
+        return per_shard
+
+    got, want = both_backends(program, R, x_a, x_b, idx_a, idx_b, w_a, w_b)
+    assert_trees_bitwise(got, want)
+
+
 @pytest.mark.parametrize("R", [3, 8])
 @pytest.mark.parametrize("expert_major", [False, True])
 def test_gradients_match_portable_backend(R, expert_major):

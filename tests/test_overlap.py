@@ -174,6 +174,32 @@ def test_decode_overlap_through_the_custom_calls():
     np.testing.assert_array_equal(got["cuda"], got["xla"])
 
 
+def test_each_micro_batch_exchanges_on_its_own_low_latency_region():
+    """Inside `run` each step sees its micro-batch, so low-latency dispatches there default to
+    that region (buffer) and their handles carry it to the combine."""
+    mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
+    seen = []
+
+    def per_shard(x, idx):
+        def send(c):
+            pending = jax_ep.low_latency_dispatch_send(c["x"], c["idx"], num_experts=4)
+            seen.append((overlap.micro_batch(), pending.placement.buffer))
+            return {**c, "pending": pending}
+
+        def recv(c):
+            received, handle = jax_ep.low_latency_dispatch_recv(c.pop("pending"))
+            seen.append((overlap.micro_batch(), handle.buffer))
+            return {**c, "x": received.x[0, : c["x"].shape[0]]}
+
+        return overlap.run([Comm("dispatch", send, recv)], {"x": x, "idx": idx})["x"]
+
+    x, idx = (jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (
+        jnp.ones((8, 128), jnp.bfloat16), jnp.zeros((8, 2), jnp.int32)))
+    jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(x, idx)
+    assert sorted(seen) == [(0, 0), (0, 0), (1, 1), (1, 1)]
+    assert overlap.micro_batch() == 0  # outside run
+
+
 def test_moe_layer_overlap_matches_one_batch_with_gradients():
     mesh = jax.make_mesh((2, 4), ("data", "ep"))
     config = RouterConfig(num_experts=8, top_k=2, score="sigmoid", num_groups=4, top_groups=2)

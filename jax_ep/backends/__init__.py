@@ -33,10 +33,13 @@ class Placement:
       stream: None: XLA's compute stream, in program order with the computation. N: GPU
         stream N (`gpu_stream:N` of `jax.experimental.compute_on`), where the kernels run
         beside the computation that does not depend on them.
+      buffer: which of the two low-latency regions of the symmetric buffer a low-latency
+        exchange uses (0 or 1); exchanges on different regions may be in flight at once.
     """
 
     num_sms: int | None = None
     stream: int | None = None
+    buffer: int = 0
 
 
 ANYWHERE = Placement()  # every SM, on XLA's compute stream

@@ -1,6 +1,7 @@
 // Host peers under ThreadSanitizer: every op of cuda/peer_ops.h between R = 4 ranks, one
 // thread per rank, each launch on a GPU-shaped grid run by several threads per rank, each op
-// twice in a row (so it also meets the previous call's data in the symmetric buffer). The
+// twice in a row (so it also meets the previous call's data in the symmetric buffer; the
+// low-latency ops also with two exchanges in flight, one in each low-latency region). The
 // results must equal the virtual-rank run of the same phases on one thread, byte for byte,
 // and TSan must see no race: the flags the launches meet at alone must order every cross-rank
 // access. The last cases check the timeouts: a peer that starts late is waited for, one that
@@ -277,14 +278,25 @@ void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& 
       // with no other op's launches in between.
       for (int i = 0; i < 2; ++i) check(host::run(kPeerDispatch, d.args(s, r), r, grid));
       for (int i = 0; i < 2; ++i) check(host::run(kPeerCombine, c.args(s, d, r), r, grid));
-      for (int i = 0; i < 2; ++i) {
-        check(host::run(kPeerLlDispatchSend, ll.dispatch_args(s, r), r, grid));
-        check(host::run(kPeerLlDispatchRecv, ll.dispatch_args(s, r), r, grid));
-      }
-      for (int i = 0; i < 2; ++i) {
-        check(host::run(kPeerLlCombineSend, ll.combine_args(s, r), r, grid));
-        check(host::run(kPeerLlCombineRecv, ll.combine_args(s, r), r, grid));
-      }
+      // Low latency: once on one region, then two exchanges in flight, one per region.
+      auto ll_dispatch = [&](int buffer) {
+        LowLatencyArgs a = ll.dispatch_args(s, r);
+        a.buffer = buffer;
+        return a;
+      };
+      auto ll_combine = [&](int buffer) {
+        LowLatencyCombineArgs a = ll.combine_args(s, r);
+        a.buffer = buffer;
+        return a;
+      };
+      check(host::run(kPeerLlDispatchSend, ll_dispatch(0), r, grid));
+      check(host::run(kPeerLlDispatchRecv, ll_dispatch(0), r, grid));
+      for (int b = 0; b < 2; ++b) check(host::run(kPeerLlDispatchSend, ll_dispatch(b), r, grid));
+      for (int b = 0; b < 2; ++b) check(host::run(kPeerLlDispatchRecv, ll_dispatch(b), r, grid));
+      check(host::run(kPeerLlCombineSend, ll_combine(1), r, grid));
+      check(host::run(kPeerLlCombineRecv, ll_combine(1), r, grid));
+      for (int b = 0; b < 2; ++b) check(host::run(kPeerLlCombineSend, ll_combine(b), r, grid));
+      for (int b = 0; b < 2; ++b) check(host::run(kPeerLlCombineRecv, ll_combine(b), r, grid));
     });
   }
   for (std::thread& t : ranks) t.join();
