@@ -86,21 +86,20 @@ def placement(op: str, num_sms: Any, stream: Any, buffer: Any = 0) -> backends.P
     """The checked Placement of an op's `num_sms` (the SMs each kernel launch may take, None:
     every SM), `stream` (a GPU stream of its own, None: XLA's compute stream) and `buffer`
     (the low-latency region, 0 or 1)."""
-    if num_sms is not None and (
-        isinstance(num_sms, bool) or not isinstance(num_sms, (int, np.integer)) or num_sms < 1
-    ):
+    def is_int(value: Any) -> bool:
+        return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+    if num_sms is not None and not (is_int(num_sms) and num_sms >= 1):
         raise ValueError(
             f"{op}: num_sms must be a positive int (the SMs each of its kernel launches may "
             f"take) or None (every SM); got {num_sms!r}."
         )
-    if stream is not None and (
-        isinstance(stream, bool) or not isinstance(stream, (int, np.integer)) or stream < 0
-    ):
+    if stream is not None and not (is_int(stream) and stream >= 0):
         raise ValueError(
             f"{op}: stream must be a non-negative int (GPU stream N, as in "
             f"compute_on('gpu_stream:N')) or None (XLA's compute stream); got {stream!r}."
         )
-    if buffer not in (0, 1) or isinstance(buffer, bool):
+    if not (is_int(buffer) and buffer in (0, 1)):
         raise ValueError(
             f"{op}: buffer must be 0 or 1 (one of the two low-latency regions); got {buffer!r}."
         )

@@ -8,8 +8,8 @@
 A named backend never falls back to another: asking for one that cannot run raises an error
 that says why.
 
-The ops' `num_sms` and `stream` reach the "cuda" backend's functions as one `Placement`; XLA
-places its own collectives, so the "xla" backend takes none.
+The ops' `num_sms`, `stream` and low-latency `buffer` reach the "cuda" backend's functions as
+one `Placement`; XLA places its own collectives, so the "xla" backend takes none.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from types import ModuleType
 from typing import Any
 
 BACKENDS = ("xla", "cuda")
+ENV_VAR = "JAX_EP_BACKEND"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +43,7 @@ class Placement:
     buffer: int = 0
 
 
-ANYWHERE = Placement()  # every SM, on XLA's compute stream
-ENV_VAR = "JAX_EP_BACKEND"
+ANYWHERE = Placement()  # every SM, on XLA's compute stream, low-latency region 0
 
 
 def resolve(backend: str = "auto") -> str:
