@@ -11,9 +11,9 @@
 //   [4 KiB, low_latency_offset)       normal-mode regions (dispatch, combine)
 //   [low_latency_offset, bytes)       low-latency regions, two halves (`buffer` 0 and 1)
 // so that no normal-mode call, however large, reaches a split low-latency dispatch or combine
-// in flight, and two low-latency exchanges on different halves can be in flight at once. The carve_* functions below are the one description of the regions: the ops
-// carve with them, and buffer_region_bytes sizes a configuration with them
-// (jax_ep.runtime.buffer_regions).
+// in flight, and two low-latency exchanges on different halves can be in flight at once. The
+// carve_* functions below are the one description of the regions: the ops carve with them,
+// and buffer_region_bytes sizes a configuration with them (jax_ep.runtime.buffer_regions).
 //
 // A Platform P provides:
 //   using Peers; Peers peers() const;        the view that turns a symmetric address into a

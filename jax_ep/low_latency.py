@@ -53,7 +53,7 @@ def low_latency_dispatch_send(
     _checks.check_top_k(op, top_k, num_experts)
     _checks.check_choice(op, "on_invalid", on_invalid, _checks.INVALID_POLICIES)
     if buffer is None:
-        buffer = overlap.micro_batch() % 2
+        buffer = overlap.micro_batch()
     placement = _checks.placement(op, num_sms, stream, buffer)
     if not isinstance(use_fp8, bool):
         raise TypeError(f"{op}: use_fp8 must be a bool; got {use_fp8!r}.")
