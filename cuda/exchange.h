@@ -43,8 +43,25 @@ struct alignas(16) Word {
   uint32_t v[4];
 };
 
-// Copies `bytes` from src to dst with `lanes` cooperating lanes (16-byte words when both
-// pointers and the size allow, else single bytes).
+// Words each lane loads before it stores any: the loads of a copy that are in flight at once.
+constexpr int kWordsInFlight = 4;
+
+// Warps per block of the phase kernels (cuda/phases.cuh): the number of shared fan tables.
+constexpr int kBlockWarps = 8;
+
+// Calls f(i, u) for the indices i of the words [first, first + lanes * kWordsInFlight) of a
+// copy that lane `lane` moves (those below `words`), u = 0, 1, ... in each lane's order.
+template <typename F>
+JAX_EP_HOST_DEVICE void each_word(int first, int words, int lane, int lanes, const F& f) {
+  JAX_EP_UNROLL for (int u = 0; u < kWordsInFlight; ++u) {
+    const int i = first + u * lanes + lane;
+    if (i < words) f(i, u);
+  }
+}
+
+// Copies `bytes` from src to dst with `lanes` cooperating lanes: 16-byte words when both
+// pointers and the size allow, each lane loading kWordsInFlight of them before storing any,
+// else single bytes.
 JAX_EP_HOST_DEVICE void copy_row(void* dst, const void* src, int64_t bytes, int lane, int lanes) {
   if (lane == 0) meter_rows(bytes, bytes);
   const bool aligned = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
@@ -53,7 +70,12 @@ JAX_EP_HOST_DEVICE void copy_row(void* dst, const void* src, int64_t bytes, int 
   if (aligned) {
     Word* d = static_cast<Word*>(dst);
     const Word* s = static_cast<const Word*>(src);
-    for (int64_t i = lane; i < bytes / 16; i += lanes) d[i] = s[i];
+    const int words = static_cast<int>(bytes / 16);  // a row holds fewer than 2^31 words
+    for (int first = 0; first < words; first += lanes * kWordsInFlight) {
+      Word w[kWordsInFlight];
+      each_word(first, words, lane, lanes, [&](int i, int u) { w[u] = s[i]; });
+      each_word(first, words, lane, lanes, [&](int i, int u) { d[i] = w[u]; });
+    }
   } else {
     char* d = static_cast<char*>(dst);
     const char* s = static_cast<const char*>(src);
@@ -62,7 +84,7 @@ JAX_EP_HOST_DEVICE void copy_row(void* dst, const void* src, int64_t bytes, int 
 }
 
 // The OR of the first n addresses of `ptrs` (their common alignment), reading them with
-// indices known at compile time (Fan and Terms keep theirs in registers on the GPU).
+// indices known at compile time (Terms keeps its rows in registers on the GPU).
 template <typename P, int N>
 JAX_EP_HOST_DEVICE uintptr_t address_bits(P* const (&ptrs)[N], int n) {
   uintptr_t bits = 0;
@@ -72,51 +94,92 @@ JAX_EP_HOST_DEVICE uintptr_t address_bits(P* const (&ptrs)[N], int n) {
   return bits;
 }
 
+// Makes the warp's writes to its fan tables visible to all its lanes, and orders its reads
+// before later writes (nothing to do on the CPU, where each lane has its own fans).
+JAX_EP_HOST_DEVICE void fan_sync() {
+#if defined(__CUDA_ARCH__)
+  __syncwarp();
+#endif
+}
+
 // Where one source row goes: up to kFanOut destinations, written from one read of the row
-// (fan_out_row). The slots are filled and read with indices known at compile time, so on the
-// GPU they stay in registers.
+// (fan_out_row). On the GPU the destinations sit in a table of the warp in shared memory
+// (`table` 0 or 1: two fans can be filled at once), written by lane 0 and read by every lane
+// after fan_sync, so that a copy holds only its data in registers, not 8 addresses; on the
+// CPU each lane's Fan holds them.
 constexpr int kFanOut = 8;
 template <typename T>
-struct Fan {
-  T* to[kFanOut];
-  int n = 0;
-  JAX_EP_HOST_DEVICE bool full() const { return n == kFanOut; }
-  JAX_EP_HOST_DEVICE void add(T* p) {
-    JAX_EP_UNROLL for (int j = 0; j < kFanOut; ++j) {
-      if (j == n) to[j] = p;
-    }
-    ++n;
+class Fan {
+ public:
+  JAX_EP_HOST_DEVICE explicit Fan(int table) {
+#if defined(__CUDA_ARCH__)
+    __shared__ void* tables[kBlockWarps][2][kFanOut];
+    to_ = reinterpret_cast<T**>(tables[threadIdx.x / 32][table]);
+#else
+    (void)table;
+#endif
   }
+  JAX_EP_HOST_DEVICE int size() const { return n_; }
+  JAX_EP_HOST_DEVICE bool full() const { return n_ == kFanOut; }
+  JAX_EP_HOST_DEVICE void add(T* p) {
+#if defined(__CUDA_ARCH__)
+    if (threadIdx.x % 32 == 0) to_[n_] = p;
+#else
+    to_[n_] = p;
+#endif
+    ++n_;
+  }
+  // Destination j < size(), after fan_sync.
+  JAX_EP_HOST_DEVICE T* operator[](int j) const { return to_[j]; }
+  // The OR of the destinations' addresses, after fan_sync.
+  JAX_EP_HOST_DEVICE uintptr_t address_bits() const {
+    uintptr_t bits = 0;
+    for (int j = 0; j < n_; ++j) bits |= reinterpret_cast<uintptr_t>(to_[j]);
+    return bits;
+  }
+  JAX_EP_HOST_DEVICE void clear() { n_ = 0; }
+
+ private:
+#if defined(__CUDA_ARCH__)
+  T** to_;
+#else
+  T* to_[kFanOut];
+#endif
+  int n_ = 0;
 };
 
 // Copies `bytes` from src to every destination of the fan, reading src once, and empties the
-// fan. Like copy_row: 16-byte words when every pointer and the size allow, else bytes.
+// fan. Like copy_row: 16-byte words when every pointer and the size allow (kWordsInFlight
+// loads per lane, then their stores to each destination), else bytes. Every lane of the warp
+// calls it with the same fan.
 JAX_EP_HOST_DEVICE void fan_out_row(Fan<char>& fan, const void* src, int64_t bytes, int lane,
                                     int lanes) {
-  const int n = fan.n;
-  const uintptr_t bits =
-      reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes) | address_bits(fan.to, fan.n);
-  fan.n = 0;
+  const int n = fan.size();
   if (n == 0) return;
+  fan_sync();
   if (lane == 0) meter_rows(bytes, n * bytes);
+  const uintptr_t bits =
+      reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes) | fan.address_bits();
   if ((bits & 15u) == 0) {
     const Word* s = static_cast<const Word*>(src);
-    // Not unrolled: each unrolled copy would keep its own address per destination live.
-    JAX_EP_NO_UNROLL for (int64_t i = lane; i < bytes / 16; i += lanes) {
-      const Word w = s[i];
-      JAX_EP_UNROLL for (int j = 0; j < kFanOut; ++j) {
-        if (j < n) reinterpret_cast<Word*>(fan.to[j])[i] = w;
+    const int words = static_cast<int>(bytes / 16);  // a row holds fewer than 2^31 words
+    for (int first = 0; first < words; first += lanes * kWordsInFlight) {
+      Word w[kWordsInFlight];
+      each_word(first, words, lane, lanes, [&](int i, int u) { w[u] = s[i]; });
+      JAX_EP_NO_UNROLL for (int j = 0; j < n; ++j) {
+        Word* d = reinterpret_cast<Word*>(fan[j]);
+        each_word(first, words, lane, lanes, [&](int i, int u) { d[i] = w[u]; });
       }
     }
   } else {
     const char* s = static_cast<const char*>(src);
     for (int64_t i = lane; i < bytes; i += lanes) {
       const char c = s[i];
-      JAX_EP_UNROLL for (int j = 0; j < kFanOut; ++j) {
-        if (j < n) fan.to[j][i] = c;
-      }
+      for (int j = 0; j < n; ++j) fan[j][i] = c;
     }
   }
+  fan_sync();  // every lane read the table before it is filled again
+  fan.clear();
 }
 
 JAX_EP_HOST_DEVICE void zero_row(void* dst, int64_t bytes, int lane, int lanes) {
@@ -336,7 +399,7 @@ JAX_EP_HOST_DEVICE void dispatch_bases(const DispatchArgs& a, int first, int ran
 JAX_EP_HOST_DEVICE int32_t rank_major_row(const DispatchArgs& a, const int32_t* ids,
                                           int64_t here, int s, int d) {
   bool goes = false;
-  for (int k = 0; k < a.top_k; ++k) {
+  JAX_EP_NO_UNROLL for (int k = 0; k < a.top_k; ++k) {  // unrolled, it holds more registers
     goes |= choice_rank(ids[k], a.num_experts, a.experts_per_rank()) == d;
   }
   return goes ? a.row_base[a.local(s) * a.num_ranks + d] + a.token_offset[here * a.num_ranks + d]
@@ -352,94 +415,109 @@ JAX_EP_HOST_DEVICE int32_t entry_position(const DispatchArgs& a, const int32_t* 
 
 // Copies a token's `bytes` at `src` to each row (entry) it keeps on a receiver, at
 // base + row * bytes of that receiver's copy (`per_rank` bytes apart with virtual ranks),
-// reading src once per kFanOut destinations.
+// reading src once per kFanOut destinations. The candidates are the receivers (rank-major) or
+// the token's choices (expert-major).
 template <typename Peers>
 JAX_EP_HOST_DEVICE void dispatch_fan_out(const DispatchArgs& a, const Peers& peers,
                                          const int32_t* ids, int64_t here, int s, char* base,
                                          const void* src, int64_t bytes, int lane, int lanes) {
   const int cap = a.capacity, El = a.experts_per_rank();
+  const int candidates = a.expert_major ? a.top_k : a.num_ranks;
   const int64_t per_rank = cap * bytes;
-  Fan<char> fan;
-  auto add = [&](int d, int32_t at) {
-    if (at < 0 || at >= cap) return;  // not sent, or cut by the capacity
-    fan.add(peers.at(base, per_rank, d) + at * bytes);
-    if (fan.full()) fan_out_row(fan, src, bytes, lane, lanes);
-  };
-  if (a.expert_major) {
-    for (int k = 0; k < a.top_k; ++k) {
-      if (ids[k] >= 0) add(ids[k] / El, entry_position(a, ids, here, s, k));
+  Fan<char> fan(0);
+  for (int c = 0; c < candidates;) {
+    for (; c < candidates && !fan.full(); ++c) {
+      const int d = a.expert_major ? ids[c] / El : c;
+      int32_t at = -1;
+      if (!a.expert_major) {
+        at = rank_major_row(a, ids, here, s, d);
+      } else if (ids[c] >= 0) {
+        at = entry_position(a, ids, here, s, c);
+      }
+      if (at < 0 || at >= cap) continue;  // not sent, or cut by the capacity
+      fan.add(peers.at(base, per_rank, d) + at * bytes);
     }
-  } else {
-    for (int d = 0; d < a.num_ranks; ++d) add(d, rank_major_row(a, ids, here, s, d));
+    fan_out_row(fan, src, bytes, lane, lanes);
   }
-  fan_out_row(fan, src, bytes, lane, lanes);
 }
 
-// Phase 2's metadata, from one lane: token src (`ids`, `here` as above) in every receiver's
-// ids, weights and sources, and src_row = -1 on the receivers it does not go to.
+// Phase 2's metadata of token src (`ids`, `here` as above) for receiver d: src_row (-1 where
+// the token does not go) and, where it has a row, the row's source and, rank-major, its ids
+// and weights; expert-major, -1 in the row's entries past the token's choices on d.
 template <typename Peers>
-JAX_EP_HOST_DEVICE void dispatch_send_metadata(const DispatchArgs& a, const Peers& peers,
-                                               const int32_t* ids, int64_t here, int s,
-                                               int64_t src) {
+JAX_EP_HOST_DEVICE void dispatch_send_row(const DispatchArgs& a, const Peers& peers,
+                                          const int32_t* ids, int64_t here, int s, int64_t src,
+                                          int d) {
   const int R = a.num_ranks, T = a.num_tokens, K = a.top_k, E = a.num_experts;
   const int El = a.experts_per_rank(), cap = a.capacity, rows = a.rows();
-  const float* w_row = a.topk_weights + here * K;
-  for (int d = 0; d < R; ++d) {
-    int32_t* src_row = peers.at(a.src_row, static_cast<int64_t>(R) * T, d);
-    const int32_t row = rank_major_row(a, ids, here, s, d);
-    if (!a.expert_major) {
-      const bool kept = row >= 0 && row < cap;
-      src_row[src] = kept ? row : -1;
-      if (!kept) continue;
-      int32_t* idx = peers.at(a.recv_idx, static_cast<int64_t>(cap) * K, d) + row * K;
-      float* w = peers.at(a.recv_weights, static_cast<int64_t>(cap) * K, d) + row * K;
-      for (int k = 0; k < K; ++k) {
-        const bool on_d = choice_rank(ids[k], E, El) == d;
-        idx[k] = on_d ? ids[k] - d * El : -1;
-        w[k] = on_d ? w_row[k] : 0.0f;
-      }
-      peers.at(a.recv_src, static_cast<int64_t>(cap), d)[row] = static_cast<int32_t>(src);
-      continue;
-    }
-    // Expert-major: the rank-major row always exists; its entries are capped.
-    src_row[src] = row;
-    if (row < 0) continue;
-    peers.at(a.recv_src, static_cast<int64_t>(rows), d)[row] = static_cast<int32_t>(src);
+  const int32_t row = rank_major_row(a, ids, here, s, d);
+  // Rank-major rows are capped; expert-major rows always exist and their entries are capped.
+  const bool has_row = a.expert_major ? row >= 0 : row >= 0 && row < cap;
+  peers.at(a.src_row, static_cast<int64_t>(R) * T, d)[src] = has_row ? row : -1;
+  if (!has_row) return;
+  peers.at(a.recv_src, static_cast<int64_t>(rows), d)[row] = static_cast<int32_t>(src);
+  if (a.expert_major) {
     int32_t* row_entries =
         peers.at(a.row_entries, static_cast<int64_t>(rows) * K, d) + static_cast<int64_t>(row) * K;
     int num_here = 0;
-    for (int k = 0; k < K; ++k) {
-      const int32_t e = ids[k];
-      if (choice_rank(e, E, El) != d) continue;
-      ++num_here;
-      const int32_t pos = entry_position(a, ids, here, s, k);
-      const bool kept = pos < cap;
-      if (kept) {
-        peers.at(a.recv_idx, static_cast<int64_t>(cap), d)[pos] = e - d * El;
-        peers.at(a.recv_weights, static_cast<int64_t>(cap), d)[pos] = w_row[k];
-        peers.at(a.entry_row, static_cast<int64_t>(cap), d)[pos] = row;
-        peers.at(a.entry_choice, static_cast<int64_t>(cap), d)[pos] = k;
-      }
-      // Rank of (e, k) in the row's entries sorted by (expert, choice) = by position.
-      int rank = 0;
-      for (int q = 0; q < K; ++q) {
-        const int32_t f = ids[q];
-        rank += choice_rank(f, E, El) == d && (f < e || (f == e && q < k));
-      }
-      row_entries[rank] = kept ? pos : -1;
-    }
-    for (int q = num_here; q < K; ++q) row_entries[q] = -1;
+    for (int k = 0; k < K; ++k) num_here += choice_rank(ids[k], E, El) == d;
+    for (int k = num_here; k < K; ++k) row_entries[k] = -1;
+    return;
+  }
+  int32_t* idx = peers.at(a.recv_idx, static_cast<int64_t>(cap) * K, d) + row * K;
+  float* w = peers.at(a.recv_weights, static_cast<int64_t>(cap) * K, d) + row * K;
+  for (int k = 0; k < K; ++k) {
+    const bool on_d = choice_rank(ids[k], E, El) == d;
+    idx[k] = on_d ? ids[k] - d * El : -1;
+    w[k] = on_d ? a.topk_weights[here * K + k] : 0.0f;
   }
 }
 
-// Phase 2, items (s, t): source s writes token t into every receiver: its row (and FP8
-// scales) to each row or entry it keeps, read once, and its metadata.
+// Expert-major, phase 2's metadata of the token's choice k on its expert's rank: the entry's
+// expert, weight, row and choice (when the capacity keeps it) and its place among the row's
+// entries (sorted by expert, then choice: by position).
+template <typename Peers>
+JAX_EP_HOST_DEVICE void dispatch_send_entry(const DispatchArgs& a, const Peers& peers,
+                                            const int32_t* ids, int64_t here, int s, int k) {
+  const int K = a.top_k, E = a.num_experts, El = a.experts_per_rank(), cap = a.capacity;
+  const int32_t e = ids[k];
+  if (!is_choice(e, E)) return;
+  const int d = e / El;
+  const int32_t row = rank_major_row(a, ids, here, s, d);
+  const int32_t pos = entry_position(a, ids, here, s, k);
+  const bool kept = pos < cap;
+  if (kept) {
+    peers.at(a.recv_idx, static_cast<int64_t>(cap), d)[pos] = e - d * El;
+    peers.at(a.recv_weights, static_cast<int64_t>(cap), d)[pos] = a.topk_weights[here * K + k];
+    peers.at(a.entry_row, static_cast<int64_t>(cap), d)[pos] = row;
+    peers.at(a.entry_choice, static_cast<int64_t>(cap), d)[pos] = k;
+  }
+  int rank = 0;
+  for (int q = 0; q < K; ++q) {
+    const int32_t f = ids[q];
+    rank += choice_rank(f, E, El) == d && (f < e || (f == e && q < k));
+  }
+  peers.at(a.row_entries, static_cast<int64_t>(a.rows()) * K, d)[static_cast<int64_t>(row) * K + rank] =
+      kept ? pos : -1;
+}
+
+// Phase 2, items (s, t): source s writes token t into every receiver: its metadata (the lanes
+// share the receivers and, expert-major, the choices), and its row (and FP8 scales) to each
+// row or entry it keeps, read once.
 template <typename Peers>
 JAX_EP_HOST_DEVICE void dispatch_send(const DispatchArgs& a, const Peers& peers, int s, int t,
                                       int lane, int lanes) {
+  const int R = a.num_ranks;
   const int64_t here = a.local(s) * a.num_tokens + t;  // the token's index in this rank's inputs
   const int32_t* ids = a.route(s, t);
-  if (lane == 0) dispatch_send_metadata(a, peers, ids, here, s, int64_t{s} * a.num_tokens + t);
+  const int cells = R + (a.expert_major ? a.top_k : 0);
+  for (int c = lane; c < cells; c += lanes) {
+    if (c < R) {
+      dispatch_send_row(a, peers, ids, here, s, int64_t{s} * a.num_tokens + t, c);
+    } else {
+      dispatch_send_entry(a, peers, ids, here, s, c - R);
+    }
+  }
   dispatch_fan_out(a, peers, ids, here, s, a.recv_x, a.x + here * a.row_bytes, a.row_bytes,
                    lane, lanes);
   if (a.scale_cols > 0) {
@@ -834,55 +912,118 @@ JAX_EP_HOST_DEVICE int32_t ll_slot(const LowLatencyArgs& a, int s, int e, int32_
   return a.per_source_slots ? s * a.num_tokens + offset : ll_compact_slot(a, s, e, offset);
 }
 
-// Writes token row x to every slot of the fans (and empties them): a bf16 copy, or the FP8
-// cast of the contract, computed once, with its scales. Lane `lane` casts the 128-channel
-// blocks lane, lane + lanes, ..., and stores each as 16-byte words.
-JAX_EP_HOST_DEVICE void ll_write_rows(const LowLatencyArgs& a, const Bf16* x, Fan<char>& rows,
-                                      Fan<float>& scales, int lane, int lanes) {
-  if (!a.use_fp8) {
-    fan_out_row(rows, x, 2 * static_cast<int64_t>(a.hidden), lane, lanes);
-    return;
-  }
-  const int n = rows.n;
-  const bool aligned = (address_bits(rows.to, rows.n) & 15u) == 0;
-  rows.n = scales.n = 0;
+// The FP8 cast, in parts of 8 channels (16 bytes of bfloat16 in, 8 bytes of e4m3 out): the 16
+// parts of a 128-channel block share its amax.
+constexpr int kCastChannels = 8;
+constexpr int kCastParts = kFp8Block / kCastChannels;
+struct alignas(8) CastWord {
+  uint32_t v[2];
+};
+
+// |v| if it is larger than amax (NaN never is), else amax.
+JAX_EP_HOST_DEVICE float larger_abs(float amax, float v) {
+  const float m = v < 0.0f ? -v : v;
+  return m > amax ? m : amax;
+}
+
+// Channel i of a part held as a word of bfloat16 bits.
+JAX_EP_HOST_DEVICE float part_channel(const Word& part, int i) {
+  const uint32_t pair = part.v[i / 2];
+  return to_float(Bf16{static_cast<uint16_t>(i % 2 ? pair >> 16 : pair & 0xffffu)});
+}
+
+// Writes token row x, cast to FP8 by the contract's rule once, with its scales, to every slot
+// of the fans (and empties them). Lane `lane` casts the parts lane, lane + lanes, ...: one
+// 16-byte load, and one 8-byte store to each slot. A block's amax comes, on the GPU, from the
+// 16 lanes that hold its parts (shuffles; lanes is 32, so a block's parts are in one half of
+// the warp) and, on the CPU, from reading the whole block: the same maximum.
+JAX_EP_HOST_DEVICE void ll_cast_rows(const LowLatencyArgs& a, const Bf16* x, Fan<char>& rows,
+                                     Fan<float>& scales, int lane, int lanes) {
+  const int n = rows.size();
   if (n == 0) return;
+  fan_sync();
+  const bool aligned = ((rows.address_bits() | reinterpret_cast<uintptr_t>(x)) & 15u) == 0;
   const int64_t H = a.hidden;
   if (lane == 0) meter_rows(2 * H, n * (H + H / kFp8Block * 4));
-  for (int b = lane; b < a.hidden / kFp8Block; b += lanes) {
-    const Bf16* block = x + static_cast<int64_t>(b) * kFp8Block;
-    float amax = 0.0f;
-    for (int i = 0; i < kFp8Block; ++i) {
-      const float v = to_float(block[i]);
-      const float m = v < 0.0f ? -v : v;
-      amax = m > amax ? m : amax;
+  const int parts = a.hidden / kCastChannels;
+  for (int first = 0; first < parts; first += lanes) {  // the same trips in every lane
+    const int part = first + lane;
+    const bool valid = part < parts;
+    const Bf16* channels = x + static_cast<int64_t>(part) * kCastChannels;
+    Word v = {};
+    if (valid && aligned) {
+      v = *reinterpret_cast<const Word*>(channels);
+    } else if (valid) {
+      JAX_EP_UNROLL for (int i = 0; i < kCastChannels; ++i) {
+        v.v[i / 2] |= static_cast<uint32_t>(channels[i].bits) << (i % 2 * 16);
+      }
     }
+    float amax = 0.0f;
+#if defined(__CUDA_ARCH__)
+    JAX_EP_UNROLL for (int i = 0; i < kCastChannels; ++i) amax = larger_abs(amax, part_channel(v, i));
+    JAX_EP_UNROLL for (int offset = kCastParts / 2; offset > 0; offset /= 2) {
+      const float other = __shfl_xor_sync(0xffffffffu, amax, offset);
+      amax = other > amax ? other : amax;
+    }
+#else
+    const Bf16* block = x + static_cast<int64_t>(part / kCastParts) * kFp8Block;
+    for (int i = 0; valid && i < kFp8Block; ++i) amax = larger_abs(amax, to_float(block[i]));
+#endif
+    if (!valid) continue;
     const float scale = fp8_scale(amax);
     const float inv = reciprocal_rn(scale);
-    for (int i = 0; i < kFp8Block; i += 16) {
-      Word word;
-      for (int q = 0; q < 4; ++q) {
-        uint32_t packed = 0;
-        for (int byte = 0; byte < 4; ++byte) {
-          const uint32_t e = to_e4m3(mul_rn(to_float(block[i + 4 * q + byte]), inv));
-          packed |= e << (8 * byte);
-        }
-        word.v[q] = packed;
+    CastWord word;
+    JAX_EP_UNROLL for (int q = 0; q < 2; ++q) {
+      uint32_t packed = 0;
+      JAX_EP_UNROLL for (int byte = 0; byte < 4; ++byte) {
+        const uint32_t e = to_e4m3(mul_rn(part_channel(v, 4 * q + byte), inv));
+        packed |= e << (8 * byte);
       }
-      const int64_t at = static_cast<int64_t>(b) * kFp8Block + i;
-      JAX_EP_UNROLL for (int j = 0; j < kFanOut; ++j) {
-        if (j >= n) continue;
-        if (aligned) {
-          *reinterpret_cast<Word*>(rows.to[j] + at) = word;
-          continue;
-        }
-        for (int byte = 0; byte < 16; ++byte) {
-          rows.to[j][at + byte] = static_cast<char>(word.v[byte / 4] >> (8 * (byte % 4)));
-        }
+      word.v[q] = packed;
+    }
+    const int64_t at = static_cast<int64_t>(part) * kCastChannels;
+    for (int j = 0; j < n; ++j) {
+      if (aligned) {
+        *reinterpret_cast<CastWord*>(rows[j] + at) = word;
+        continue;
+      }
+      for (int byte = 0; byte < kCastChannels; ++byte) {
+        rows[j][at + byte] = static_cast<char>(word.v[byte / 4] >> (8 * (byte % 4)));
       }
     }
-    JAX_EP_UNROLL for (int j = 0; j < kFanOut; ++j) {
-      if (j < n) scales.to[j][b] = scale;
+    if (part % kCastParts == 0) {
+      for (int j = 0; j < n; ++j) scales[j][part / kCastParts] = scale;
+    }
+  }
+  fan_sync();  // every lane read the tables before they are filled again
+  rows.clear();
+  scales.clear();
+}
+
+// The send's rows of one token (`ids`, `offsets`: its choices and their slot offsets, `x`: its
+// row): once to each expert it chose, as bf16 or cast to FP8 (one loop nest per case: in one,
+// the two cases hold more registers).
+template <bool kFp8, typename Peers>
+JAX_EP_HOST_DEVICE void ll_send_rows(const LowLatencyArgs& a, const Peers& peers, int s,
+                                     const int32_t* ids, const int32_t* offsets, const Bf16* x,
+                                     int lane, int lanes) {
+  const int K = a.top_k, El = a.experts_per_rank(), S = a.hidden / kFp8Block;
+  const int64_t slots = a.slots(), row_bytes = a.row_bytes();
+  Fan<char> rows(0);
+  Fan<float> scales(1);
+  for (int k = 0; k < K;) {
+    for (; k < K && !rows.full(); ++k) {
+      const int32_t e = ids[k];
+      if (e < 0 || !first_occurrence(ids, k)) continue;
+      const int d = e / El, j = e % El;
+      const int64_t row = static_cast<int64_t>(j) * slots + ll_slot(a, s, e, offsets[k]);
+      rows.add(peers.at(static_cast<char*>(a.recv_x), El * slots * row_bytes, d) + row * row_bytes);
+      if (kFp8) scales.add(peers.at(a.recv_scales, El * slots * S, d) + row * S);
+    }
+    if (kFp8) {
+      ll_cast_rows(a, x, rows, scales, lane, lanes);
+    } else {
+      fan_out_row(rows, x, row_bytes, lane, lanes);
     }
   }
 }
@@ -890,7 +1031,7 @@ JAX_EP_HOST_DEVICE void ll_write_rows(const LowLatencyArgs& a, const Bf16* x, Fa
 // Phase 2 (the send), items (s, t): token t of source s goes once to each expert it chose,
 // read once per kFanOut messages; every expert rank learns, per choice, the row that holds it
 // (src_row, -1 elsewhere).
-template <typename Peers>
+template <bool kFp8, typename Peers>
 JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int s, int t,
                                 int lane, int lanes) {
   const int R = a.num_ranks, T = a.num_tokens, K = a.top_k;
@@ -900,33 +1041,18 @@ JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int
   const int32_t* ids = a.clean_idx + here * K;
   const int32_t* offsets = a.slot_offset + here * K;
   const Bf16* x = a.x + here * a.hidden;
-  Fan<char> rows;
-  Fan<float> scales;
-  for (int k = 0; k < K; ++k) {
+  for (int c = lane; c < R * K; c += lanes) {  // cell (d, k), the lanes sharing them
+    const int d = c / K, k = c % K;
     const int32_t e = ids[k];
-    if (e < 0 || !first_occurrence(ids, k)) continue;
-    const int d = e / El, j = e % El;
-    const int64_t row = static_cast<int64_t>(j) * slots + ll_slot(a, s, e, offsets[k]);
-    rows.add(peers.at(static_cast<char*>(a.recv_x), El * slots * a.row_bytes(), d) +
-             row * a.row_bytes());
-    if (a.use_fp8) scales.add(peers.at(a.recv_scales, El * slots * S, d) + row * S);
-    if (rows.full()) ll_write_rows(a, x, rows, scales, lane, lanes);
-  }
-  ll_write_rows(a, x, rows, scales, lane, lanes);
-  if (lane != 0) return;
-  for (int d = 0; d < R; ++d) {
-    int32_t* choice_rows = peers.at(a.src_row, slots * K, d) + src * K;
-    for (int k = 0; k < K; ++k) {
-      const int32_t e = ids[k];
-      int32_t row = -1;
-      if (e >= 0 && e / El == d) {
-        int first = 0;
-        while (ids[first] != e) ++first;
-        row = static_cast<int32_t>((e % El) * slots + ll_slot(a, s, e, offsets[first]));
-      }
-      choice_rows[k] = row;
+    int32_t row = -1;
+    if (e >= 0 && e / El == d) {
+      int first = 0;
+      while (ids[first] != e) ++first;
+      row = static_cast<int32_t>((e % El) * slots + ll_slot(a, s, e, offsets[first]));
     }
+    peers.at(a.src_row, slots * K, d)[src * K + k] = row;
   }
+  ll_send_rows<kFp8>(a, peers, s, ids, offsets, x, lane, lanes);
 }
 
 // Phase 3 (the receive), items (d, r) for r in [0, E/R * R*T): compact slot r of receiver d.

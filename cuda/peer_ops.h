@@ -368,7 +368,8 @@ PeerError run_op(Platform& p, int op, const LowLatencyArgs& out) {
     // The count numbers this rank's messages; the send needs no other rank's counts.
     p.per_warp(LowLatencyCount<Peers>{a, p.peers()}, a.num_experts + 1,
                Meet{Wait::kStart, false, {}, p.last_use(a.buffer)});
-    p.per_warp(LowLatencySend<Peers>{a, p.peers()}, a.num_tokens, Meet{{}, true, {}});
+    with_ll_send(a, p.peers(),
+                 [&](const auto& send) { p.per_warp(send, a.num_tokens, Meet{{}, true, {}}); });
     p.used(a.buffer);
     return p.result(op);
   }

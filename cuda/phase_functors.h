@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/exchange.h"
 
@@ -26,6 +27,17 @@ struct NoMeet {
   JAX_EP_HOST_DEVICE void last() const {}
 };
 
+// The copy phases (they move rows and little else) declare kCopy: their kernels are built for
+// kCopyBlocksPerSm blocks per SM, which bounds them to 64 registers (65536 per SM / (4 * 256
+// threads)), so that an SM holds 32 warps of copies, each lane with kWordsInFlight loads in
+// flight. The other phases take what registers they need (the ordered sums hold 4 rows' packs).
+constexpr int kCopyBlocksPerSm = 4;
+template <typename Phase, typename = void>
+struct MinBlocksPerSm : std::integral_constant<int, 1> {};
+template <typename Phase>
+struct MinBlocksPerSm<Phase, std::void_t<decltype(Phase::kCopy)>>
+    : std::integral_constant<int, kCopyBlocksPerSm> {};
+
 template <typename Peers>
 struct DispatchCount {
   DispatchArgs a;
@@ -44,6 +56,7 @@ struct DispatchBases {
 };
 template <typename Peers>
 struct DispatchSend {
+  static constexpr bool kCopy = true;
   DispatchArgs a;
   Peers peers{};
   JAX_EP_HOST_DEVICE void operator()(int s, int64_t t, int lane, int lanes) const {
@@ -52,6 +65,7 @@ struct DispatchSend {
 };
 template <typename Peers>
 struct DispatchFinish {
+  static constexpr bool kCopy = true;
   DispatchArgs a;
   Peers peers{};
   JAX_EP_HOST_DEVICE void operator()(int d, int64_t i, int lane, int lanes) const {
@@ -60,6 +74,7 @@ struct DispatchFinish {
 };
 template <typename T>
 struct CombineStage {
+  static constexpr bool kCopy = true;
   CombineArgs<T> a;
   JAX_EP_HOST_DEVICE void operator()(int d, int64_t src, int lane, int lanes) const {
     combine_stage(a, d, src, lane, lanes);
@@ -88,16 +103,28 @@ struct LowLatencyCount {
     ll_count(a, peers, s, static_cast<int>(c), lane, lanes);
   }
 };
-template <typename Peers>
+// One kernel per payload (bf16 rows, or their FP8 cast): in one, the two would hold more
+// registers than either. with_ll_send picks the one of the args.
+template <typename Peers, bool kFp8>
 struct LowLatencySend {
+  static constexpr bool kCopy = true;
   LowLatencyArgs a;
   Peers peers{};
   JAX_EP_HOST_DEVICE void operator()(int s, int64_t t, int lane, int lanes) const {
-    ll_send(a, peers, s, static_cast<int>(t), lane, lanes);
+    ll_send<kFp8>(a, peers, s, static_cast<int>(t), lane, lanes);
   }
 };
+template <typename Peers, typename Launch>
+void with_ll_send(const LowLatencyArgs& a, const Peers& peers, const Launch& launch) {
+  if (a.use_fp8) {
+    launch(LowLatencySend<Peers, true>{a, peers});
+  } else {
+    launch(LowLatencySend<Peers, false>{a, peers});
+  }
+}
 template <typename Peers>
 struct LowLatencyFinish {
+  static constexpr bool kCopy = true;
   LowLatencyArgs a;
   Peers peers{};
   JAX_EP_HOST_DEVICE void operator()(int d, int64_t r, int lane, int lanes) const {
@@ -106,6 +133,7 @@ struct LowLatencyFinish {
 };
 template <typename Peers>
 struct LowLatencyCombineSend {
+  static constexpr bool kCopy = true;
   LowLatencyCombineArgs a;
   Peers peers{};
   JAX_EP_HOST_DEVICE void operator()(int d, int64_t src, int lane, int lanes) const {

@@ -21,8 +21,8 @@
 
 namespace jax_ep::cuda {
 
-constexpr int kPhaseThreads = 256;
-constexpr int kPhaseWarps = kPhaseThreads / kWarpSize;
+constexpr int kPhaseWarps = kBlockWarps;  // cuda/exchange.h sizes its shared tables by it
+constexpr int kPhaseThreads = kPhaseWarps * kWarpSize;
 constexpr int64_t kMaxPhaseBlocks = 132 * 16;  // fills an H100 several times over
 
 // The ticket of the launches on `stream`: a zeroed device counter (cuda/exchange.cu). Launches
@@ -57,7 +57,7 @@ int blocks_per_sm(Kernel kernel) {
 }
 
 template <typename Phase, typename Tail, typename Meeting>
-__global__ void __launch_bounds__(kPhaseThreads)
+__global__ void __launch_bounds__(kPhaseThreads, MinBlocksPerSm<Phase>::value)
     per_warp_kernel(Phase phase, Tail tail, Meeting meet, unsigned* ticket, int first_rank,
                     int ranks, int64_t items, int64_t tail_items) {
   meet.first();

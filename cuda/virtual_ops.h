@@ -39,7 +39,7 @@ void run_virtual(L& l, int op, const LowLatencyArgs& a) {
   using Peers = VirtualPeers;
   if (op == kPeerLlDispatchSend) {
     l.per_warp(LowLatencyCount<Peers>{a}, a.num_experts + 1);
-    l.per_warp(LowLatencySend<Peers>{a}, a.num_tokens);
+    with_ll_send(a, Peers{}, [&](const auto& send) { l.per_warp(send, a.num_tokens); });
   } else {
     l.per_warp(LowLatencyFinish<Peers>{a}, a.experts_per_rank() * a.slots());
   }

@@ -2,9 +2,11 @@
 
 Needs nvcc (PATH, or $CUDA_HOME/bin) and the nvidia-nvshmem-cu13 wheel (for its headers); no
 GPU. Prints one row per kernel of ours (registers, spill stores/loads, stack frame) and exits
-non-zero when a file does not compile, or when a hot kernel (a name containing one of
-HOT_KERNELS) spills registers or has a stack frame: both mean local memory, which is slow on
-the hot path. Other kernels are reported but do not fail the check.
+non-zero when a file does not compile, when a hot kernel (a name containing one of
+HOT_KERNELS) spills registers or has a stack frame (both mean local memory, which is slow on
+the hot path), or when a copy kernel (one of COPY_PHASES: cuda/phase_functors.h builds them
+for 4 blocks per SM) holds more than COPY_REGISTERS registers. Other kernels are reported but
+do not fail the check.
 
 Run: python tools/check_ptxas.py [cuda/file.cu ...]
 """
@@ -32,6 +34,18 @@ NVCC_FLAGS = [
 ]
 # Kernels on the per-step path of a model: any spill or stack frame there fails the check.
 HOT_KERNELS = frozenset({"dispatch_layout", "per_warp_kernel"})
+# The phases that move rows: 32 warps per SM need at most 64 registers per thread.
+COPY_PHASES = frozenset(
+    {
+        "DispatchSend",
+        "DispatchFinish",
+        "CombineStage",
+        "LowLatencySend",
+        "LowLatencyFinish",
+        "LowLatencyCombineSend",
+    }
+)
+COPY_REGISTERS = 64
 
 ENTRY = re.compile(r"Compiling entry function '(\S+)' for")
 OWNER = re.compile(r"Function properties for (\S+)")
@@ -55,6 +69,12 @@ class Kernel:
     @property
     def hot(self) -> bool:
         return any(hot in self.name for hot in HOT_KERNELS)
+
+    @property
+    def copies(self) -> bool:
+        return self.name.startswith("per_warp_kernel<") and any(
+            self.name.startswith(f"per_warp_kernel<{phase}<") for phase in COPY_PHASES
+        )
 
     @property
     def uses_local_memory(self) -> bool:
@@ -155,7 +175,7 @@ def main(argv: list[str]) -> int:
     width = max([len("kernel"), *(len(k.name) for k in rows)])
     fw = max([len("file"), *(len(k.file) for k in rows)])
     print(
-        f"{'file':<{fw}} {'kernel':<{width}} {'hot':>3} {'regs':>5} {'spill st':>9} "
+        f"{'file':<{fw}} {'kernel':<{width}} {'hot':>3} {'copy':>4} {'regs':>5} {'spill st':>9} "
         f"{'spill ld':>9} {'stack':>6}"
     )
     for k in rows:
@@ -163,8 +183,12 @@ def main(argv: list[str]) -> int:
         if k.uses_local_memory:
             flag = "  <- local memory in a hot kernel" if k.hot else "  (local memory)"
             failed |= k.hot
+        if k.copies and k.registers > COPY_REGISTERS:
+            flag += f"  <- over {COPY_REGISTERS} registers in a copy kernel"
+            failed = True
         print(
-            f"{k.file:<{fw}} {k.name:<{width}} {'yes' if k.hot else '':>3} {k.registers:>5} "
+            f"{k.file:<{fw}} {k.name:<{width}} {'yes' if k.hot else '':>3} "
+            f"{'yes' if k.copies else '':>4} {k.registers:>5} "
             f"{k.spill_stores:>9} {k.spill_loads:>9} {k.stack:>6}{flag}"
         )
     missing = [h for h in sorted(HOT_KERNELS) if not any(h in k.name for k in rows)]

@@ -259,7 +259,7 @@ void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& 
     host_per_warp(CombineToken<float, VirtualPeers>{ca, p}, 0, s.R, s.T, grid);
     LowLatencyArgs la = ll.dispatch_args(s, -1);
     host_per_warp(LowLatencyCount<VirtualPeers>{la, p}, 0, s.R, s.E + 1, grid);
-    host_per_warp(LowLatencySend<VirtualPeers>{la, p}, 0, s.R, s.T, grid);
+    with_ll_send(la, p, [&](const auto& send) { host_per_warp(send, 0, s.R, s.T, grid); });
     host_per_warp(LowLatencyFinish<VirtualPeers>{la, p}, 0, s.R, int64_t{s.El()} * s.R * s.T,
                   grid);
     LowLatencyCombineArgs lc = ll.combine_args(s, -1);
