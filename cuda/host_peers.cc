@@ -30,7 +30,7 @@ struct RankStatus {
 // Per-rank state that only the rank's own launches touch.
 struct RankState {
   uint64_t epoch = 0;  // launches of this rank that arrived (Meet)
-  uint64_t last_use[2] = {0, 0};  // epoch after the last launch of each low-latency region
+  RegionUse low_latency[2];  // the two low-latency regions (cuda/peer_ops.h)
   RankStatus status;
 };
 
@@ -156,11 +156,9 @@ class HostPlatform {
   char* symmetric() const { return group_->regions()[me_]; }
   size_t bytes() const { return group_->bytes(); }
   size_t low_latency_offset() const { return group_->low_latency_offset(); }
-  uint64_t last_use(int buffer) const { return group_->rank(me_).last_use[buffer]; }
-  void used(int buffer) {
-    RankState& state = group_->rank(me_);
-    state.last_use[buffer] = state.epoch;  // the launches ran: epoch counts their arrivals
-  }
+  // The launches ran when they were issued: epoch counts their arrivals.
+  uint64_t arrivals() const { return group_->rank(me_).epoch; }
+  RegionUse& region_use(int buffer) { return group_->rank(me_).low_latency[buffer]; }
 
   // One launch of this rank, meeting the peers as `meet` says (cuda/peer_ops.h) through the
   // flags of the GPU's Meet (cuda/peer_exchange.cu), run by the units of host_per_warp.

@@ -58,8 +58,7 @@ struct State {
   uint64_t* epoch = nullptr;            // launches of this rank that arrived (device memory)
   uint64_t arrivals = 0;                // the arriving launches issued so far: *epoch once
                                         // they ran
-  uint64_t last_use[2] = {0, 0};        // arrivals when the last launch of each low-latency
-                                        // region was issued (peer_ops.h)
+  RegionUse low_latency[2];             // the two low-latency regions (peer_ops.h)
   Timeouts timeouts;
   int generation = 0;                   // the symmetric buffer the state above belongs to
 };
@@ -197,7 +196,7 @@ PeerError prepare(int op, int num_ranks, const SymmetricBuffer** out) {
     }
     *st.status = PeerStatus{0, 0, 0};
     st.arrivals = 0;
-    st.last_use[0] = st.last_use[1] = 0;
+    st.low_latency[0] = st.low_latency[1] = RegionUse{};
     // Every peer must be reachable by loads and stores (NVLink / P2P).
     for (int p = 0; p < num_ranks; ++p) {
       if (nvshmem_ptr(buffer->ptr, p) == nullptr) {
@@ -247,8 +246,8 @@ class DevicePlatform {
   char* symmetric() const { return static_cast<char*>(buffer_->ptr); }
   size_t bytes() const { return buffer_->bytes; }
   size_t low_latency_offset() const { return buffer_->low_latency_offset; }
-  uint64_t last_use(int buffer) const { return state().last_use[buffer]; }
-  void used(int buffer) { state().last_use[buffer] = state().arrivals; }
+  uint64_t arrivals() const { return state().arrivals; }
+  RegionUse& region_use(int buffer) { return state().low_latency[buffer]; }
 
   template <typename Phase, typename Tail = NoTail>
   void per_warp(const Phase& phase, int64_t items, const Meet& meet, const Tail& tail = {},

@@ -21,9 +21,9 @@
 //   int rank() const;                         this rank
 //   char* symmetric() const; size_t bytes() const;   this rank's symmetric buffer
 //   size_t low_latency_offset() const;        where its low-latency regions start
-//   uint64_t last_use(int buffer) const;      this rank's arrivals when its last launch that
-//                                             used low-latency region `buffer` was issued
-//   void used(int buffer);                    records that the launch just issued used it
+//   uint64_t arrivals() const;                this rank's arriving launches issued so far
+//   RegionUse& region_use(int buffer);        what this rank did with low-latency region
+//                                             `buffer` (reset by a new jax_ep.initialize())
 //   void per_warp(phase, items, meet[, tail, tail_items])   one launch for this rank
 //                                             (cuda/phases.cuh), meeting the peers as `meet` says
 //   PeerError result(int op);                 the first failure of the launches, if any
@@ -89,6 +89,14 @@ struct Meet {
   std::optional<Wait> after;
   uint64_t before_arrivals = kAllEarlier;
   int waits() const { return before.has_value() + after.has_value(); }
+};
+
+// This rank's record of one low-latency region: when it last used it, and whether a
+// dispatch or a combine was sent on it and not yet received (its data still in the region).
+struct RegionUse {
+  uint64_t last_use = 0;  // arrivals() when the last launch that used the region was issued
+  bool dispatch_in_flight = false;
+  bool combine_in_flight = false;
 };
 
 struct Timeouts {
@@ -345,6 +353,19 @@ PeerError open_ll(Platform& p, int op, int R, int T, int K, int E, int H, bool f
   return fits(op, "low-latency", carve_low_latency(base, R, T, K, E, H, fp8, r), half);
 }
 
+// The error of a send on a region whose last exchange of the same kind was not received: it
+// would overwrite that exchange's data before its receive reads them. The error fails the
+// step that made both calls, so the earlier exchange is never received either: the region
+// is free again (`*in_flight` false), and the next step can use it.
+inline PeerError in_flight(int op, int buffer, const char* receive, bool* in_flight) {
+  *in_flight = false;
+  return PeerError{std::string(kPeerOpNames[op]) + ": low-latency buffer " +
+                   std::to_string(buffer) + " still holds an exchange that was sent and not yet "
+                   "received; call " + receive + " on it before sending another on buffer " +
+                   std::to_string(buffer) + ", or send this one on buffer " +
+                   std::to_string(1 - buffer) + " (two exchanges in flight need both buffers)"};
+}
+
 // Both halves of low-latency dispatch: the send counts, then writes each message into its
 // per-source slot on the expert's rank (once the peers are done with the last call that used
 // the same low-latency region, so a send need not wait for a call on the other one); the
@@ -364,13 +385,18 @@ PeerError run_op(Platform& p, int op, const LowLatencyArgs& out) {
   a.recv_scales = r.recv_scales;
   a.src_row = r.src_row;
   using Peers = typename Platform::Peers;
+  RegionUse& use = p.region_use(a.buffer);
   if (op == kPeerLlDispatchSend) {
+    if (use.dispatch_in_flight) {
+      return in_flight(op, a.buffer, "low_latency_dispatch_recv", &use.dispatch_in_flight);
+    }
     // The count numbers this rank's messages; the send needs no other rank's counts.
     p.per_warp(LowLatencyCount<Peers>{a, p.peers()}, a.num_experts + 1,
-               Meet{Wait::kStart, false, {}, p.last_use(a.buffer)});
+               Meet{Wait::kStart, false, {}, use.last_use});
     with_ll_send(a, p.peers(),
                  [&](const auto& send) { p.per_warp(send, a.num_tokens, Meet{{}, true, {}}); });
-    p.used(a.buffer);
+    use.last_use = p.arrivals();
+    use.dispatch_in_flight = true;
     return p.result(op);
   }
   // The finish copies the counted rows and src_row out of the symmetric buffer.
@@ -380,7 +406,8 @@ PeerError run_op(Platform& p, int op, const LowLatencyArgs& out) {
   // Once every message has arrived (the peers sent it in their send).
   p.per_warp(LowLatencyFinish<Peers>{a, p.peers()}, a.experts_per_rank() * a.slots(),
              Meet{Wait::kStart, true, {}});
-  p.used(a.buffer);
+  use.last_use = p.arrivals();
+  use.dispatch_in_flight = false;
   return p.result(op);
 }
 
@@ -396,14 +423,19 @@ PeerError run_op(Platform& p, int op, const LowLatencyCombineArgs& in) {
   LowLatencyCombineArgs a = in;
   a.first_rank = p.rank();
   a.staging = r.staging;
-  if (op == kPeerLlCombineSend) {
+  RegionUse& use = p.region_use(a.buffer);
+  const bool send = op == kPeerLlCombineSend;
+  if (send && use.combine_in_flight) {
+    return in_flight(op, a.buffer, "low_latency_combine_recv", &use.combine_in_flight);
+  }
+  if (send) {
     p.per_warp(LowLatencyCombineSend<typename Platform::Peers>{a, p.peers()},
-               int64_t{a.num_ranks} * a.num_tokens,
-               Meet{Wait::kStart, true, {}, p.last_use(a.buffer)});
+               int64_t{a.num_ranks} * a.num_tokens, Meet{Wait::kStart, true, {}, use.last_use});
   } else {
     p.per_warp(LowLatencyCombineToken{a}, a.num_tokens, Meet{Wait::kStart, true, {}});
   }
-  p.used(a.buffer);
+  use.last_use = p.arrivals();
+  use.combine_in_flight = send;
   return p.result(op);
 }
 

@@ -136,6 +136,33 @@ def test_two_low_latency_exchanges_in_flight_on_the_two_regions(R):
     assert_trees_bitwise(got, want)
 
 
+def test_a_second_dispatch_sent_on_a_buffer_in_flight_is_refused():
+    """Two dispatches sent on one low-latency buffer before either is received: the second
+    would overwrite the first's messages, so it fails and names the fix. The failed step
+    frees the buffer: the same dispatches on the two buffers then run."""
+    R, T, K, E, H = 2, 4, 2, 4, 128
+    rng = np.random.default_rng()
+    idx, _ = routing(rng, R, T, K, E, "uniform")
+    x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+
+    def program(buffers):
+        def per_shard(x, idx):
+            sent = [jax_ep.low_latency_dispatch_send(x, idx, num_experts=E, backend="cuda",
+                                                     buffer=b) for b in buffers]
+            sent = jax.lax.optimization_barrier(sent)  # both sends before either receive
+            return [jax_ep.low_latency_dispatch_recv(p)[0].count for p in sent]
+
+        return per_shard
+
+    with pytest.raises(Exception, match=r"jax_ep_ll_dispatch_send: low-latency buffer 0 still "
+                                        r"holds an exchange that was sent and not yet received; "
+                                        r"call low_latency_dispatch_recv on it .* or send this "
+                                        r"one on buffer 1"):
+        jax.block_until_ready(sharded(program((0, 0)), R)(x, idx))
+    counts = [np.asarray(c) for c in sharded(program((0, 1)), R)(x, idx)]
+    np.testing.assert_array_equal(counts[0], counts[1])
+
+
 @pytest.mark.parametrize("R", [3, 8])
 @pytest.mark.parametrize("expert_major", [False, True])
 def test_gradients_match_portable_backend(R, expert_major):
