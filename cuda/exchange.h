@@ -1034,8 +1034,7 @@ JAX_EP_HOST_DEVICE void ll_send_rows(const LowLatencyArgs& a, const Peers& peers
 template <bool kFp8, typename Peers>
 JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int s, int t,
                                 int lane, int lanes) {
-  const int R = a.num_ranks, T = a.num_tokens, K = a.top_k;
-  const int El = a.experts_per_rank(), S = a.hidden / kFp8Block;
+  const int R = a.num_ranks, T = a.num_tokens, K = a.top_k, El = a.experts_per_rank();
   const int64_t slots = a.slots(), src = static_cast<int64_t>(s) * T + t;
   const int64_t here = a.local(s) * T + t;
   const int32_t* ids = a.clean_idx + here * K;

@@ -356,9 +356,9 @@ PeerError open_ll(Platform& p, int op, int R, int T, int K, int E, int H, bool f
 // The error of a send on a region whose last exchange of the same kind was not received: it
 // would overwrite that exchange's data before its receive reads them. The error fails the
 // step that made both calls, so the earlier exchange is never received either: the region
-// is free again (`*in_flight` false), and the next step can use it.
-inline PeerError in_flight(int op, int buffer, const char* receive, bool* in_flight) {
-  *in_flight = false;
+// is free again (`*flag` false), and the next step can use it.
+inline PeerError in_flight(int op, int buffer, const char* receive, bool* flag) {
+  *flag = false;
   return PeerError{std::string(kPeerOpNames[op]) + ": low-latency buffer " +
                    std::to_string(buffer) + " still holds an exchange that was sent and not yet "
                    "received; call " + receive + " on it before sending another on buffer " +

@@ -72,9 +72,7 @@ class Kernel:
 
     @property
     def copies(self) -> bool:
-        return self.name.startswith("per_warp_kernel<") and any(
-            self.name.startswith(f"per_warp_kernel<{phase}<") for phase in COPY_PHASES
-        )
+        return any(self.name.startswith(f"per_warp_kernel<{phase}<") for phase in COPY_PHASES)
 
     @property
     def uses_local_memory(self) -> bool:
