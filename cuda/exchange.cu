@@ -19,9 +19,9 @@ struct VirtualLauncher {
   cudaError_t status = cudaSuccess;
 
   template <typename Phase, typename Tail = NoTail>
-  void per_warp(const Phase& phase, int64_t items, const Tail& tail = {}, int64_t tail_items = 0) {
+  void per_warp(const Phase& phase, int64_t items, const Tail& tail = {}) {
     if (status == cudaSuccess) {
-      status = cuda::per_warp(phase, 0, ranks, items, stream, num_sms, tail, tail_items);
+      status = cuda::per_warp(phase, 0, ranks, items, stream, num_sms, tail);
     }
   }
 };

@@ -193,51 +193,137 @@ JAX_EP_HOST_DEVICE void zero_row(void* dst, int64_t bytes, int lane, int lanes) 
   }
 }
 
-// Counting with cooperating lanes. Every lane of the group calls this with the same n and
-// pred (a warp on the GPU: all 32 lanes, the same number of calls; on the CPU, lanes run one
-// after another, see cuda/host_launch.h).
-
-// Numbers the indices i in [0, n) for which pred(i) holds, in order: number(i, rank) for each,
-// and returns how many there are. Lane `lane` tests indices lane, lane + lanes, ...; the
-// lanes learn each other's results by a ballot on the GPU. On the CPU a lane evaluates the
-// other lanes' predicates itself (pred depends on i only): the same votes, without a warp.
-template <typename Pred, typename Number>
-JAX_EP_HOST_DEVICE int32_t number_in_order(int64_t n, int lane, int lanes, const Pred& pred,
-                                           const Number& number) {
-  int32_t running = 0;
-  for (int64_t base = 0; base < n; base += lanes) {  // the same trip count in every lane
-    const int64_t i = base + lane;
-    const bool hit = i < n && pred(i);
+// Numbering by counter in one pass: a warp walks a run of entries `lanes` at a time (a round),
+// and each lane's entry gets the number of entries of its counter before it in the run (those
+// of earlier rounds, then of lower lanes), so every counter's entries are numbered in order
+// and counted at once. The counts so far sit in a table of the warp: in shared memory on the
+// GPU, where lanes of one counter learn of each other by __match_any_sync and the lowest one
+// adds them; on the CPU, where lanes run one after another, each lane keeps its own table and
+// adds every lane's entry itself (its counter depends on the entry only): the same counts.
+// The table holds counters [lo, lo + kTallyCounters); a walk with more counters repeats per
+// window of them.
+constexpr int kTallyCounters = 1024;
+class Tally {
+ public:
+  JAX_EP_HOST_DEVICE Tally(int lo, int lane, int lanes) : lo_(lo) {
 #if defined(__CUDA_ARCH__)
-    const unsigned votes = __ballot_sync(0xffffffffu, hit);
-    const int32_t total = __popc(votes);
-    const int32_t before = __popc(votes & ((1u << lane) - 1u));
+    __shared__ int32_t tables[kBlockWarps][kTallyCounters];
+    run_ = tables[threadIdx.x / 32];
+    __syncwarp();  // every lane is done with the table's last use
+    for (int i = lane; i < kTallyCounters; i += lanes) run_[i] = 0;
+    __syncwarp();
 #else
-    int32_t total = 0, before = 0;
-    for (int other = 0; other < lanes; ++other) {
-      const int64_t j = base + other;
-      const bool vote = other == lane ? hit : j < n && pred(j);
-      total += vote;
-      before += vote && other < lane;
-    }
+    (void)lane, (void)lanes;
+    for (int32_t& n : run_) n = 0;
 #endif
-    if (hit) number(i, running + before);
-    running += total;
   }
-  return running;
+
+  // One round: `mine` is the counter of this lane's entry (-1: none), counter_of(j) that of
+  // lane j's (read on the CPU only). Every lane calls it; returns the number of mine's entries
+  // before this lane's (meaningless when mine is outside the window) and counts the round.
+  template <typename CounterOf>
+  JAX_EP_HOST_DEVICE int32_t number(int mine, int lane, int lanes, const CounterOf& counter_of) {
+    const int c = slot(mine);
+#if defined(__CUDA_ARCH__)
+    (void)lanes, (void)counter_of;
+    const unsigned same = __match_any_sync(0xffffffffu, c);
+    const int before = __popc(same & ((1u << lane) - 1u));
+    const int32_t number = c >= 0 ? run_[c] + before : 0;
+    __syncwarp();  // every lane read its count before the lowest lane of each counter adds
+    if (c >= 0 && before == 0) run_[c] += __popc(same);
+    __syncwarp();
+    return number;
+#else
+    int32_t number = c >= 0 ? run_[c] : 0;
+    for (int j = 0; j < lanes; ++j) {
+      const int theirs = j == lane ? c : slot(counter_of(j));
+      if (theirs < 0) continue;
+      number += j < lane && theirs == c;
+      ++run_[theirs];
+    }
+    return number;
+#endif
+  }
+
+  // Whether counter c is in the window.
+  JAX_EP_HOST_DEVICE bool holds(int c) const { return slot(c) >= 0; }
+  // The entries of counter c (in the window) counted so far.
+  JAX_EP_HOST_DEVICE int32_t operator[](int c) const { return run_[c - lo_]; }
+
+ private:
+  JAX_EP_HOST_DEVICE int slot(int c) const {
+    return c >= lo_ && c < lo_ + kTallyCounters ? c - lo_ : -1;
+  }
+  int lo_;
+#if defined(__CUDA_ARCH__)
+  int32_t* run_;
+#else
+  int32_t run_[kTallyCounters];
+#endif
+};
+
+// The counts of the ops (dispatch_count, ll_count) go by chunks of a source's routing, one
+// item each: 2^count_chunk_shift whole tokens, 257 to 512 entries (at most 16 rounds of a
+// warp) unless a token alone has more. A power of two, so that the sends find a token's chunk
+// with a shift. The count's tail then turns each counter's per-chunk counts into the counts
+// of the chunks before each (scan_chunks): where the numbering of each chunk starts.
+constexpr int kCountEntriesLog = 9;
+JAX_EP_HOST_DEVICE int count_chunk_shift(int top_k) {
+#if defined(__CUDA_ARCH__)
+  const int log_k = 32 - __clz(top_k - 1);  // ceil(log2(top_k))
+#else
+  const int log_k = top_k > 1 ? 32 - __builtin_clz(static_cast<unsigned>(top_k - 1)) : 0;
+#endif
+  return log_k < kCountEntriesLog ? kCountEntriesLog - log_k : 0;
+}
+JAX_EP_HOST_DEVICE int count_chunks(int num_tokens, int top_k) {
+  const int shift = count_chunk_shift(top_k);
+  return (num_tokens + (1 << shift) - 1) >> shift;
 }
 
-// Copies one rank's routing with invalid ids replaced by -1 and counts the invalid ones.
-JAX_EP_HOST_DEVICE void clean_routing(const int32_t* raw, int32_t* clean, int64_t entries,
-                                      int num_experts, int32_t* num_invalid, int lane,
-                                      int lanes) {
-  const int32_t invalid = number_in_order(
-      entries, lane, lanes, [&](int64_t i) { return is_invalid(raw[i], num_experts); },
-      [](int64_t, int32_t) {});
-  for (int64_t i = lane; i < entries; i += lanes) {
-    clean[i] = is_choice(raw[i], num_experts) ? raw[i] : -1;
+// Chunk g of a source's routing `raw` (T tokens of K ids, E experts): writes its clean
+// routing (invalid ids replaced by -1) and numbers its entries by their counters in one pass:
+// kWays counters per entry, counter(i, w) for way w (-1: none) among n counters. Calls
+// numbered(i, w, c, number) for each entry i with a counter c (its rank among c's entries of
+// the chunk, in order), and writes the chunk's count of each counter to counts.
+template <int kWays, typename Counter, typename Numbered>
+JAX_EP_HOST_DEVICE void count_chunk(const int32_t* raw, int32_t* clean, int g, int T, int K,
+                                    int E, int n, int32_t* counts, const Counter& counter,
+                                    const Numbered& numbered, int lane, int lanes) {
+  const int64_t first = (static_cast<int64_t>(g) << count_chunk_shift(K)) * K;
+  const int64_t last = first + (int64_t{1} << count_chunk_shift(K)) * K;
+  const int64_t end = last < static_cast<int64_t>(T) * K ? last : static_cast<int64_t>(T) * K;
+  for (int64_t i = first + lane; i < end; i += lanes) clean[i] = is_choice(raw[i], E) ? raw[i] : -1;
+  for (int lo = 0; lo < n; lo += kTallyCounters) {
+    Tally tally(lo, lane, lanes);
+    for (int64_t base = first; base < end; base += lanes) {  // the same rounds in every lane
+      JAX_EP_UNROLL for (int w = 0; w < kWays; ++w) {
+        auto counter_of = [&](int j) { return base + j < end ? counter(base + j, w) : -1; };
+        const int c = counter_of(lane);
+        const int32_t number = tally.number(c, lane, lanes, counter_of);
+        if (tally.holds(c)) numbered(base + lane, w, c, number);
+      }
+    }
+    for (int c = lo + lane; c < n && c < lo + kTallyCounters; c += lanes) counts[c] = tally[c];
   }
-  if (lane == 0) *num_invalid = invalid;
+}
+
+// One counter's counts of `chunks` chunks, `stride` apart (column[g * stride]), replaced by
+// the counts of the chunks before each; returns their total. One thread, 8 loads in flight.
+JAX_EP_HOST_DEVICE int32_t scan_chunks(int32_t* column, int chunks, int64_t stride) {
+  constexpr int kBatch = 8;
+  int32_t total = 0;
+  for (int g = 0; g < chunks; g += kBatch) {
+    int32_t v[kBatch];
+    JAX_EP_UNROLL for (int u = 0; u < kBatch; ++u) {
+      v[u] = g + u < chunks ? column[(g + u) * stride] : 0;
+    }
+    JAX_EP_UNROLL for (int u = 0; u < kBatch; ++u) {
+      if (g + u < chunks) column[(g + u) * stride] = total;
+      total += v[u];
+    }
+  }
+  return total;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -263,8 +349,13 @@ struct DispatchArgs {
   int32_t* clean_idx;     // [R, T, K] routing with invalid ids replaced by -1
   int32_t* num_invalid;   // [R]
   int32_t* counts;        // [R, R + E] (see the header comment); every rank has a copy (Peers)
-  int32_t* token_offset;  // [R, T, R] rank of token t among the tokens of s that go to d
-  int32_t* entry_offset;  // [R, T, K] rank of entry (t, k) among the entries of s for its expert
+  // [R, chunks, R + E + 1]: per chunk of a source's tokens (count_chunks), its entries of
+  // each counter (those of `counts`, then the invalid ids); after the count, the entries of
+  // the chunks before it.
+  int32_t* chunk_counts;
+  int chunk_shift, num_chunks;  // count_chunk_shift(K), count_chunks(T, K) (set when carved)
+  int32_t* token_offset;  // [R, T, R] rank of token t among its chunk's tokens that go to d
+  int32_t* entry_offset;  // [R, T, K] rank of entry (t, k) among its chunk's for its expert
   int32_t* row_base;      // [R, R]: first rank-major row of source s on rank d
   int32_t* entry_base;    // [R, E]: first entry position of source s for expert e (expert-major)
 
@@ -310,6 +401,11 @@ struct DispatchArgs {
 
   JAX_EP_HOST_DEVICE int experts_per_rank() const { return num_experts / num_ranks; }
   JAX_EP_HOST_DEVICE int num_counters() const { return num_ranks + num_experts; }
+  JAX_EP_HOST_DEVICE int chunks() const { return num_chunks; }
+  // Source s's counts of the chunks before the chunk of token t (after the count).
+  JAX_EP_HOST_DEVICE const int32_t* chunks_before(int s, int t) const {
+    return chunk_counts + (local(s) * num_chunks + (t >> chunk_shift)) * (num_counters() + 1);
+  }
   // Rank-major rows of a receiver: capped at the capacity unless entries are what is capped.
   JAX_EP_HOST_DEVICE int rows() const {
     return expert_major ? num_ranks * num_tokens : capacity;
@@ -326,43 +422,68 @@ struct DispatchArgs {
   }
 };
 
-// Phase 1, items (s, c) for c in [0, R + E]: counter c of source s. c < R: tokens going to
-// rank c (and each one's offset among them); c < R + E: entries of expert c - R (offsets
-// likewise); c == R + E: cleans the routing and counts invalid ids.
-template <typename Peers>
-JAX_EP_HOST_DEVICE void dispatch_count(const DispatchArgs& a, const Peers& peers, int s, int c,
-                                       int lane, int lanes) {
+// The dispatch's workspace, one int32 array: the counts, then the arrays of the V ranks of
+// this call that are not reached through Peers (chunk_counts to entry_base). Returns its
+// length; with `work`, points a's arrays into it. a's shape fields must be set; sets its
+// chunk fields.
+inline int64_t carve_dispatch_workspace(DispatchArgs* a, int64_t V, int32_t* work = nullptr) {
+  const int64_t R = a->num_ranks, T = a->num_tokens, K = a->top_k, E = a->num_experts;
+  a->chunk_shift = count_chunk_shift(a->top_k);
+  a->num_chunks = count_chunks(a->num_tokens, a->top_k);
+  int32_t** parts[] = {&a->counts, &a->chunk_counts, &a->token_offset, &a->entry_offset,
+                       &a->row_base, &a->entry_base};
+  const int64_t sizes[] = {R * (R + E), V * a->chunks() * (R + E + 1), V * T * R, V * T * K,
+                           V * R, V * E};
+  int64_t used = 0;
+  for (int i = 0; i < 6; ++i) {
+    if (work != nullptr) *parts[i] = work + used;
+    used += sizes[i];
+  }
+  return used;
+}
+
+// Phase 1, items (s, g): source s's chunk g of tokens (count_chunk). Counters: c < R, the
+// chunk's tokens going to rank c, each at its first choice on c (token_offset); c < R + E,
+// entries of expert c - R (entry_offset); c == R + E, invalid ids.
+JAX_EP_HOST_DEVICE void dispatch_count(const DispatchArgs& a, int s, int g, int lane,
+                                       int lanes) {
   const int T = a.num_tokens, K = a.top_k, R = a.num_ranks, E = a.num_experts;
-  const int El = a.experts_per_rank();
-  const int64_t entries = static_cast<int64_t>(T) * K;
-  const int32_t* raw = a.topk_idx + a.local(s) * entries;
-  if (c == R + E) {
-    clean_routing(raw, a.clean_idx + a.local(s) * entries, entries, E,
-                  a.num_invalid + a.local(s), lane, lanes);
+  const int El = a.experts_per_rank(), n = a.num_counters() + 1;
+  const int64_t here = a.local(s) * T * K;
+  const int32_t* raw = a.topk_idx + here;
+  count_chunk<2>(
+      raw, a.clean_idx + here, g, T, K, E, n, a.chunk_counts + (a.local(s) * a.chunks() + g) * n,
+      [&](int64_t i, int way) {
+        const int32_t e = raw[i];
+        if (way == 0) return is_choice(e, E) ? R + e : is_invalid(e, E) ? R + E : -1;
+        const int k = static_cast<int>(i % K);
+        return first_choice_on_rank(raw + (i - k), k, E, El) ? e / El : -1;
+      },
+      [&](int64_t i, int way, int c, int32_t number) {
+        if (way == 1) {
+          a.token_offset[(here + i) / K * R + c] = number;
+        } else if (c < R + E) {
+          a.entry_offset[here + i] = number;
+        }
+      },
+      lane, lanes);
+}
+
+// The count's tail before this rank meets its peers, items (s, c) of the launch's sources,
+// c in [0, R + E]: counter c's chunk counts of source s made the counts before each chunk,
+// and its total published: to every rank's copy of the counts (one shared copy with virtual
+// ranks), or to num_invalid (c == R + E).
+template <typename Peers>
+JAX_EP_HOST_DEVICE void dispatch_totals(const DispatchArgs& a, const Peers& peers, int s, int c) {
+  const int n = a.num_counters() + 1;
+  const int32_t total = scan_chunks(a.chunk_counts + a.local(s) * a.chunks() * n + c,
+                                    a.chunks(), n);
+  if (c == n - 1) {
+    a.num_invalid[a.local(s)] = total;
     return;
   }
-  int32_t count;
-  if (c < R) {
-    int32_t* offset = a.token_offset + a.local(s) * T * R;
-    count = number_in_order(
-        T, lane, lanes,
-        [&](int64_t t) {
-          bool goes = false;
-          for (int k = 0; k < K; ++k) goes |= choice_rank(raw[t * K + k], E, El) == c;
-          return goes;
-        },
-        [&](int64_t t, int32_t rank) { offset[t * R + c] = rank; });
-  } else {
-    const int e = c - R;
-    int32_t* offset = a.entry_offset + a.local(s) * entries;
-    count = number_in_order(
-        entries, lane, lanes, [&](int64_t i) { return raw[i] == e; },
-        [&](int64_t i, int32_t rank) { offset[i] = rank; });
-  }
-  // Published to every rank's copy of the counts (one shared copy with virtual ranks).
-  if (lane != 0) return;
-  for (int d = 0; d < R; ++d) {
-    peers.at(a.counts, 0, d)[static_cast<int64_t>(s) * a.num_counters() + c] = count;
+  for (int d = 0; d < a.num_ranks; ++d) {
+    peers.at(a.counts, 0, d)[static_cast<int64_t>(s) * a.num_counters() + c] = total;
   }
 }
 
@@ -394,23 +515,27 @@ JAX_EP_HOST_DEVICE void dispatch_bases(const DispatchArgs& a, int first, int ran
   }
 }
 
-// Where token t of source s (`ids`: its routing, `here`: its index in this rank's inputs)
-// lands on receiver d, rank-major: its row there (before the capacity cut), or -1.
-JAX_EP_HOST_DEVICE int32_t rank_major_row(const DispatchArgs& a, const int32_t* ids,
-                                          int64_t here, int s, int d) {
+// Where token t of source s (`ids`: its routing) lands on receiver d, rank-major: its row
+// there (before the capacity cut), or -1.
+JAX_EP_HOST_DEVICE int32_t rank_major_row(const DispatchArgs& a, const int32_t* ids, int s,
+                                          int t, int d) {
   bool goes = false;
   JAX_EP_NO_UNROLL for (int k = 0; k < a.top_k; ++k) {  // unrolled, it holds more registers
     goes |= choice_rank(ids[k], a.num_experts, a.experts_per_rank()) == d;
   }
-  return goes ? a.row_base[a.local(s) * a.num_ranks + d] + a.token_offset[here * a.num_ranks + d]
-              : -1;
+  if (!goes) return -1;
+  const int64_t here = a.local(s) * a.num_tokens + t;  // the token's index in this rank's inputs
+  return a.row_base[a.local(s) * a.num_ranks + d] + a.chunks_before(s, t)[d] +
+         a.token_offset[here * a.num_ranks + d];
 }
 
 // Expert-major: the position of the token's choice k among its expert's rank's entries (before
 // the capacity cut). ids[k] must be a choice.
-JAX_EP_HOST_DEVICE int32_t entry_position(const DispatchArgs& a, const int32_t* ids,
-                                          int64_t here, int s, int k) {
-  return a.entry_base[a.local(s) * a.num_experts + ids[k]] + a.entry_offset[here * a.top_k + k];
+JAX_EP_HOST_DEVICE int32_t entry_position(const DispatchArgs& a, const int32_t* ids, int s,
+                                          int t, int k) {
+  const int64_t here = a.local(s) * a.num_tokens + t;
+  return a.entry_base[a.local(s) * a.num_experts + ids[k]] +
+         a.chunks_before(s, t)[a.num_ranks + ids[k]] + a.entry_offset[here * a.top_k + k];
 }
 
 // Copies a token's `bytes` at `src` to each row (entry) it keeps on a receiver, at
@@ -419,7 +544,7 @@ JAX_EP_HOST_DEVICE int32_t entry_position(const DispatchArgs& a, const int32_t* 
 // the token's choices (expert-major).
 template <typename Peers>
 JAX_EP_HOST_DEVICE void dispatch_fan_out(const DispatchArgs& a, const Peers& peers,
-                                         const int32_t* ids, int64_t here, int s, char* base,
+                                         const int32_t* ids, int s, int t, char* base,
                                          const void* src, int64_t bytes, int lane, int lanes) {
   const int cap = a.capacity, El = a.experts_per_rank();
   const int candidates = a.expert_major ? a.top_k : a.num_ranks;
@@ -430,9 +555,9 @@ JAX_EP_HOST_DEVICE void dispatch_fan_out(const DispatchArgs& a, const Peers& pee
       const int d = a.expert_major ? ids[c] / El : c;
       int32_t at = -1;
       if (!a.expert_major) {
-        at = rank_major_row(a, ids, here, s, d);
+        at = rank_major_row(a, ids, s, t, d);
       } else if (ids[c] >= 0) {
-        at = entry_position(a, ids, here, s, c);
+        at = entry_position(a, ids, s, t, c);
       }
       if (at < 0 || at >= cap) continue;  // not sent, or cut by the capacity
       fan.add(peers.at(base, per_rank, d) + at * bytes);
@@ -441,16 +566,18 @@ JAX_EP_HOST_DEVICE void dispatch_fan_out(const DispatchArgs& a, const Peers& pee
   }
 }
 
-// Phase 2's metadata of token src (`ids`, `here` as above) for receiver d: src_row (-1 where
-// the token does not go) and, where it has a row, the row's source and, rank-major, its ids
-// and weights; expert-major, -1 in the row's entries past the token's choices on d.
+// Phase 2's metadata of token t of source s (`ids` as above, `here` its index in this rank's
+// inputs) for receiver d: src_row (-1 where the token does not go) and, where it has a row,
+// the row's source and, rank-major, its ids and weights; expert-major, -1 in the row's
+// entries past the token's choices on d.
 template <typename Peers>
 JAX_EP_HOST_DEVICE void dispatch_send_row(const DispatchArgs& a, const Peers& peers,
-                                          const int32_t* ids, int64_t here, int s, int64_t src,
+                                          const int32_t* ids, int64_t here, int s, int t,
                                           int d) {
   const int R = a.num_ranks, T = a.num_tokens, K = a.top_k, E = a.num_experts;
   const int El = a.experts_per_rank(), cap = a.capacity, rows = a.rows();
-  const int32_t row = rank_major_row(a, ids, here, s, d);
+  const int32_t row = rank_major_row(a, ids, s, t, d);
+  const int64_t src = static_cast<int64_t>(s) * T + t;
   // Rank-major rows are capped; expert-major rows always exist and their entries are capped.
   const bool has_row = a.expert_major ? row >= 0 : row >= 0 && row < cap;
   peers.at(a.src_row, static_cast<int64_t>(R) * T, d)[src] = has_row ? row : -1;
@@ -478,13 +605,14 @@ JAX_EP_HOST_DEVICE void dispatch_send_row(const DispatchArgs& a, const Peers& pe
 // entries (sorted by expert, then choice: by position).
 template <typename Peers>
 JAX_EP_HOST_DEVICE void dispatch_send_entry(const DispatchArgs& a, const Peers& peers,
-                                            const int32_t* ids, int64_t here, int s, int k) {
+                                            const int32_t* ids, int64_t here, int s, int t,
+                                            int k) {
   const int K = a.top_k, E = a.num_experts, El = a.experts_per_rank(), cap = a.capacity;
   const int32_t e = ids[k];
   if (!is_choice(e, E)) return;
   const int d = e / El;
-  const int32_t row = rank_major_row(a, ids, here, s, d);
-  const int32_t pos = entry_position(a, ids, here, s, k);
+  const int32_t row = rank_major_row(a, ids, s, t, d);
+  const int32_t pos = entry_position(a, ids, s, t, k);
   const bool kept = pos < cap;
   if (kept) {
     peers.at(a.recv_idx, static_cast<int64_t>(cap), d)[pos] = e - d * El;
@@ -513,15 +641,15 @@ JAX_EP_HOST_DEVICE void dispatch_send(const DispatchArgs& a, const Peers& peers,
   const int cells = R + (a.expert_major ? a.top_k : 0);
   for (int c = lane; c < cells; c += lanes) {
     if (c < R) {
-      dispatch_send_row(a, peers, ids, here, s, int64_t{s} * a.num_tokens + t, c);
+      dispatch_send_row(a, peers, ids, here, s, t, c);
     } else {
-      dispatch_send_entry(a, peers, ids, here, s, c - R);
+      dispatch_send_entry(a, peers, ids, here, s, t, c - R);
     }
   }
-  dispatch_fan_out(a, peers, ids, here, s, a.recv_x, a.x + here * a.row_bytes, a.row_bytes,
+  dispatch_fan_out(a, peers, ids, s, t, a.recv_x, a.x + here * a.row_bytes, a.row_bytes,
                    lane, lanes);
   if (a.scale_cols > 0) {
-    dispatch_fan_out(a, peers, ids, here, s, reinterpret_cast<char*>(a.recv_scales),
+    dispatch_fan_out(a, peers, ids, s, t, reinterpret_cast<char*>(a.recv_scales),
                      a.scales + here * a.scale_cols, a.scale_cols * 4, lane, lanes);
   }
 }
@@ -843,7 +971,11 @@ struct LowLatencyArgs {
   int32_t* clean_idx;        // [R, T, K]
   int32_t* num_invalid;      // [R]
   int32_t* counts;           // [R, E] messages of source s to expert e
-  int32_t* slot_offset;      // [R, T, K] rank of token t among the tokens of s choosing e
+  // [R, chunks, E + 1]: per chunk of a source's tokens (count_chunks), its messages to each
+  // expert, then its invalid ids; after the count, those of the chunks before it.
+  int32_t* chunk_counts;
+  int chunk_shift, num_chunks;  // as DispatchArgs'
+  int32_t* slot_offset;      // [R, T, K] rank of (t, k) among its chunk's messages to its expert
   void* recv_x;              // [R, E/R, R*T, H] bf16 or e4m3 bytes
   float* recv_scales;        // [R, E/R, R*T, H/128] (FP8)
   int32_t* src_row;          // [R(expert side), R(source), T, K]
@@ -867,7 +999,25 @@ struct LowLatencyArgs {
   JAX_EP_HOST_DEVICE int experts_per_rank() const { return num_experts / num_ranks; }
   JAX_EP_HOST_DEVICE int64_t slots() const { return static_cast<int64_t>(num_ranks) * num_tokens; }
   JAX_EP_HOST_DEVICE int64_t row_bytes() const { return use_fp8 ? hidden : 2 * hidden; }
+  JAX_EP_HOST_DEVICE int chunks() const { return num_chunks; }
+  // Source s's messages of the chunks before the chunk of token t (after the count).
+  JAX_EP_HOST_DEVICE const int32_t* chunks_before(int s, int t) const {
+    return chunk_counts + (local(s) * num_chunks + (t >> chunk_shift)) * (num_experts + 1);
+  }
 };
+
+// The low-latency send's workspace, one int32 array (as carve_dispatch_workspace): slot_offset
+// and chunk_counts of the V ranks of this call.
+inline int64_t carve_ll_workspace(LowLatencyArgs* a, int64_t V, int32_t* work = nullptr) {
+  a->chunk_shift = count_chunk_shift(a->top_k);
+  a->num_chunks = count_chunks(a->num_tokens, a->top_k);
+  const int64_t offsets = V * a->num_tokens * a->top_k;
+  if (work != nullptr) {
+    a->slot_offset = work;
+    a->chunk_counts = work + offsets;
+  }
+  return offsets + V * a->chunks() * (a->num_experts + 1);
+}
 
 // True when choice k is the first choice of `ids` equal to ids[k] (duplicates send once).
 JAX_EP_HOST_DEVICE bool first_occurrence(const int32_t* ids, int k) {
@@ -877,26 +1027,41 @@ JAX_EP_HOST_DEVICE bool first_occurrence(const int32_t* ids, int k) {
   return true;
 }
 
-// Phase 1, items (s, c) for c in [0, E]: c < E counts the messages of source s to expert c and
-// numbers them; c == E cleans the routing and counts invalid ids.
-template <typename Peers>
-JAX_EP_HOST_DEVICE void ll_count(const LowLatencyArgs& a, const Peers& peers, int s, int c,
-                                 int lane, int lanes) {
+// Phase 1, items (s, g): source s's chunk g of tokens (count_chunk). Counters: c < E, the
+// chunk's messages to expert c (a token's duplicate choices send once; slot_offset);
+// c == E, invalid ids.
+JAX_EP_HOST_DEVICE void ll_count(const LowLatencyArgs& a, int s, int g, int lane, int lanes) {
   const int T = a.num_tokens, K = a.top_k, E = a.num_experts;
-  const int64_t entries = static_cast<int64_t>(T) * K;
-  const int32_t* raw = a.topk_idx + a.local(s) * entries;
-  if (c == E) {
-    clean_routing(raw, a.clean_idx + a.local(s) * entries, entries, E,
-                  a.num_invalid + a.local(s), lane, lanes);
+  const int64_t here = a.local(s) * T * K;
+  const int32_t* raw = a.topk_idx + here;
+  count_chunk<1>(
+      raw, a.clean_idx + here, g, T, K, E, E + 1,
+      a.chunk_counts + (a.local(s) * a.chunks() + g) * (E + 1),
+      [&](int64_t i, int) {
+        const int32_t e = raw[i];
+        const int k = static_cast<int>(i % K);
+        if (is_invalid(e, E)) return E;
+        return is_choice(e, E) && first_occurrence(raw + (i - k), k) ? e : -1;
+      },
+      [&](int64_t i, int, int c, int32_t number) {
+        if (c < E) a.slot_offset[here + i] = number;
+      },
+      lane, lanes);
+}
+
+// The count's tail, items (s, e) of the launch's sources, e in [0, E]: expert e's chunk counts
+// of source s made the counts before each chunk, and its total published: to every rank's
+// copy of the counts, or to num_invalid (e == E).
+template <typename Peers>
+JAX_EP_HOST_DEVICE void ll_totals(const LowLatencyArgs& a, const Peers& peers, int s, int e) {
+  const int E = a.num_experts;
+  const int32_t total =
+      scan_chunks(a.chunk_counts + a.local(s) * a.chunks() * (E + 1) + e, a.chunks(), E + 1);
+  if (e == E) {
+    a.num_invalid[a.local(s)] = total;
     return;
   }
-  int32_t* offset = a.slot_offset + a.local(s) * entries;
-  const int32_t count = number_in_order(
-      entries, lane, lanes,
-      [&](int64_t i) { return raw[i] == c && first_occurrence(raw + i / K * K, static_cast<int>(i % K)); },
-      [&](int64_t i, int32_t rank) { offset[i] = rank; });
-  if (lane != 0) return;
-  for (int d = 0; d < a.num_ranks; ++d) peers.at(a.counts, 0, d)[static_cast<int64_t>(s) * E + c] = count;
+  for (int d = 0; d < a.num_ranks; ++d) peers.at(a.counts, 0, d)[static_cast<int64_t>(s) * E + e] = total;
 }
 
 // The compact slot of source s's message to expert e numbered `offset`: after the messages of
@@ -1000,11 +1165,17 @@ JAX_EP_HOST_DEVICE void ll_cast_rows(const LowLatencyArgs& a, const Bf16* x, Fan
   scales.clear();
 }
 
-// The send's rows of one token (`ids`, `offsets`: its choices and their slot offsets, `x`: its
-// row): once to each expert it chose, as bf16 or cast to FP8 (one loop nest per case: in one,
-// the two cases hold more registers).
+// The slot offset of message k of token t of source s (`offsets`: the token's in its chunk).
+JAX_EP_HOST_DEVICE int32_t ll_offset(const LowLatencyArgs& a, int s, int t, int32_t e,
+                                     const int32_t* offsets, int k) {
+  return a.chunks_before(s, t)[e] + offsets[k];
+}
+
+// The send's rows of token t (`ids`, `offsets`: its choices and their slot offsets in its
+// chunk, `x`: its row): once to each expert it chose, as bf16 or cast to FP8 (one loop nest
+// per case: in one, the two cases hold more registers).
 template <bool kFp8, typename Peers>
-JAX_EP_HOST_DEVICE void ll_send_rows(const LowLatencyArgs& a, const Peers& peers, int s,
+JAX_EP_HOST_DEVICE void ll_send_rows(const LowLatencyArgs& a, const Peers& peers, int s, int t,
                                      const int32_t* ids, const int32_t* offsets, const Bf16* x,
                                      int lane, int lanes) {
   const int K = a.top_k, El = a.experts_per_rank(), S = a.hidden / kFp8Block;
@@ -1016,7 +1187,8 @@ JAX_EP_HOST_DEVICE void ll_send_rows(const LowLatencyArgs& a, const Peers& peers
       const int32_t e = ids[k];
       if (e < 0 || !first_occurrence(ids, k)) continue;
       const int d = e / El, j = e % El;
-      const int64_t row = static_cast<int64_t>(j) * slots + ll_slot(a, s, e, offsets[k]);
+      const int64_t row =
+          static_cast<int64_t>(j) * slots + ll_slot(a, s, e, ll_offset(a, s, t, e, offsets, k));
       rows.add(peers.at(static_cast<char*>(a.recv_x), El * slots * row_bytes, d) + row * row_bytes);
       if (kFp8) scales.add(peers.at(a.recv_scales, El * slots * S, d) + row * S);
     }
@@ -1047,11 +1219,12 @@ JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int
     if (e >= 0 && e / El == d) {
       int first = 0;
       while (ids[first] != e) ++first;
-      row = static_cast<int32_t>((e % El) * slots + ll_slot(a, s, e, offsets[first]));
+      row = static_cast<int32_t>((e % El) * slots +
+                                 ll_slot(a, s, e, ll_offset(a, s, t, e, offsets, first)));
     }
     peers.at(a.src_row, slots * K, d)[src * K + k] = row;
   }
-  ll_send_rows<kFp8>(a, peers, s, ids, offsets, x, lane, lanes);
+  ll_send_rows<kFp8>(a, peers, s, t, ids, offsets, x, lane, lanes);
 }
 
 // Phase 3 (the receive), items (d, r) for r in [0, E/R * R*T): compact slot r of receiver d.

@@ -4,7 +4,7 @@
 // The default grid (1 block, 1 warp, 1 lane) is a plain loop: the fastest, and what the CPU
 // handlers run unless told otherwise. A GPU-shaped grid (e.g. 2 blocks of 2 warps of 32
 // lanes, $JAX_EP_CPU_GRID) runs the code paths only a GPU would: lane-split copies, the
-// ballot counting of number_in_order, grid-stride loops of several waves. Units run from the
+// match counting of Tally, grid-stride loops of several waves. Units run from the
 // last to the first, and the lanes of a warp one after another from the last, so a phase that
 // depended on the order of its items or lanes (a bug on the GPU, where they run concurrently)
 // gives different results here. With several threads a launch's warps are shared among OS
@@ -72,15 +72,15 @@ void for_units(int64_t units, int threads, const Unit& unit) {
 }
 
 // One launch (cuda/phases.cuh per_warp): phase(rank, item, lane, lanes) with one item per
-// warp, then, in the unit that finishes last (found with a ticket, as on the GPU), meet.last()
-// and tail(i) for i in [0, tail_items), from the last. Every unit runs meet.first() before its
-// items. A launch with no items still runs when it has a tail or meets its peers.
+// warp, then, in the unit that finishes last (found with a ticket, as on the GPU), the tail's
+// early items, meet.last() and the tail's items, each from the last. Every unit runs
+// meet.first() before its items. A launch with no items still runs when it has a tail or meets
+// its peers.
 template <typename Phase, typename Tail = NoTail, typename Meeting = NoMeet>
 void host_per_warp(const Phase& phase, int first_rank, int ranks, int64_t items,
-                   const HostGrid& grid, const Tail& tail = {}, int64_t tail_items = 0,
-                   const Meeting& meet = {}) {
+                   const HostGrid& grid, const Tail& tail = {}, const Meeting& meet = {}) {
   const int64_t total = static_cast<int64_t>(ranks) * items, units = grid.num_warps();
-  const bool after = tail_items > 0 || meet.has_last();
+  const bool after = tail.early_items() > 0 || tail.items() > 0 || meet.has_last();
   if (total == 0 && !after && !meet.waits_first()) return;  // the GPU launches nothing either
   meter_launch();
   std::atomic<int64_t> ticket{0};
@@ -92,10 +92,21 @@ void host_per_warp(const Phase& phase, int first_rank, int ranks, int64_t items,
       }
     }
     if (!after || ticket.fetch_add(1, std::memory_order_acq_rel) != units - 1) return;
+    for (int64_t i = tail.early_items() - 1; i >= 0; --i) tail.early(i);
     meet.last();
-    for (int64_t i = tail_items - 1; i >= 0; --i) tail(i);
+    for (int64_t i = tail.items() - 1; i >= 0; --i) tail(i);
   });
 }
+
+// The CPU launcher of cuda/virtual_ops.h: every launch over all R ranks on the grid.
+struct HostLauncher {
+  int ranks;
+  HostGrid grid;
+  template <typename Phase, typename Tail = NoTail>
+  void per_warp(const Phase& phase, int64_t items, const Tail& tail = {}) {
+    host_per_warp(phase, 0, ranks, items, grid, tail);
+  }
+};
 
 // The grid of the CPU handlers: $JAX_EP_CPU_GRID ("blocks,warps,lanes[,threads]"), read once
 // per process; a loop (1,1,1) when unset. A malformed value is reported by `error`.

@@ -163,11 +163,10 @@ class HostPlatform {
   // One launch of this rank, meeting the peers as `meet` says (cuda/peer_ops.h) through the
   // flags of the GPU's Meet (cuda/peer_exchange.cu), run by the units of host_per_warp.
   template <typename Phase, typename Tail = NoTail>
-  void per_warp(const Phase& phase, int64_t items, const Meet& meet, const Tail& tail = {},
-                int64_t tail_items = 0) {
+  void per_warp(const Phase& phase, int64_t items, const Meet& meet, const Tail& tail = {}) {
     if (!error_.ok()) return;
     for (int i = 0; i < meet.waits(); ++i) meter_barrier();
-    host_per_warp(phase, me_, 1, items, grid_, tail, tail_items, Flags{this, meet});
+    host_per_warp(phase, me_, 1, items, grid_, tail, Flags{this, meet});
   }
   PeerError result(int /*op*/) const { return error_; }
 

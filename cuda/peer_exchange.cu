@@ -250,8 +250,7 @@ class DevicePlatform {
   RegionUse& region_use(int buffer) { return state().low_latency[buffer]; }
 
   template <typename Phase, typename Tail = NoTail>
-  void per_warp(const Phase& phase, int64_t items, const Meet& meet, const Tail& tail = {},
-                int64_t tail_items = 0) {
+  void per_warp(const Phase& phase, int64_t items, const Meet& meet, const Tail& tail = {}) {
     if (status_ != cudaSuccess) return;
     State& st = state();
     DeviceMeet m{reinterpret_cast<uint64_t*>(symmetric()), st.epoch, rank(), buffer_->num_ranks,
@@ -265,7 +264,7 @@ class DevicePlatform {
     bound(meet.after, &m.after_ns, &m.after_code);
     m.before_arrivals = meet.before_arrivals;
     m.arrive = meet.arrive;
-    status_ = cuda::per_warp(phase, rank(), 1, items, stream_, num_sms_, tail, tail_items, m);
+    status_ = cuda::per_warp(phase, rank(), 1, items, stream_, num_sms_, tail, m);
     if (status_ == cudaSuccess && meet.arrive) ++st.arrivals;
   }
   PeerError result(int op) const { return launch_error(op, status_); }

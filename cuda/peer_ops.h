@@ -24,7 +24,7 @@
 //   uint64_t arrivals() const;                this rank's arriving launches issued so far
 //   RegionUse& region_use(int buffer);        what this rank did with low-latency region
 //                                             `buffer` (reset by a new jax_ep.initialize())
-//   void per_warp(phase, items, meet[, tail, tail_items])   one launch for this rank
+//   void per_warp(phase, items, meet[, tail])   one launch for this rank
 //                                             (cuda/phases.cuh), meeting the peers as `meet` says
 //   PeerError result(int op);                 the first failure of the launches, if any
 // Launches after a failure do nothing, so the ops below read as straight sequences.
@@ -303,11 +303,11 @@ PeerError run_op(Platform& p, int op, const DispatchArgs& out) {
   PeerError error = fits(op, "normal-mode", used, p.low_latency_offset() - kSignalBytes);
   if (!error.ok()) return error;
   using Peers = typename Platform::Peers;
-  // The count publishes into the peers' buffers once they are done with the last op's data;
-  // its tail, once every rank's counts are here, computes this rank's bases.
-  p.per_warp(DispatchCount<Peers>{a, p.peers()}, a.num_counters() + 1,
-             Meet{Wait::kStart, true, Wait::kStart}, DispatchBases{a, a.first_rank, 1},
-             a.num_counters());
+  // The count's tail publishes the totals into the peers' buffers (the count starts once the
+  // peers are done with the last op's data) and, once every rank's are here, computes this
+  // rank's bases.
+  p.per_warp(DispatchCount{a}, a.chunks(), Meet{Wait::kStart, true, Wait::kStart},
+             DispatchTail<Peers>{a, a.first_rank, 1, p.peers()});
   p.per_warp(DispatchSend<Peers>{a, p.peers()}, a.num_tokens, Meet{{}, true, {}});
   // The finish, once every row has arrived; its arrival frees this rank's buffer.
   p.per_warp(DispatchFinish<Peers>{a, p.peers()}, a.finish_items(),
@@ -391,8 +391,8 @@ PeerError run_op(Platform& p, int op, const LowLatencyArgs& out) {
       return in_flight(op, a.buffer, "low_latency_dispatch_recv", &use.dispatch_in_flight);
     }
     // The count numbers this rank's messages; the send needs no other rank's counts.
-    p.per_warp(LowLatencyCount<Peers>{a, p.peers()}, a.num_experts + 1,
-               Meet{Wait::kStart, false, {}, use.last_use});
+    p.per_warp(LowLatencyCount{a}, a.chunks(), Meet{Wait::kStart, false, {}, use.last_use},
+               LowLatencyTotals<Peers>{a, a.first_rank, 1, p.peers()});
     with_ll_send(a, p.peers(),
                  [&](const auto& send) { p.per_warp(send, a.num_tokens, Meet{{}, true, {}}); });
     use.last_use = p.arrivals();

@@ -2,7 +2,7 @@
 // (cuda/phases.cuh) and the CPU's emulated grids (cuda/host_launch.h). A functor holds the
 // op's arguments and, for phases that reach other ranks, the Peers view (passed by value:
 // kernel arguments on the GPU). A phase is called per (rank, item) and warp lane; a tail,
-// which runs once after every item of its launch, per item alone.
+// which runs once after every item of its launch, per item alone (NoTail).
 #pragma once
 
 #include <cstdint>
@@ -12,8 +12,13 @@
 
 namespace jax_ep {
 
-// A launch without a tail.
+// A launch without a tail. A tail runs in the block that finishes its launch last, after
+// every item: early(i) for i < early_items() before the launch meets the peers (what they
+// need from it), then (i) for i < items() after (what needs theirs).
 struct NoTail {
+  JAX_EP_HOST_DEVICE int64_t early_items() const { return 0; }
+  JAX_EP_HOST_DEVICE int64_t items() const { return 0; }
+  JAX_EP_HOST_DEVICE void early(int64_t) const {}
   JAX_EP_HOST_DEVICE void operator()(int64_t) const {}
 };
 
@@ -38,18 +43,27 @@ template <typename Phase>
 struct MinBlocksPerSm<Phase, std::void_t<decltype(Phase::kCopy)>>
     : std::integral_constant<int, kCopyBlocksPerSm> {};
 
-template <typename Peers>
 struct DispatchCount {
   DispatchArgs a;
-  Peers peers{};
-  JAX_EP_HOST_DEVICE void operator()(int s, int64_t c, int lane, int lanes) const {
-    dispatch_count(a, peers, s, static_cast<int>(c), lane, lanes);
+  JAX_EP_HOST_DEVICE void operator()(int s, int64_t g, int lane, int lanes) const {
+    dispatch_count(a, s, static_cast<int>(g), lane, lanes);
   }
 };
-// The tail of DispatchCount: the bases of the launch's source ranks.
-struct DispatchBases {
+// The tail of DispatchCount for its sources [first, first + ranks): their totals, published
+// before the launch meets the peers, and, once every rank's are here, their bases.
+template <typename Peers>
+struct DispatchTail {
   DispatchArgs a;
   int first, ranks;
+  Peers peers{};
+  JAX_EP_HOST_DEVICE int64_t early_items() const {
+    return static_cast<int64_t>(ranks) * (a.num_counters() + 1);
+  }
+  JAX_EP_HOST_DEVICE int64_t items() const { return a.num_counters(); }
+  JAX_EP_HOST_DEVICE void early(int64_t i) const {
+    const int n = a.num_counters() + 1;
+    dispatch_totals(a, peers, first + static_cast<int>(i / n), static_cast<int>(i % n));
+  }
   JAX_EP_HOST_DEVICE void operator()(int64_t c) const {
     dispatch_bases(a, first, ranks, static_cast<int>(c));
   }
@@ -95,13 +109,27 @@ struct CombineToken {
     combine_token(a, peers, s, static_cast<int>(t), lane, lanes);
   }
 };
-template <typename Peers>
 struct LowLatencyCount {
   LowLatencyArgs a;
-  Peers peers{};
-  JAX_EP_HOST_DEVICE void operator()(int s, int64_t c, int lane, int lanes) const {
-    ll_count(a, peers, s, static_cast<int>(c), lane, lanes);
+  JAX_EP_HOST_DEVICE void operator()(int s, int64_t g, int lane, int lanes) const {
+    ll_count(a, s, static_cast<int>(g), lane, lanes);
   }
+};
+// The tail of LowLatencyCount for its sources [first, first + ranks): their totals.
+template <typename Peers>
+struct LowLatencyTotals {
+  LowLatencyArgs a;
+  int first, ranks;
+  Peers peers{};
+  JAX_EP_HOST_DEVICE int64_t early_items() const {
+    return static_cast<int64_t>(ranks) * (a.num_experts + 1);
+  }
+  JAX_EP_HOST_DEVICE int64_t items() const { return 0; }
+  JAX_EP_HOST_DEVICE void early(int64_t i) const {
+    const int n = a.num_experts + 1;
+    ll_totals(a, peers, first + static_cast<int>(i / n), static_cast<int>(i % n));
+  }
+  JAX_EP_HOST_DEVICE void operator()(int64_t) const {}
 };
 // One kernel per payload (bf16 rows, or their FP8 cast): in one, the two would hold more
 // registers than either. with_ll_send picks the one of the args.

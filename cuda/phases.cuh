@@ -4,9 +4,9 @@
 // virtual ranks, this rank alone between GPUs, one item per warp, its 32 lanes copying
 // 16-byte words. Grids are capped and grid-stride, so any problem size fits one launch.
 //
-// A launch may also have a tail: items that need every item of the launch done (the count
-// phase's bases). The block that finishes last, found with a ticket, runs them with its
-// threads, one item per thread: no launch of its own. Between GPUs a launch also meets the
+// A launch may also have a tail (NoTail): items that need every item of the launch done (the
+// count phase's totals and bases). The block that finishes last, found with a ticket, runs
+// them with its threads, one item per thread: no launch of its own. Between GPUs a launch also meets the
 // other ranks (Meet, cuda/peer_exchange.cu): before its items, every block waits for the
 // peers' earlier launches; after them, the last block tells the peers this launch is done.
 #pragma once
@@ -59,7 +59,7 @@ int blocks_per_sm(Kernel kernel) {
 template <typename Phase, typename Tail, typename Meeting>
 __global__ void __launch_bounds__(kPhaseThreads, MinBlocksPerSm<Phase>::value)
     per_warp_kernel(Phase phase, Tail tail, Meeting meet, unsigned* ticket, int first_rank,
-                    int ranks, int64_t items, int64_t tail_items) {
+                    int ranks, int64_t items) {
   meet.first();
   const int64_t total = static_cast<int64_t>(ranks) * items;
   const int lane = threadIdx.x % kWarpSize;
@@ -68,20 +68,22 @@ __global__ void __launch_bounds__(kPhaseThreads, MinBlocksPerSm<Phase>::value)
     phase(first_rank + static_cast<int>(i / items), i % items, lane, kWarpSize);
   }
   if (ticket == nullptr || !is_last_block(ticket)) return;  // no ticket: nothing comes after
+  for (int64_t i = threadIdx.x; i < tail.early_items(); i += kPhaseThreads) tail.early(i);
+  __syncthreads();  // the early items' writes before the meet and the other items
   meet.last();
-  for (int64_t i = threadIdx.x; i < tail_items; i += kPhaseThreads) tail(i);
+  for (int64_t i = threadIdx.x; i < tail.items(); i += kPhaseThreads) tail(i);
 }
 
-// One launch of `phase` over ranks x items, then `tail` over tail_items, meeting as `meet`
+// One launch of `phase` over ranks x items, then `tail`, meeting as `meet`
 // says, on at most `num_sms` SMs' worth of blocks (0: kMaxPhaseBlocks blocks): num_sms times
 // the blocks one SM holds at once, so the launch takes no more warp slots than num_sms SMs
 // have. A launch with no items still runs when it has a tail or meets its peers.
 template <typename Phase, typename Tail = NoTail, typename Meeting = NoMeet>
 cudaError_t per_warp(const Phase& phase, int first_rank, int ranks, int64_t items,
                      cudaStream_t stream, int num_sms, const Tail& tail = {},
-                     int64_t tail_items = 0, const Meeting& meet = {}) {
+                     const Meeting& meet = {}) {
   const int64_t total = static_cast<int64_t>(ranks) * items;
-  const bool after = tail_items > 0 || meet.has_last();
+  const bool after = tail.early_items() > 0 || tail.items() > 0 || meet.has_last();
   if (total == 0 && !after && !meet.waits_first()) return cudaSuccess;
   unsigned* ticket = nullptr;
   if (after) {
@@ -95,8 +97,7 @@ cudaError_t per_warp(const Phase& phase, int first_rank, int ranks, int64_t item
   }
   const int64_t blocks = std::clamp<int64_t>((total + kPhaseWarps - 1) / kPhaseWarps, 1, most);
   return launch(per_warp_kernel<Phase, Tail, Meeting>, static_cast<unsigned>(blocks),
-                kPhaseThreads, stream, phase, tail, meet, ticket, first_rank, ranks, items,
-                tail_items);
+                kPhaseThreads, stream, phase, tail, meet, ticket, first_rank, ranks, items);
 }
 
 }  // namespace jax_ep::cuda

@@ -5,8 +5,8 @@
 // run_virtual(launcher, op, args) runs op `op` (PeerOp, cuda/peer_ops.h), one overload per
 // argument struct. Written once for both launchers: the GPU's kernels (cuda/exchange.cu) and
 // the CPU's emulated grids (ffi/exchange_cpu.cc). A Launcher L provides
-//   void per_warp(phase, items[, tail, tail_items])   one launch over ranks [0, R), the tail
-//                                                      after all its items (cuda/phases.cuh)
+//   void per_warp(phase, items[, tail])   one launch over ranks [0, R), the tail after all its
+//                                          items (cuda/phases.cuh)
 // (cuda/peer_ops.h is the same for one rank per device, meeting the peers in the launches).
 #pragma once
 
@@ -20,8 +20,7 @@ namespace jax_ep {
 template <typename L>
 void run_virtual(L& l, int, const DispatchArgs& a) {
   using Peers = VirtualPeers;
-  l.per_warp(DispatchCount<Peers>{a}, a.num_counters() + 1, DispatchBases{a, 0, a.num_ranks},
-             a.num_counters());
+  l.per_warp(DispatchCount{a}, a.chunks(), DispatchTail<Peers>{a, 0, a.num_ranks});
   l.per_warp(DispatchSend<Peers>{a}, a.num_tokens);
   l.per_warp(DispatchFinish<Peers>{a}, a.finish_items());
 }
@@ -38,7 +37,7 @@ template <typename L>
 void run_virtual(L& l, int op, const LowLatencyArgs& a) {
   using Peers = VirtualPeers;
   if (op == kPeerLlDispatchSend) {
-    l.per_warp(LowLatencyCount<Peers>{a}, a.num_experts + 1);
+    l.per_warp(LowLatencyCount{a}, a.chunks(), LowLatencyTotals<Peers>{a, 0, a.num_ranks});
     with_ll_send(a, Peers{}, [&](const auto& send) { l.per_warp(send, a.num_tokens); });
   } else {
     l.per_warp(LowLatencyFinish<Peers>{a}, a.experts_per_rank() * a.slots());

@@ -189,13 +189,9 @@ xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, in
       b.Out(13, "row_entries", DataType::S32, {V, em_rows, K}, &a->row_entries));
   JAX_EP_RETURN_IF_ERROR(b.Out(14, "num_needed", DataType::S32, {V}, &a->num_needed));
   int32_t* work = nullptr;
-  const int64_t W = R * (R + E) + V * T * R + V * T * K + V * R + V * E;
-  JAX_EP_RETURN_IF_ERROR(b.Out(15, "workspace", DataType::S32, {W}, &work));
-  a->counts = work;
-  a->token_offset = a->counts + R * (R + E);
-  a->entry_offset = a->token_offset + V * T * R;
-  a->row_base = a->entry_offset + V * T * K;
-  a->entry_base = a->row_base + V * R;
+  JAX_EP_RETURN_IF_ERROR(b.Out(15, "workspace", DataType::S32,
+                               {carve_dispatch_workspace(a, V)}, &work));
+  carve_dispatch_workspace(a, V, work);
   return xffi::Error::Success();
 }
 
@@ -287,7 +283,10 @@ xffi::Error ParseLowLatencyDispatchSend(xffi::RemainingArgs args, xffi::Remainin
   JAX_EP_RETURN_IF_ERROR(b.Out(3, "clean_idx", DataType::S32, {V, T, K}, &a->clean_idx));
   JAX_EP_RETURN_IF_ERROR(b.Out(4, "num_invalid", DataType::S32, {V}, &a->num_invalid));
   JAX_EP_RETURN_IF_ERROR(b.Out(5, "counts", DataType::S32, {R, E}, &a->counts));
-  JAX_EP_RETURN_IF_ERROR(b.Out(6, "slot_offset", DataType::S32, {V, T, K}, &a->slot_offset));
+  int32_t* work = nullptr;
+  JAX_EP_RETURN_IF_ERROR(
+      b.Out(6, "workspace", DataType::S32, {carve_ll_workspace(a, V)}, &work));
+  carve_ll_workspace(a, V, work);
   return xffi::Error::Success();
 }
 

@@ -32,7 +32,7 @@ enum class RowType { kF32, kBF16, kF16 };
 // num_dropped [R], num_invalid [R], clean_idx [R,T,K], recv_src [R,rows], src_row [R,R*T],
 // entry_row [R,cap'], entry_choice [R,cap'], row_entries [R,rows',K] (cap' = cap and
 // rows' = R*T when expert-major, else 0), num_needed [R], workspace s32 [W]
-// (W = R*(R+E) + R*T*R + R*T*K + R*R + R*E). Rows of recv_x and recv_scales past the count
+// (W: carve_dispatch_workspace, cuda/exchange.h). Rows of recv_x and recv_scales past the count
 // are not written (docs/contract.md, "Padding") unless the handler's attribute zero_padding
 // is set; the CPU handlers fill them with NaN bytes first.
 xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t num_ranks,
@@ -67,8 +67,8 @@ CombineArgs<T> Retype(const CombineArgs<float>& a) {
 
 // Operands x bf16 [R,T,H], topk_idx s32 [R,T,K]. Results: recv_x [R,E/R,R*T,H] (bf16, or
 // float8_e4m3fn with use_fp8), recv_scales f32 [R,E/R,R*T,H/128] (or [R,E/R,R*T,0]), src_row
-// s32 [R,R,T,K], clean_idx s32 [R,T,K], num_invalid s32 [R], counts s32 [R,E], slot_offset s32
-// [R,T,K] (workspace).
+// s32 [R,R,T,K], clean_idx s32 [R,T,K], num_invalid s32 [R], counts s32 [R,E], workspace s32
+// [W] (W: carve_ll_workspace, cuda/exchange.h).
 xffi::Error ParseLowLatencyDispatchSend(xffi::RemainingArgs args, xffi::RemainingRets rets,
                                         int64_t num_ranks, int64_t num_experts, int64_t use_fp8,
                                         LowLatencyArgs* out);

@@ -21,16 +21,6 @@
 namespace jax_ep::ffi {
 namespace {
 
-// The CPU launcher of cuda/virtual_ops.h: every launch over all R ranks on the grid.
-struct HostLauncher {
-  int ranks;
-  HostGrid grid;
-  template <typename Phase, typename Tail = NoTail>
-  void per_warp(const Phase& phase, int64_t items, const Tail& tail = {}, int64_t tail_items = 0) {
-    host_per_warp(phase, 0, ranks, items, grid, tail, tail_items);
-  }
-};
-
 // The grid of the phases; an error when $JAX_EP_CPU_GRID is malformed.
 xffi::Error Grid(const char* op, HostGrid* grid) {
   std::string error;

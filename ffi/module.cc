@@ -118,6 +118,27 @@ nb::dict Meter(bool reset) {
   return out;
 }
 
+// Length of the int32 workspace of FFI target `target` for V stacked ranks (cuda/exchange.h).
+int64_t Workspace(const std::string& target, int num_ranks, int num_tokens, int top_k,
+                  int num_experts, int64_t V) {
+  auto sized = [&](auto a) {
+    a.num_ranks = num_ranks;
+    a.num_tokens = num_tokens;
+    a.top_k = top_k;
+    a.num_experts = num_experts;
+    return a;
+  };
+  if (target == jax_ep::kPeerOpNames[jax_ep::kPeerDispatch]) {
+    jax_ep::DispatchArgs a = sized(jax_ep::DispatchArgs{});
+    return jax_ep::carve_dispatch_workspace(&a, V);
+  }
+  if (target == jax_ep::kPeerOpNames[jax_ep::kPeerLlDispatchSend]) {
+    jax_ep::LowLatencyArgs a = sized(jax_ep::LowLatencyArgs{});
+    return jax_ep::carve_ll_workspace(&a, V);
+  }
+  throw std::invalid_argument("workspace: no workspace for target " + target);
+}
+
 }  // namespace
 
 NB_MODULE(_ext, m) {
@@ -140,5 +161,9 @@ NB_MODULE(_ext, m) {
         "{'launches', 'barriers', 'read', 'written'}: what the exchange ops run on the CPU did "
         "since the last reset (launches and barriers per rank's stream, summed over ranks; "
         "bytes of row data). The cross-check of jax_ep.account.");
+  m.def("workspace", &Workspace, nb::arg("target"), nb::arg("num_ranks"),
+        nb::arg("num_tokens"), nb::arg("top_k"), nb::arg("num_experts"), nb::arg("stacked"),
+        "Length of the int32 workspace result of FFI target `target` (jax_ep_dispatch or "
+        "jax_ep_ll_dispatch_send) for `stacked` ranks per call.");
   jax_ep::ffi::BindRuntime(m);
 }

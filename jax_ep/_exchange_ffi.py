@@ -79,7 +79,7 @@ def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, ca
     rows = R * T if expert_major else cap
     per_entry = (V, cap) if expert_major else (V, cap, K)
     em_cap, em_rows = (cap, R * T) if expert_major else (0, 0)
-    workspace = R * (R + E) + V * T * R + V * T * K + V * R + V * E
+    workspace = _ffi.EXT.workspace("jax_ep_dispatch", R, T, K, E, V)
     i32, f32 = jnp.int32, jnp.float32
     names_shapes = {
         "x": ((V, cap, H), data.dtype), "scales": ((V, cap, S), f32),
@@ -162,7 +162,8 @@ def ll_dispatch_send(x, topk_idx, *, num_ranks, num_experts, use_fp8, axis_name=
     shapes = [
         ((*slots, H), fp8.FP8_DTYPE if use_fp8 else jnp.bfloat16),
         ((*slots, H // fp8.BLOCK if use_fp8 else 0), jnp.float32), ((V, R, T, K), i32),
-        ((V, T, K), i32), ((V,), i32), ((R, E), i32), ((V, T, K), i32),
+        ((V, T, K), i32), ((V,), i32), ((R, E), i32),
+        ((_ffi.EXT.workspace("jax_ep_ll_dispatch_send", R, T, K, E, V),), i32),
     ]
     recv_x, recv_scales, src_row, clean_idx, num_invalid, counts, _ = _exchange_call(
         "jax_ep_ll_dispatch_send", _types(topk_idx, shapes), (_ranks(axis_name, V), x, topk_idx),

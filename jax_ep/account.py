@@ -170,9 +170,9 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
     # The send reads each source row once per FAN_OUT destinations and writes every one.
     read, written = _fan_out_reads(destinations) * row, (delivered + padding) * row
     minimum = sources * row + delivered * row + padding * row
-    # The count (its tail computes the bases), the send, the finish.
+    # The count (always: its tail computes the totals and the bases), the send, the finish.
     if not between:
-        phases = _launch(R + E + 1, T, max(capacity, R * T, E // R))
+        phases = 1 + _launch(T, max(capacity, R * T, E // R))
         return Account("dispatch", phases, 0, read, written, minimum)
     # The finish phase copies the delivered rows (and the metadata) out of the symmetric buffer.
     # Waits: the count's for the peers' last op and for their counts, the finish's for the rows.
@@ -235,8 +235,9 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     sent = messages(topk_idx, E)
     m, sources = int(sent.sum()), int(sent.any(axis=2).sum())
     message = H + H // BLOCK * SCALE_BYTES if use_fp8 else 2 * H
-    # The send reads the token once per FAN_OUT messages and writes each into its slot.
-    send = Account("ll_dispatch_send", _launch(E + 1, T), 0,
+    # The count (always: its tail publishes the counts), then the send: it reads the token
+    # once per FAN_OUT messages and writes each into its slot.
+    send = Account("ll_dispatch_send", 1 + _launch(T), 0,
                    _fan_out_reads(sent.sum(axis=2)) * 2 * H, m * message,
                    sources * 2 * H + m * message)
     recv = Account("ll_dispatch_recv", _launch(E // R * R * T), 0, 0, 0, 0)

@@ -63,6 +63,8 @@ CASES = [
     (8, 5, 4, 16, 8, "uniform"),
     (2, 6, 10, 12, 16, "uniform"),  # more than 8 destinations: a row is read twice
     (3, 7, 5, 9, 13, "masked"),  # rows of 13 values: no 16-byte words, value by value
+    (3, 300, 6, 12, 8, "hot_expert"),  # 5 chunks of 64 tokens for the count
+    (2, 40, 3, 1030, 8, "duplicates"),  # 1033 counters: two windows of the count's tally
 ]
 
 
@@ -171,6 +173,8 @@ LL_CASES = [
     (4, 9, 4, 8, 128, "empty_ranks"),
     (8, 4, 3, 16, 128, "hot_expert"),
     (2, 5, 10, 12, 128, "uniform"),  # more than 8 messages per token
+    (2, 150, 6, 8, 128, "duplicates"),  # 3 chunks of 64 tokens for the count
+    (2, 20, 3, 1030, 128, "uniform"),  # 1031 counters: two windows of the count's tally
 ]
 
 

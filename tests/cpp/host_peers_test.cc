@@ -20,7 +20,7 @@
 
 #include "cuda/host_launch.h"
 #include "cuda/host_peers.h"
-#include "cuda/phase_functors.h"
+#include "cuda/virtual_ops.h"
 
 namespace jax_ep {
 namespace {
@@ -56,8 +56,8 @@ struct DispatchData {
   std::vector<char> recv_x;
   std::vector<float> recv_scales, recv_weights;
   std::vector<int32_t> recv_idx, recv_src, src_row, entry_row, entry_choice, row_entries,
-      num_received, tokens_per_expert, num_dropped, num_needed, num_invalid, clean_idx,
-      counts, token_offset, entry_offset, row_base, entry_base;
+      num_received, tokens_per_expert, num_dropped, num_needed, num_invalid, clean_idx;
+  std::vector<std::vector<int32_t>> work;  // the workspace of every rank (0), of rank r (r + 1)
 
   explicit DispatchData(const Shape& s) {
     const int64_t R = s.R, T = s.T, K = s.K, H = s.H, cap = s.capacity, S = s.fp8 ? H / 128 : 0;
@@ -80,11 +80,7 @@ struct DispatchData {
     num_needed.resize(R);
     num_invalid.resize(R);
     clean_idx.resize(R * T * K);
-    counts.resize(R * (R + s.E));
-    token_offset.resize(R * T * R);
-    entry_offset.resize(R * T * K);
-    row_base.resize(R * R);
-    entry_base.resize(R * s.E);
+    work.resize(R + 1);
   }
 
   // The arguments of rank `rank` alone (V = 1), or of every rank (rank < 0).
@@ -106,11 +102,10 @@ struct DispatchData {
     a.topk_weights = weights.data() + v * T * K;
     a.clean_idx = clean_idx.data() + v * T * K;
     a.num_invalid = num_invalid.data() + v;
-    a.counts = counts.data();
-    a.token_offset = token_offset.data() + v * T * s.R;
-    a.entry_offset = entry_offset.data() + v * T * K;
-    a.row_base = row_base.data() + v * s.R;
-    a.entry_base = entry_base.data() + v * s.E;
+    std::vector<int32_t>& w = work[rank + 1];
+    const int V = rank < 0 ? s.R : 1;
+    w.resize(carve_dispatch_workspace(&a, V));
+    carve_dispatch_workspace(&a, V, w.data());
     a.recv_x = recv_x.data() + v * cap * H * 4;
     a.recv_scales = recv_scales.data() + v * cap * S;
     a.recv_idx = recv_idx.data() + v * cap * s.cols();
@@ -162,7 +157,8 @@ struct CombineData {
 struct LowLatencyData {
   std::vector<Bf16> x, y, staging, out;
   std::vector<float> weights, recv_scales;
-  std::vector<int32_t> idx, clean_idx, num_invalid, counts, slot_offset, src_row, count;
+  std::vector<int32_t> idx, clean_idx, num_invalid, counts, src_row, count;
+  std::vector<std::vector<int32_t>> work;  // as DispatchData's
   std::vector<uint8_t> recv_x;
 
   LowLatencyData(const Shape& s, const std::vector<int32_t>& routing, std::mt19937& gen) {
@@ -178,7 +174,7 @@ struct LowLatencyData {
     clean_idx.resize(R * T * K);
     num_invalid.resize(R);
     counts.resize(R * s.E);
-    slot_offset.resize(R * T * K);
+    work.resize(R + 1);
     recv_x.resize(R * slots * H * 2);
     recv_scales.resize(s.fp8 ? R * slots * (H / 128) : 0);
     src_row.resize(R * R * T * K);
@@ -201,7 +197,10 @@ struct LowLatencyData {
     a.clean_idx = clean_idx.data() + v * T * K;
     a.num_invalid = num_invalid.data() + v;
     a.counts = counts.data();
-    a.slot_offset = slot_offset.data() + v * T * K;
+    std::vector<int32_t>& w = work[rank + 1];
+    const int V = rank < 0 ? s.R : 1;
+    w.resize(carve_ll_workspace(&a, V));
+    carve_ll_workspace(&a, V, w.data());
     a.recv_x = recv_x.data() + v * slots * row;
     a.recv_scales = recv_scales.data() + (s.fp8 ? v * slots * (H / 128) : 0);
     a.src_row = src_row.data() + v * s.R * T * K;
@@ -245,26 +244,15 @@ void fill_inputs(const Shape& s, DispatchData& d, std::mt19937& gen) {
 void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& ll, bool peers,
                const HostGrid& grid) {
   if (!peers) {
-    const VirtualPeers p{};
-    DispatchArgs a = d.args(s, -1);
-    host_per_warp(DispatchCount<VirtualPeers>{a, p}, 0, s.R, a.num_counters() + 1, grid,
-                  DispatchBases{a, 0, s.R}, a.num_counters());
-    host_per_warp(DispatchSend<VirtualPeers>{a, p}, 0, s.R, s.T, grid);
-    host_per_warp(DispatchFinish<VirtualPeers>{a, p}, 0, s.R,
-                  std::max({s.capacity, s.rows(), s.El()}), grid);
-    CombineArgs<float> ca = c.args(s, d, -1);
-    if (s.expert_major) {
-      host_per_warp(CombineReduceEntries<float>{ca}, 0, s.R, int64_t{s.R} * s.T, grid);
-    }
-    host_per_warp(CombineToken<float, VirtualPeers>{ca, p}, 0, s.R, s.T, grid);
-    LowLatencyArgs la = ll.dispatch_args(s, -1);
-    host_per_warp(LowLatencyCount<VirtualPeers>{la, p}, 0, s.R, s.E + 1, grid);
-    with_ll_send(la, p, [&](const auto& send) { host_per_warp(send, 0, s.R, s.T, grid); });
-    host_per_warp(LowLatencyFinish<VirtualPeers>{la, p}, 0, s.R, int64_t{s.El()} * s.R * s.T,
-                  grid);
+    HostLauncher l{s.R, grid};
+    run_virtual(l, kPeerDispatch, d.args(s, -1));
+    run_virtual(l, kPeerCombine, c.args(s, d, -1));
+    const LowLatencyArgs la = ll.dispatch_args(s, -1);
+    run_virtual(l, kPeerLlDispatchSend, la);
+    run_virtual(l, kPeerLlDispatchRecv, la);
     LowLatencyCombineArgs lc = ll.combine_args(s, -1);
     lc.staging = nullptr;  // virtual ranks: the receive reads y in place
-    host_per_warp(LowLatencyCombineToken{lc}, 0, s.R, s.T, grid);
+    run_virtual(l, kPeerLlCombineRecv, lc);
     return;
   }
   std::vector<std::thread> ranks;
@@ -389,7 +377,7 @@ int main() {
   const uint32_t seed = seed_text ? static_cast<uint32_t>(std::strtoul(seed_text, nullptr, 10))
                                   : std::random_device{}();
   std::printf("host peers test: seed %u (rerun with JAX_EP_TEST_SEED=%u)\n", seed, seed);
-  if (!host::initialize(8 << 20, 2 << 20).empty()) return 2;
+  if (!host::initialize(16 << 20, 4 << 20).empty()) return 2;
   const HostGrid warps{2, 2, 32, 3};  // 2 blocks of 2 warps of 32 lanes, on 3 threads per rank
   const HostGrid loop{};              // the CPU handlers' default
   const int R = 4;
@@ -398,6 +386,8 @@ int main() {
       {R, 13, 3, 8, 256, 52, false, true},    // every row kept, FP8 scales
       {R, 11, 4, 12, 128, 30, true, false},   // expert-major, entries cut
       {R, 7, 2, 4, 384, 56, true, true},      // expert-major, all kept, FP8
+      {R, 300, 6, 8, 128, 700, false, false},  // the count in 5 chunks of 64 tokens
+      {R, 200, 5, 12, 128, 1500, true, false}, // expert-major, 4 chunks
   };
   uint32_t round = 0;
   for (const Shape& s : shapes) {
