@@ -65,7 +65,7 @@ def test_schedule_invariants(seed):
         assert [s.label for s in program if s.micro_batch == mb] == [
             s.label for s in chains if s.micro_batch == mb]
     in_flight = set()
-    for i, step in enumerate(program):
+    for step in program:
         if step.part == "send" and step.stage.recv is not None:
             assert not in_flight, "two split messages in flight"
             in_flight.add(step.micro_batch)
@@ -227,12 +227,14 @@ def test_moe_layer_overlap_matches_one_batch_with_gradients():
 
 
 def test_op_scopes_reads_hlo_metadata():
-    text = """
-ENTRY %main (x: f32[4]) -> f32[4] {
-  %x = f32[4]{0} parameter(0)
-  %fusion.2 = f32[4]{0} fusion(%x), kind=kLoop, calls=%f, metadata={op_name="jit(step)/mb0/attn/tanh" stack_frame_id=2}
-  ROOT %all-to-all.1 = f32[4]{0} all-to-all(%fusion.2), metadata={op_name="jit(step)/shard_map/mb1/jax_ep.dispatch/all_to_all"}
-}"""
+    text = (
+        "\nENTRY %main (x: f32[4]) -> f32[4] {\n"
+        "  %x = f32[4]{0} parameter(0)\n"
+        "  %fusion.2 = f32[4]{0} fusion(%x), kind=kLoop, calls=%f, "
+        'metadata={op_name="jit(step)/mb0/attn/tanh" stack_frame_id=2}\n'
+        "  ROOT %all-to-all.1 = f32[4]{0} all-to-all(%fusion.2), "
+        'metadata={op_name="jit(step)/shard_map/mb1/jax_ep.dispatch/all_to_all"}\n'
+        "}")
     assert profile.op_scopes(text) == {
         "fusion.2": "mb0/attn/tanh",
         "all-to-all.1": "shard_map/mb1/jax_ep.dispatch/all_to_all",
@@ -253,7 +255,8 @@ def test_capture_writes_a_labelled_trace(tmp_path):
     for part in ("mb0/dispatch.send", "mb1/dispatch.send", "mb0/combine.recv",
                  "mb1/combine.recv", "jax_ep.low_latency_dispatch_send"):
         assert any(part in s for s in scopes), part
-    raw = json.load(gzip.open(trace.raw_path, "rt"))["traceEvents"]
+    with gzip.open(trace.raw_path, "rt") as file:
+        raw = json.load(file)["traceEvents"]
     assert len(raw) == len(events)  # labelled, not filtered
     with pytest.raises(ValueError, match="steps must be >= 1"):
         profile.capture(lambda a: a, jnp.zeros(2), log_dir=tmp_path, steps=0)
