@@ -281,19 +281,21 @@ JAX_EP_HOST_DEVICE int count_chunks(int num_tokens, int top_k) {
   return (num_tokens + (1 << shift) - 1) >> shift;
 }
 
-// Chunk g of a source's routing `raw` (T tokens of K ids, E experts): writes its clean
-// routing (invalid ids replaced by -1) and numbers its entries by their counters in one pass:
-// kWays counters per entry, counter(i, w) for way w (-1: none) among n counters. Calls
+// Chunk g (2^shift tokens) of a source's routing `raw` (T tokens of K ids, E experts): writes
+// its clean routing (invalid ids replaced by -1) and numbers its entries by their counters in
+// one pass: kWays counters per entry, counter(i, w) for way w (-1: none) among n counters. Calls
 // numbered(i, w, c, number) for each entry i with a counter c (its rank among c's entries of
 // the chunk, in order), and writes the chunk's count of each counter to counts.
 template <int kWays, typename Counter, typename Numbered>
-JAX_EP_HOST_DEVICE void count_chunk(const int32_t* raw, int32_t* clean, int g, int T, int K,
-                                    int E, int n, int32_t* counts, const Counter& counter,
+JAX_EP_HOST_DEVICE void count_chunk(const int32_t* raw, int32_t* clean, int g, int shift, int T,
+                                    int K, int E, int n, int32_t* counts, const Counter& counter,
                                     const Numbered& numbered, int lane, int lanes) {
-  const int64_t first = (static_cast<int64_t>(g) << count_chunk_shift(K)) * K;
-  const int64_t last = first + (int64_t{1} << count_chunk_shift(K)) * K;
+  const int64_t first = (static_cast<int64_t>(g) << shift) * K;
+  const int64_t last = first + (int64_t{1} << shift) * K;
   const int64_t end = last < static_cast<int64_t>(T) * K ? last : static_cast<int64_t>(T) * K;
-  for (int64_t i = first + lane; i < end; i += lanes) clean[i] = is_choice(raw[i], E) ? raw[i] : -1;
+  for (int64_t i = first + lane; i < end; i += lanes) {
+    clean[i] = is_choice(raw[i], E) ? raw[i] : -1;
+  }
   for (int lo = 0; lo < n; lo += kTallyCounters) {
     Tally tally(lo, lane, lanes);
     for (int64_t base = first; base < end; base += lanes) {  // the same rounds in every lane
@@ -324,6 +326,21 @@ JAX_EP_HOST_DEVICE int32_t scan_chunks(int32_t* column, int chunks, int64_t stri
     }
   }
   return total;
+}
+
+// The count's tail for counter c of one source, before the launch meets the peers (`table`:
+// the source's chunk counts, n counters a chunk, the last one its invalid ids): scan_chunks,
+// then the total published to `counts` (the source's row of them) on every one of the R ranks
+// (one shared copy with virtual ranks), or, for the last counter, to *num_invalid.
+template <typename Peers>
+JAX_EP_HOST_DEVICE void publish_total(const Peers& peers, int32_t* table, int chunks, int n,
+                                      int c, int32_t* counts, int R, int32_t* num_invalid) {
+  const int32_t total = scan_chunks(table + c, chunks, n);
+  if (c == n - 1) {
+    *num_invalid = total;
+    return;
+  }
+  for (int d = 0; d < R; ++d) peers.at(counts, 0, d)[c] = total;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -401,7 +418,6 @@ struct DispatchArgs {
 
   JAX_EP_HOST_DEVICE int experts_per_rank() const { return num_experts / num_ranks; }
   JAX_EP_HOST_DEVICE int num_counters() const { return num_ranks + num_experts; }
-  JAX_EP_HOST_DEVICE int chunks() const { return num_chunks; }
   // Source s's counts of the chunks before the chunk of token t (after the count).
   JAX_EP_HOST_DEVICE const int32_t* chunks_before(int s, int t) const {
     return chunk_counts + (local(s) * num_chunks + (t >> chunk_shift)) * (num_counters() + 1);
@@ -432,7 +448,7 @@ inline int64_t carve_dispatch_workspace(DispatchArgs* a, int64_t V, int32_t* wor
   a->num_chunks = count_chunks(a->num_tokens, a->top_k);
   int32_t** parts[] = {&a->counts, &a->chunk_counts, &a->token_offset, &a->entry_offset,
                        &a->row_base, &a->entry_base};
-  const int64_t sizes[] = {R * (R + E), V * a->chunks() * (R + E + 1), V * T * R, V * T * K,
+  const int64_t sizes[] = {R * (R + E), V * a->num_chunks * (R + E + 1), V * T * R, V * T * K,
                            V * R, V * E};
   int64_t used = 0;
   for (int i = 0; i < 6; ++i) {
@@ -452,7 +468,8 @@ JAX_EP_HOST_DEVICE void dispatch_count(const DispatchArgs& a, int s, int g, int 
   const int64_t here = a.local(s) * T * K;
   const int32_t* raw = a.topk_idx + here;
   count_chunk<2>(
-      raw, a.clean_idx + here, g, T, K, E, n, a.chunk_counts + (a.local(s) * a.chunks() + g) * n,
+      raw, a.clean_idx + here, g, a.chunk_shift, T, K, E, n,
+      a.chunk_counts + (a.local(s) * a.num_chunks + g) * n,
       [&](int64_t i, int way) {
         const int32_t e = raw[i];
         if (way == 0) return is_choice(e, E) ? R + e : is_invalid(e, E) ? R + E : -1;
@@ -467,24 +484,6 @@ JAX_EP_HOST_DEVICE void dispatch_count(const DispatchArgs& a, int s, int g, int 
         }
       },
       lane, lanes);
-}
-
-// The count's tail before this rank meets its peers, items (s, c) of the launch's sources,
-// c in [0, R + E]: counter c's chunk counts of source s made the counts before each chunk,
-// and its total published: to every rank's copy of the counts (one shared copy with virtual
-// ranks), or to num_invalid (c == R + E).
-template <typename Peers>
-JAX_EP_HOST_DEVICE void dispatch_totals(const DispatchArgs& a, const Peers& peers, int s, int c) {
-  const int n = a.num_counters() + 1;
-  const int32_t total = scan_chunks(a.chunk_counts + a.local(s) * a.chunks() * n + c,
-                                    a.chunks(), n);
-  if (c == n - 1) {
-    a.num_invalid[a.local(s)] = total;
-    return;
-  }
-  for (int d = 0; d < a.num_ranks; ++d) {
-    peers.at(a.counts, 0, d)[static_cast<int64_t>(s) * a.num_counters() + c] = total;
-  }
 }
 
 // The count phase's tail (run once every source's counts are here), items c in [0, R + E):
@@ -625,8 +624,8 @@ JAX_EP_HOST_DEVICE void dispatch_send_entry(const DispatchArgs& a, const Peers& 
     const int32_t f = ids[q];
     rank += choice_rank(f, E, El) == d && (f < e || (f == e && q < k));
   }
-  peers.at(a.row_entries, static_cast<int64_t>(a.rows()) * K, d)[static_cast<int64_t>(row) * K + rank] =
-      kept ? pos : -1;
+  int32_t* row_entries = peers.at(a.row_entries, static_cast<int64_t>(a.rows()) * K, d);
+  row_entries[static_cast<int64_t>(row) * K + rank] = kept ? pos : -1;
 }
 
 // Phase 2, items (s, t): source s writes token t into every receiver: its metadata (the lanes
@@ -734,7 +733,9 @@ JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peer
   int32_t num_rows = kept;
   if (a.expert_major) {
     num_rows = 0;
-    for (int q = 0; q < R; ++q) num_rows += a.counts[static_cast<int64_t>(q) * a.num_counters() + d];
+    for (int q = 0; q < R; ++q) {
+      num_rows += a.counts[static_cast<int64_t>(q) * a.num_counters() + d];
+    }
   }
   if (i < rows) {
     land(landing(peers, a.recv_src, o.src, rows, d, ld), i, 1, i < num_rows, -1);
@@ -999,7 +1000,6 @@ struct LowLatencyArgs {
   JAX_EP_HOST_DEVICE int experts_per_rank() const { return num_experts / num_ranks; }
   JAX_EP_HOST_DEVICE int64_t slots() const { return static_cast<int64_t>(num_ranks) * num_tokens; }
   JAX_EP_HOST_DEVICE int64_t row_bytes() const { return use_fp8 ? hidden : 2 * hidden; }
-  JAX_EP_HOST_DEVICE int chunks() const { return num_chunks; }
   // Source s's messages of the chunks before the chunk of token t (after the count).
   JAX_EP_HOST_DEVICE const int32_t* chunks_before(int s, int t) const {
     return chunk_counts + (local(s) * num_chunks + (t >> chunk_shift)) * (num_experts + 1);
@@ -1016,7 +1016,7 @@ inline int64_t carve_ll_workspace(LowLatencyArgs* a, int64_t V, int32_t* work = 
     a->slot_offset = work;
     a->chunk_counts = work + offsets;
   }
-  return offsets + V * a->chunks() * (a->num_experts + 1);
+  return offsets + V * a->num_chunks * (a->num_experts + 1);
 }
 
 // True when choice k is the first choice of `ids` equal to ids[k] (duplicates send once).
@@ -1035,8 +1035,8 @@ JAX_EP_HOST_DEVICE void ll_count(const LowLatencyArgs& a, int s, int g, int lane
   const int64_t here = a.local(s) * T * K;
   const int32_t* raw = a.topk_idx + here;
   count_chunk<1>(
-      raw, a.clean_idx + here, g, T, K, E, E + 1,
-      a.chunk_counts + (a.local(s) * a.chunks() + g) * (E + 1),
+      raw, a.clean_idx + here, g, a.chunk_shift, T, K, E, E + 1,
+      a.chunk_counts + (a.local(s) * a.num_chunks + g) * (E + 1),
       [&](int64_t i, int) {
         const int32_t e = raw[i];
         const int k = static_cast<int>(i % K);
@@ -1047,21 +1047,6 @@ JAX_EP_HOST_DEVICE void ll_count(const LowLatencyArgs& a, int s, int g, int lane
         if (c < E) a.slot_offset[here + i] = number;
       },
       lane, lanes);
-}
-
-// The count's tail, items (s, e) of the launch's sources, e in [0, E]: expert e's chunk counts
-// of source s made the counts before each chunk, and its total published: to every rank's
-// copy of the counts, or to num_invalid (e == E).
-template <typename Peers>
-JAX_EP_HOST_DEVICE void ll_totals(const LowLatencyArgs& a, const Peers& peers, int s, int e) {
-  const int E = a.num_experts;
-  const int32_t total =
-      scan_chunks(a.chunk_counts + a.local(s) * a.chunks() * (E + 1) + e, a.chunks(), E + 1);
-  if (e == E) {
-    a.num_invalid[a.local(s)] = total;
-    return;
-  }
-  for (int d = 0; d < a.num_ranks; ++d) peers.at(a.counts, 0, d)[static_cast<int64_t>(s) * E + e] = total;
 }
 
 // The compact slot of source s's message to expert e numbered `offset`: after the messages of
@@ -1125,7 +1110,9 @@ JAX_EP_HOST_DEVICE void ll_cast_rows(const LowLatencyArgs& a, const Bf16* x, Fan
     }
     float amax = 0.0f;
 #if defined(__CUDA_ARCH__)
-    JAX_EP_UNROLL for (int i = 0; i < kCastChannels; ++i) amax = larger_abs(amax, part_channel(v, i));
+    JAX_EP_UNROLL for (int i = 0; i < kCastChannels; ++i) {
+      amax = larger_abs(amax, part_channel(v, i));
+    }
     JAX_EP_UNROLL for (int offset = kCastParts / 2; offset > 0; offset /= 2) {
       const float other = __shfl_xor_sync(0xffffffffu, amax, offset);
       amax = other > amax ? other : amax;
@@ -1315,8 +1302,8 @@ JAX_EP_HOST_DEVICE void ll_combine_send(const LowLatencyCombineArgs& a, const Pe
   Bf16* staging = peers.at(a.staging, static_cast<int64_t>(T) * K * H, s);
   for (int k = 0; k < K; ++k) {
     if (rows[k] < 0) continue;
-    copy_row(staging + (t * K + k) * H, y + static_cast<int64_t>(rows[k]) * H, 2 * static_cast<int64_t>(H),
-             lane, lanes);
+    copy_row(staging + (t * K + k) * H, y + static_cast<int64_t>(rows[k]) * H,
+             2 * static_cast<int64_t>(H), lane, lanes);
   }
 }
 

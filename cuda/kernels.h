@@ -12,11 +12,11 @@
 namespace jax_ep::cuda {
 
 // Runs op `op` (PeerOp) on `stream`, each launch on at most `num_sms` SMs' worth of blocks
-// (0: no bound but the grid cap of cuda/phases.cuh); the error is empty on success. With `axis_index` null:
-// virtual ranks, the op of cuda/virtual_ops.h over operands and results stacked [R, ...]
-// (cuda/exchange.cu). Else one rank per device: the op of cuda/peer_ops.h for this device's
-// rank, operands and results stacked [1, ...], `axis_index` the device address of the op's EP
-// axis index, peers through NVSHMEM (cuda/peer_exchange.cu). Args is one of
+// (0: no bound but the grid cap of cuda/phases.cuh); the error is empty on success. With
+// `axis_index` null: virtual ranks, the op of cuda/virtual_ops.h over operands and results
+// stacked [R, ...] (cuda/exchange.cu). Else one rank per device: the op of cuda/peer_ops.h for
+// this device's rank, operands and results stacked [1, ...], `axis_index` the device address
+// of the op's EP axis index, peers through NVSHMEM (cuda/peer_exchange.cu). Args is one of
 // JAX_EP_FOR_EACH_OP_ARGS.
 template <typename Args>
 PeerError run(int op, const Args& args, const int32_t* axis_index, int num_sms,

@@ -306,7 +306,7 @@ PeerError run_op(Platform& p, int op, const DispatchArgs& out) {
   // The count's tail publishes the totals into the peers' buffers (the count starts once the
   // peers are done with the last op's data) and, once every rank's are here, computes this
   // rank's bases.
-  p.per_warp(DispatchCount{a}, a.chunks(), Meet{Wait::kStart, true, Wait::kStart},
+  p.per_warp(DispatchCount{a}, a.num_chunks, Meet{Wait::kStart, true, Wait::kStart},
              DispatchTail<Peers>{a, a.first_rank, 1, p.peers()});
   p.per_warp(DispatchSend<Peers>{a, p.peers()}, a.num_tokens, Meet{{}, true, {}});
   // The finish, once every row has arrived; its arrival frees this rank's buffer.
@@ -391,7 +391,7 @@ PeerError run_op(Platform& p, int op, const LowLatencyArgs& out) {
       return in_flight(op, a.buffer, "low_latency_dispatch_recv", &use.dispatch_in_flight);
     }
     // The count numbers this rank's messages; the send needs no other rank's counts.
-    p.per_warp(LowLatencyCount{a}, a.chunks(), Meet{Wait::kStart, false, {}, use.last_use},
+    p.per_warp(LowLatencyCount{a}, a.num_chunks, Meet{Wait::kStart, false, {}, use.last_use},
                LowLatencyTotals<Peers>{a, a.first_rank, 1, p.peers()});
     with_ll_send(a, p.peers(),
                  [&](const auto& send) { p.per_warp(send, a.num_tokens, Meet{{}, true, {}}); });

@@ -61,8 +61,10 @@ struct DispatchTail {
   }
   JAX_EP_HOST_DEVICE int64_t items() const { return a.num_counters(); }
   JAX_EP_HOST_DEVICE void early(int64_t i) const {
-    const int n = a.num_counters() + 1;
-    dispatch_totals(a, peers, first + static_cast<int>(i / n), static_cast<int>(i % n));
+    const int n = a.num_counters() + 1, s = first + static_cast<int>(i / n);
+    publish_total(peers, a.chunk_counts + a.local(s) * a.num_chunks * n, a.num_chunks, n,
+                  static_cast<int>(i % n), a.counts + static_cast<int64_t>(s) * a.num_counters(),
+                  a.num_ranks, a.num_invalid + a.local(s));
   }
   JAX_EP_HOST_DEVICE void operator()(int64_t c) const {
     dispatch_bases(a, first, ranks, static_cast<int>(c));
@@ -126,8 +128,10 @@ struct LowLatencyTotals {
   }
   JAX_EP_HOST_DEVICE int64_t items() const { return 0; }
   JAX_EP_HOST_DEVICE void early(int64_t i) const {
-    const int n = a.num_experts + 1;
-    ll_totals(a, peers, first + static_cast<int>(i / n), static_cast<int>(i % n));
+    const int n = a.num_experts + 1, s = first + static_cast<int>(i / n);
+    publish_total(peers, a.chunk_counts + a.local(s) * a.num_chunks * n, a.num_chunks, n,
+                  static_cast<int>(i % n), a.counts + static_cast<int64_t>(s) * a.num_experts,
+                  a.num_ranks, a.num_invalid + a.local(s));
   }
   JAX_EP_HOST_DEVICE void operator()(int64_t) const {}
 };

@@ -6,9 +6,10 @@
 //
 // A launch may also have a tail (NoTail): items that need every item of the launch done (the
 // count phase's totals and bases). The block that finishes last, found with a ticket, runs
-// them with its threads, one item per thread: no launch of its own. Between GPUs a launch also meets the
-// other ranks (Meet, cuda/peer_exchange.cu): before its items, every block waits for the
-// peers' earlier launches; after them, the last block tells the peers this launch is done.
+// them with its threads, one item per thread: no launch of its own. Between GPUs a launch
+// also meets the other ranks (Meet, cuda/peer_exchange.cu): before its items, every block
+// waits for the peers' earlier launches; after them, the last block tells the peers this
+// launch is done.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -74,10 +75,10 @@ __global__ void __launch_bounds__(kPhaseThreads, MinBlocksPerSm<Phase>::value)
   for (int64_t i = threadIdx.x; i < tail.items(); i += kPhaseThreads) tail(i);
 }
 
-// One launch of `phase` over ranks x items, then `tail`, meeting as `meet`
-// says, on at most `num_sms` SMs' worth of blocks (0: kMaxPhaseBlocks blocks): num_sms times
-// the blocks one SM holds at once, so the launch takes no more warp slots than num_sms SMs
-// have. A launch with no items still runs when it has a tail or meets its peers.
+// One launch of `phase` over ranks x items, then `tail`, meeting as `meet` says, on at most
+// `num_sms` SMs' worth of blocks (0: kMaxPhaseBlocks blocks): num_sms times the blocks one SM
+// holds at once, so the launch takes no more warp slots than num_sms SMs have. A launch with
+// no items still runs when it has a tail or meets its peers.
 template <typename Phase, typename Tail = NoTail, typename Meeting = NoMeet>
 cudaError_t per_warp(const Phase& phase, int first_rank, int ranks, int64_t items,
                      cudaStream_t stream, int num_sms, const Tail& tail = {},

@@ -20,7 +20,7 @@ namespace jax_ep {
 template <typename L>
 void run_virtual(L& l, int, const DispatchArgs& a) {
   using Peers = VirtualPeers;
-  l.per_warp(DispatchCount{a}, a.chunks(), DispatchTail<Peers>{a, 0, a.num_ranks});
+  l.per_warp(DispatchCount{a}, a.num_chunks, DispatchTail<Peers>{a, 0, a.num_ranks});
   l.per_warp(DispatchSend<Peers>{a}, a.num_tokens);
   l.per_warp(DispatchFinish<Peers>{a}, a.finish_items());
 }
@@ -37,7 +37,7 @@ template <typename L>
 void run_virtual(L& l, int op, const LowLatencyArgs& a) {
   using Peers = VirtualPeers;
   if (op == kPeerLlDispatchSend) {
-    l.per_warp(LowLatencyCount{a}, a.chunks(), LowLatencyTotals<Peers>{a, 0, a.num_ranks});
+    l.per_warp(LowLatencyCount{a}, a.num_chunks, LowLatencyTotals<Peers>{a, 0, a.num_ranks});
     with_ll_send(a, Peers{}, [&](const auto& send) { l.per_warp(send, a.num_tokens); });
   } else {
     l.per_warp(LowLatencyFinish<Peers>{a}, a.experts_per_rank() * a.slots());
