@@ -6,7 +6,7 @@ backward) as shard_map-friendly functions with static shapes. See docs/contract.
 
 from jax_ep import backends, checks, eplb, fp8, overlap, profile, runtime, virtual
 from jax_ep.checks import checked
-from jax_ep.dispatch import DEFAULT_NUM_SMS, combine, dispatch
+from jax_ep.dispatch import DEFAULT_NUM_SMS, capacity_from_factor, combine, dispatch
 from jax_ep.layout import get_dispatch_layout
 from jax_ep.low_latency import (
     low_latency_combine,
@@ -36,6 +36,7 @@ __all__ = [
     "LowLatencyReceived",
     "Received",
     "backends",
+    "capacity_from_factor",
     "checked",
     "checks",
     "combine",

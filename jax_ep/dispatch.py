@@ -9,6 +9,9 @@ dispatch (with the same handle). The exact outputs are specified in docs/contrac
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+from fractions import Fraction
 from functools import partial
 from typing import Literal
 
@@ -34,6 +37,31 @@ class _DispatchConfig:
     capacity: int
     expert_major: bool
     placement: backends.Placement
+
+
+def capacity_from_factor(capacity_factor: float, *, num_ranks: int, num_tokens: int,
+                         top_k: int, num_experts: int, expert_major: bool = False) -> int:
+    """The dispatch capacity that `capacity_factor` stands for.
+
+    capacity = ceil(capacity_factor * what a rank receives on average when every token picks
+    K distinct experts uniformly at random), at most the worst case (the default capacity):
+    - rank-major, rows: R*T * (1 - C(E - E/R, K) / C(E, K)), the chance that a token has a
+      choice on a given rank;
+    - expert-major, entries: T*K.
+    """
+    experts_per_rank = num_experts // num_ranks
+    if expert_major:
+        average = Fraction(num_tokens * top_k)
+        worst = num_ranks * num_tokens * min(top_k, experts_per_rank)
+    else:
+        misses = Fraction(math.comb(num_experts - experts_per_rank, top_k),
+                          math.comb(num_experts, top_k))
+        average = num_ranks * num_tokens * (1 - misses)
+        worst = num_ranks * num_tokens
+    # The factor as its shortest decimal (1.1, not the binary float above it): 1.1 * 300
+    # gives 330 entries, as written.
+    factor = Fraction(repr(float(capacity_factor)))
+    return max(1, min(worst, math.ceil(factor * average)))
 
 
 def _check_x(op: str, x, num_tokens: int) -> tuple[jax.Array, jax.Array | None]:
@@ -68,6 +96,7 @@ def dispatch(
     num_experts: int,
     axis_name: str = "ep",
     capacity: int | None = None,
+    capacity_factor: float | None = None,
     expert_major: bool = False,
     on_overflow: Literal["error", "drop"] = "error",
     on_invalid: Literal["error", "mask"] = "error",
@@ -86,6 +115,10 @@ def dispatch(
       axis_name: the mesh axis of the expert-parallel group.
       capacity: static rows of the output (entries when `expert_major`). Default: the
         worst case, R*T (R*T*min(K, E/R) when `expert_major`), which never overflows.
+      capacity_factor: instead of `capacity`, a multiple of what a rank receives on average
+        under uniform routing: capacity = ceil(capacity_factor * R*T * (1 - C(E - E/R, K) /
+        C(E, K))) rows, or ceil(capacity_factor * T*K) entries when `expert_major`, at most
+        the default (see `capacity_from_factor`).
       expert_major: return one row per (token, local expert) choice grouped by expert, with
         `group_sizes` for `jax.lax.ragged_dot`, instead of one row per token.
       on_overflow: what a rank that needs more than `capacity` does: it keeps the first
@@ -112,6 +145,14 @@ def dispatch(
     experts_per_rank = _checks.check_num_experts(op, num_experts, num_ranks, axis_name)
     _checks.check_top_k(op, top_k, num_experts)
     _checks.check_positive_int(op, "capacity", capacity, allow_none=True)
+    if capacity_factor is not None:
+        if capacity is not None:
+            raise ValueError(f"{op}: pass capacity or capacity_factor, not both; got "
+                             f"capacity={capacity!r} and capacity_factor={capacity_factor!r}.")
+        if (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real)
+                or not math.isfinite(capacity_factor) or capacity_factor <= 0):
+            raise ValueError(f"{op}: capacity_factor must be a positive finite Python float "
+                             f"(a static value); got {capacity_factor!r}.")
     if not isinstance(expert_major, bool):
         raise TypeError(f"{op}: expert_major must be a bool; got {expert_major!r}.")
     _checks.check_choice(op, "on_overflow", on_overflow, _checks.OVERFLOW_POLICIES)
@@ -119,6 +160,10 @@ def dispatch(
     placement = _checks.placement(op, num_sms, stream)
     # Rows (entries) a rank can need at most; a capacity that large never overflows.
     worst_case = num_ranks * num_tokens * (top_k if expert_major else 1)
+    if capacity_factor is not None:
+        capacity = capacity_from_factor(
+            float(capacity_factor), num_ranks=num_ranks, num_tokens=num_tokens, top_k=top_k,
+            num_experts=num_experts, expert_major=expert_major)
     if capacity is None:
         capacity = num_ranks * num_tokens
         if expert_major:  # duplicate choices of one expert may still exceed this
@@ -169,8 +214,8 @@ def _dispatch_bwd(config, residuals, cotangents):
     to_sources = backends.function(config.backend, "dispatch", "weights_to_sources",
                                    placement=config.placement)
     d_weights = to_sources(d_received.topk_weights, received_idx, handle)
-    if d_received.scales is not None:  # FP8 data is not differentiated
-        d_x = jnp.zeros((handle.num_tokens, d_received.x.shape[1]), d_received.x.dtype)
+    if d_received.scales is not None:  # FP8 data is not differentiated: a zero cotangent
+        d_x = None
     else:
         combine_rows = backends.function(config.backend, "dispatch", "combine",
                                          placement=config.placement)

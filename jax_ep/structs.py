@@ -91,19 +91,41 @@ class Received:
 
 
 @_pytree
+class RaggedRows:
+    """How the portable backend's ragged transport moved a dispatch's rows.
+
+    A sender packs its rows by destination rank, in token order; a receiver gets them packed
+    by source rank. Both the dispatch and its transpose (combine) use this layout.
+
+    Attributes:
+      counts: int32 [R, R], rows rank s sent to rank d (after the capacity cut), the same on
+        every rank.
+      slots: int32 [T, min(K, R)], the packed row of each of this rank's tokens for its
+        destination ranks in ascending order, -1 past them (or where the row was dropped).
+    """
+
+    counts: jax.Array
+    slots: jax.Array
+
+
+@_pytree
 class DispatchHandle:
     """Everything combine (and the backward passes) need to undo a dispatch.
 
     Attributes:
       topk_idx: int32 [T, K], this rank's routing with invalid ids replaced by -1.
       recv_src: int32 [N], source of each rank-major row: s * T + t, or -1 past the count.
-        N = capacity (rank-major) or R*T (expert-major, where capacity applies to entries).
+        N = capacity (rank-major) or R*T (expert-major, where capacity applies to entries;
+        min(capacity, R*T) with the ragged transport, below).
       src_row: int32 [R*T], the inverse of recv_src: the rank-major row of each source token
         s * T + t on this rank, or -1 when it was not received (or dropped).
       entry_row: int32 [capacity], rank-major row of each entry (expert-major), else None.
       entry_choice: int32 [capacity], top-k slot k of each entry (expert-major), else None.
-      row_entries: int32 [R*T, K], entries of each rank-major row in their sorted order,
+      row_entries: int32 [N, K], entries of each rank-major row in their sorted order,
         -1 padded (expert-major), else None.
+      ragged: the rows' layout when the portable backend's ragged transport moved them, else
+        None. Its expert-major rows are only those that hold a kept entry, so there
+        N = min(capacity, R*T).
     """
 
     topk_idx: jax.Array
@@ -117,6 +139,7 @@ class DispatchHandle:
     capacity: int = static()
     expert_major: bool = static()
     axis_name: str = static()
+    ragged: RaggedRows | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -152,6 +175,25 @@ class LowLatencyReceived:
 
 
 @_pytree
+class RaggedEntries:
+    """How the portable backend's ragged transport brings low-latency expert outputs home:
+    one row per (token, distinct expert) pair.
+
+    Attributes:
+      counts: int32 [R, R], pairs of home rank s whose expert lives on rank d, the same on
+        every rank.
+      entry_src: int32 [R*T*min(K, E_local)], the expert side: the row of the flattened slots
+        [E_local * R*T] that each packed pair returns, packed by home rank, -1 past them.
+      entry_pos: int32 [T, K], the home side: the packed row that brings back each choice
+        (a duplicate choice shares its first one's), -1 where masked.
+    """
+
+    counts: jax.Array
+    entry_src: jax.Array
+    entry_pos: jax.Array
+
+
+@_pytree
 class LowLatencyHandle:
     """Routing that low-latency combine needs to bring expert outputs home.
 
@@ -168,6 +210,7 @@ class LowLatencyHandle:
     num_ranks: int = static()
     axis_name: str = static()
     buffer: int = static(0)  # the low-latency region of the exchange (backends.Placement)
+    ragged: RaggedEntries | None = None  # set by the portable backend's ragged transport
 
 
 @_pytree

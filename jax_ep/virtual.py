@@ -35,6 +35,8 @@ from jax_ep.structs import (
 )
 
 AXIS = "virtual_ranks"
+# The portable ops run under vmap here, where ragged_all_to_all has no batching rule.
+VMAP_TRANSPORT = "all_gather"
 BACKENDS = ("cuda", "xla")
 
 
@@ -138,7 +140,7 @@ def dispatch(
         def run(xs, ss, idx, w):
             received, handle, _ = xla.dispatch(
                 xs, ss, idx, w, num_experts=num_experts, axis_name=AXIS, capacity=capacity,
-                expert_major=expert_major)
+                expert_major=expert_major, transport_name=VMAP_TRANSPORT)
             return received, handle
 
         return jax.vmap(run, axis_name=AXIS, axis_size=num_ranks)(data, scales, topk_idx,
@@ -195,7 +197,8 @@ def low_latency_dispatch_send(x, topk_idx, *, num_experts: int, use_fp8: bool = 
     if name == "xla":
         data = jax.vmap(
             lambda xs, idx: xla.low_latency_dispatch_send(
-                xs, idx, num_experts=num_experts, axis_name=AXIS, use_fp8=use_fp8),
+                xs, idx, num_experts=num_experts, axis_name=AXIS, use_fp8=use_fp8,
+                transport_name=VMAP_TRANSPORT),
             axis_name=AXIS, axis_size=R)(x, topk_idx)
     else:
         data = _exchange_ffi.ll_dispatch_send(x, topk_idx, num_ranks=R, num_experts=num_experts,

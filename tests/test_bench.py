@@ -124,3 +124,20 @@ def test_bench_prints_the_performance_model(tmp_path):
                            perfmodel.H800, mode="low_latency")
     assert rows["ll_combine"]["model_s"] == ll.combine_s
     assert "layout" not in rows  # not asked for; and the model has no layout row
+
+
+def test_bench_reports_wire_bytes_and_transport(tmp_path, monkeypatch):
+    """The ragged transport (its CPU model here): named in the header, the rows and the rerun
+    command; the wire table gives each transport's bytes against the routed minimum."""
+    monkeypatch.setenv("JAX_EP_XLA_TRANSPORT", "ragged")
+    proc, record = _run_bench(tmp_path, "--ops", "dispatch", "ll_combine", "--backends", "xla")
+    assert "xla backend's transport: ragged" in proc.stdout
+    assert record["command"].startswith("JAX_EP_XLA_TRANSPORT=ragged python -m jax_ep.bench")
+    assert {r["transport"] for r in record["rows"]} == {"ragged"}
+    assert "bytes sent to other ranks, per rank" in proc.stdout
+    wire = record["wire_bytes_per_rank"]
+    assert {"dispatch", "ll_combine"} <= set(wire)  # (--fp8 adds dispatch_fp8)
+    for op, w in wire.items():
+        assert 0 < w["minimum"] <= w["cuda"] and w["minimum"] <= w["ragged"], (op, w)
+        assert w["ragged"] < w["all_gather"], (op, w)
+    assert wire["ll_combine"]["ragged"] == wire["ll_combine"]["minimum"]

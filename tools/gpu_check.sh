@@ -6,12 +6,13 @@
 # Builds and installs jax_ep against what is installed (no build isolation, no dependency
 # resolution), then runs every check on the installed package from a directory outside the
 # source tree: the kernel cases, the large case (DeepEP's shapes, GPU against the CPU handlers,
-# per-kernel profile), compute-sanitizer (memcheck, synccheck, initcheck, racecheck on jax_ep's
+# per-kernel profile), the xla backend's ragged transport (XLA's ragged_all_to_all),
+# compute-sanitizer (memcheck, synccheck, initcheck, racecheck on jax_ep's
 # kernels), 2 and 4 processes through real NVSHMEM, the benchmarks (which fail unless their cuda
 # rows ran) and the CPU test suite. Writes one report (markdown + JSON) under docs/gpu/ (or
 # $JAX_EP_GPU_REPORT_DIR) and OUT_DIR. A failing step is recorded and the next one runs; the exit
 # status is non-zero when any step failed. Name STEPs to run only those: env build installed
-# ptxas kernels large memcheck synccheck initcheck racecheck smoke2 smoke4 bench_ep1
+# ptxas kernels large ragged memcheck synccheck initcheck racecheck smoke2 smoke4 bench_ep1
 # bench_virtual tests. See docs/gpu/README.md.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -90,6 +91,7 @@ step ptxas python3 "$ROOT/tools/check_ptxas.py"
 step kernels python3 "$ROOT/tools/gpu_kernels.py" --json "$OUT_DIR/kernels.json"
 step large python3 "$ROOT/tools/gpu_large_case.py" --profile "$RUN_DIR/profile" \
   --json "$OUT_DIR/large.json"
+step ragged python3 "$ROOT/tools/gpu_ragged_case.py"
 step memcheck sanitize memcheck
 step synccheck sanitize synccheck
 step initcheck sanitize initcheck

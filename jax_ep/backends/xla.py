@@ -3,28 +3,44 @@
 This is the CPU default and the reference implementation that the CUDA kernels are checked
 against, so it follows docs/contract.md literally, including the float32 summation orders.
 
-Transport. Both directions exchange fixed-size per-rank blocks of T rows:
-- towards the experts (dispatch, and the backward of combine) each rank receives every
-  source's [T, ...] block with `all_gather` and picks the rows routed to it;
-- towards the tokens' home (combine, and the backward of dispatch) each rank scatters its
-  rows into one [T, ...] block per source and exchanges the blocks with `all_to_all`.
-On the dispatch side a padded `all_to_all` of T-row chunks delivers the same bytes to each
-rank as the `all_gather`, but first builds R chunks at the sender: measured on 8 host
-devices (2 cores, T=256, H=1024, bf16, median of 20) the exchange took 60 ms with
-`all_to_all` and 36 ms with `all_gather`. `ragged_all_to_all`, which sends only the routed
-rows, does not run on XLA:CPU (jax 0.10.2), the platform this backend must cover; the CUDA
-backend is the fast path on GPUs.
+Transports (`transport()`):
+- "ragged" (jax_ep/backends/ragged.py): only the routed rows travel, in
+  `ragged_all_to_all`; the default where JAX compiles for a GPU or TPU.
+- "all_gather" (this module): fixed-size per-rank blocks of T rows. Towards the experts
+  (dispatch, and the backward of combine) each rank receives every source's [T, ...] block
+  with `all_gather` and picks the rows routed to it; towards the tokens' home (combine, and
+  the backward of dispatch) each rank scatters its rows into one [T, ...] block per source and
+  exchanges the blocks with `all_to_all`. The default on the CPU, which cannot run
+  `ragged_all_to_all` (jax 0.10.2). There a padded `all_to_all` of T-row chunks delivers the
+  same bytes as the `all_gather` but first builds R chunks at the sender: measured on 8 host
+  devices (2 cores, T=256, H=1024, bf16, median of 20) the exchange took 60 ms with
+  `all_to_all` and 36 ms with `all_gather`.
+Both give the same bits; the choice is made when an op is traced, and the handles say which
+transport moved their rows (`handle.ragged`).
 
 All functions run per shard inside `shard_map` over `axis_name`.
 """
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jax_ep import fp8, routing
+from jax_ep.backends import ragged
+from jax_ep.backends._rows import (
+    choice_rows,
+    expert_entries,
+    expert_slots,
+    gather_rows,
+    products,
+    scatter_rows,
+    slot_rows,
+    sum_in_order,
+)
 from jax_ep.structs import (
     DispatchHandle,
     DispatchLayout,
@@ -34,26 +50,27 @@ from jax_ep.structs import (
 )
 
 NAME = "xla"
+TRANSPORTS = ("all_gather", "ragged")
+TRANSPORT_ENV_VAR = "JAX_EP_XLA_TRANSPORT"
 
 
 # ---------------------------------------------------------------------------------------------
-# Small helpers
+# Transport
 
 
-def _gather_rows(table: jax.Array, index: jax.Array, fill: int | float = 0) -> jax.Array:
-    """table[index] along axis 0, with `fill` where index is -1 (or out of range)."""
-    n = table.shape[0]
-    safe = jnp.where((index >= 0) & (index < n), index, n)
-    return jnp.take(table, safe, axis=0, mode="fill", fill_value=fill)
-
-
-def _scatter_rows(
-    num_rows: int, index: jax.Array, rows: jax.Array, fill: int | float = 0
-) -> jax.Array:
-    """[num_rows, ...] of `fill` with rows[i] written at index[i]; index -1 is skipped."""
-    safe = jnp.where(index >= 0, index, num_rows)
-    out = jnp.full((num_rows, *rows.shape[1:]), fill, rows.dtype)
-    return out.at[safe].set(rows, mode="drop")
+def transport() -> str:
+    """The transport the portable backend's exchanges use, chosen when an op is traced:
+    $JAX_EP_XLA_TRANSPORT if set, else "all_gather" where JAX compiles for the CPU by default
+    (XLA:CPU cannot run ragged_all_to_all) and "ragged" elsewhere."""
+    name = os.environ.get(TRANSPORT_ENV_VAR)
+    if name:
+        if name not in TRANSPORTS:
+            raise ValueError(
+                f"${TRANSPORT_ENV_VAR}={name!r} is not one of {list(TRANSPORTS)}; unset it to "
+                f"choose by platform."
+            )
+        return name
+    return "all_gather" if jax.default_backend() == "cpu" else "ragged"
 
 
 def _to_experts(block: jax.Array, axis_name: str) -> jax.Array:
@@ -64,22 +81,6 @@ def _to_experts(block: jax.Array, axis_name: str) -> jax.Array:
 def _to_home(blocks: jax.Array, axis_name: str) -> jax.Array:
     """blocks[s] goes to rank s; returns the blocks received, stacked by sender: [R, T, ...]."""
     return lax.all_to_all(blocks, axis_name, split_axis=0, concat_axis=0)
-
-
-def _sum_in_order(count: int, term) -> jax.Array:
-    """float32 `term(0) + term(1) + ...` strictly in that order, starting from 0.0.
-
-    The sum runs in a loop, so the additions stay in a computation of their own: XLA then
-    cannot fuse a product computed outside into an addition as a fused multiply-add (which
-    rounds once instead of twice and would change the bits).
-    """
-    zero = jnp.zeros_like(term(0), jnp.float32)  # typed like the terms (shard_map varying axes)
-    return lax.fori_loop(0, count, lambda i, acc: acc + term(i).astype(jnp.float32), zero)
-
-
-def _products(a: jax.Array, b: jax.Array) -> jax.Array:
-    """float32 a * b (summed later with _sum_in_order, outside this computation)."""
-    return a.astype(jnp.float32) * b.astype(jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,8 +114,13 @@ def dispatch(
     axis_name: str,
     capacity: int,
     expert_major: bool,
+    transport_name: str | None = None,
 ) -> tuple[Received, DispatchHandle, jax.Array]:
-    """Returns (received, handle, rows or entries this rank needed before the capacity cut)."""
+    """Returns (received, handle, rows or entries this rank needed before the capacity cut);
+    `transport_name` overrides `transport()`."""
+    if (transport_name or transport()) == "ragged":
+        return ragged.dispatch(x, scales, topk_idx, topk_weights, num_experts=num_experts,
+                               axis_name=axis_name, capacity=capacity, expert_major=expert_major)
     num_ranks = lax.axis_size(axis_name)
     rank = lax.axis_index(axis_name)
     num_tokens, top_k = topk_idx.shape
@@ -136,11 +142,11 @@ def dispatch(
     num_rows = num_ranks * num_tokens if expert_major else capacity
     kept = goes & (row_of_src < num_rows)
     src_row = jnp.where(kept, row_of_src, -1)
-    recv_src = _scatter_rows(
+    recv_src = scatter_rows(
         num_rows, src_row, jnp.arange(goes.shape[0], dtype=jnp.int32), fill=-1
     )
-    row_idx = _gather_rows(local, recv_src, fill=-1)
-    row_w = jnp.where(row_idx >= 0, _gather_rows(all_w, recv_src), 0.0)
+    row_idx = gather_rows(local, recv_src, fill=-1)
+    row_w = jnp.where(row_idx >= 0, gather_rows(all_w, recv_src), 0.0)
 
     experts_per_rank = num_experts // num_ranks
     if not expert_major:
@@ -149,33 +155,17 @@ def dispatch(
         needed = needed_rows
         entry_row = entry_choice = row_entries = None
     else:
-        # Entries: one per (row, k) with a local choice, stably sorted by expert.
-        flat_idx = row_idx.reshape(-1)
-        num_slots = flat_idx.shape[0]
-        is_entry = flat_idx >= 0
-        order = jnp.argsort(jnp.where(is_entry, flat_idx, experts_per_rank), stable=True)
-        needed = jnp.sum(is_entry, dtype=jnp.int32)
+        entries = expert_entries(row_idx, row_w, capacity)
+        entry_row, entry_choice = entries["entry_row"], entries["entry_choice"]
+        row_entries, ids, weights = entries["row_entries"], entries["ids"], entries["weights"]
+        needed = entries["needed"]
         kept = jnp.minimum(needed, capacity)
-        padding = jnp.full((max(capacity - num_slots, 0),), -1, order.dtype)
-        padded = jnp.concatenate([order, padding])
-        entry_slot = jnp.where(jnp.arange(capacity) < kept, padded[:capacity], -1)
-        entry_slot = entry_slot.astype(jnp.int32)
-        entry_row = jnp.where(entry_slot >= 0, entry_slot // top_k, -1)
-        entry_choice = jnp.where(entry_slot >= 0, entry_slot % top_k, -1)
-        src = _gather_rows(recv_src, entry_row, fill=-1)
-        ids = _gather_rows(flat_idx, entry_slot, fill=-1)
-        weights = _gather_rows(row_w.reshape(-1), entry_slot)
-
-        # Position of each (row, k) in the sorted entries, then each row's entries in order.
-        position = jnp.zeros((num_slots,), jnp.int32).at[order].set(jnp.arange(num_slots))
-        position = jnp.where(is_entry & (position < capacity), position, num_slots)
-        row_entries = jnp.sort(position.reshape(-1, top_k), axis=1)
-        row_entries = jnp.where(row_entries < num_slots, row_entries, -1)
+        src = gather_rows(recv_src, entry_row, fill=-1)
 
     tokens_per_expert = routing.count_ids(ids, experts_per_rank)
     received = Received(
-        x=_gather_rows(all_x, src),
-        scales=None if all_scales is None else _gather_rows(all_scales, src),
+        x=gather_rows(all_x, src),
+        scales=None if all_scales is None else gather_rows(all_scales, src),
         topk_idx=ids,
         topk_weights=weights,
         num_tokens=kept,
@@ -202,9 +192,9 @@ def dispatch(
 
 def _reduce_entries(y: jax.Array, weights: jax.Array | None, handle: DispatchHandle) -> jax.Array:
     """Expert-major rows -> one partial per rank-major row, summed in entry order, in y.dtype."""
-    terms = y if weights is None else _products(y, weights[:, None])
+    terms = y if weights is None else products(y, weights[:, None])
     # The entries of a row are sorted; its -1 slots add exact zeros.
-    rows = _sum_in_order(handle.top_k, lambda k: _gather_rows(terms, handle.row_entries[:, k]))
+    rows = sum_in_order(handle.top_k, lambda k: gather_rows(terms, handle.row_entries[:, k]))
     return rows.astype(y.dtype)
 
 
@@ -213,14 +203,16 @@ def combine(y: jax.Array, weights: jax.Array | None, handle: DispatchHandle) -> 
     num_ranks, num_tokens = handle.num_ranks, handle.num_tokens
     if handle.expert_major:
         y, weights = _reduce_entries(y, weights, handle), None
+    if handle.ragged is not None:
+        return ragged.combine(y, weights, handle)
     # Gathers rather than scatters: the same data movement, and much faster on XLA:CPU.
-    blocks = _gather_rows(y, handle.src_row)
+    blocks = gather_rows(y, handle.src_row)
     parts = _to_home(blocks.reshape(num_ranks, num_tokens, -1), handle.axis_name)
     if weights is not None:  # weights travel beside the rows; the product is formed at home
-        w_blocks = _gather_rows(weights, handle.src_row)
+        w_blocks = gather_rows(weights, handle.src_row)
         w_parts = _to_home(w_blocks.reshape(num_ranks, num_tokens), handle.axis_name)
-        parts = _products(parts, w_parts[:, :, None])
-    return _sum_in_order(num_ranks, lambda d: parts[d]).astype(y.dtype)
+        parts = products(parts, w_parts[:, :, None])
+    return sum_in_order(num_ranks, lambda d: parts[d]).astype(y.dtype)
 
 
 def rows_for_receivers(values: jax.Array, handle: DispatchHandle) -> jax.Array:
@@ -228,13 +220,15 @@ def rows_for_receivers(values: jax.Array, handle: DispatchHandle) -> jax.Array:
 
     The data movement of dispatch, reused by the backward of combine.
     """
+    if handle.ragged is not None:
+        return ragged.rows_for_receivers(values, handle)
     num_ranks, num_tokens = handle.num_ranks, handle.num_tokens
     all_values = _to_experts(values, handle.axis_name)
     all_values = all_values.reshape(num_ranks * num_tokens, *values.shape[1:])
     src = handle.recv_src
     if handle.expert_major:
-        src = _gather_rows(handle.recv_src, handle.entry_row, fill=-1)
-    return _gather_rows(all_values, src)
+        src = gather_rows(handle.recv_src, handle.entry_row, fill=-1)
+    return gather_rows(all_values, src)
 
 
 def weights_to_sources(d_weights: jax.Array, received_idx: jax.Array, handle: DispatchHandle):
@@ -245,12 +239,14 @@ def weights_to_sources(d_weights: jax.Array, received_idx: jax.Array, handle: Di
         slot = jnp.where(
             handle.entry_row >= 0, handle.entry_row * top_k + handle.entry_choice, -1
         )
-        d_weights = _scatter_rows(num_ranks * num_tokens * top_k, slot, d_weights)
-        d_weights = d_weights.reshape(num_ranks * num_tokens, top_k)
-    blocks = _gather_rows(d_weights, handle.src_row)
+        d_weights = scatter_rows(handle.recv_src.shape[0] * top_k, slot, d_weights)
+        d_weights = d_weights.reshape(-1, top_k)
+    if handle.ragged is not None:
+        return ragged.weights_to_sources(d_weights, handle)
+    blocks = gather_rows(d_weights, handle.src_row)
     parts = _to_home(blocks.reshape(num_ranks, num_tokens, top_k), handle.axis_name)
     # Each choice lives on one rank: the other ranks add exact zeros.
-    return _sum_in_order(num_ranks, lambda d: parts[d])
+    return sum_in_order(num_ranks, lambda d: parts[d])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,13 +254,18 @@ def weights_to_sources(d_weights: jax.Array, received_idx: jax.Array, handle: Di
 
 
 def low_latency_dispatch_send(
-    x: jax.Array, topk_idx: jax.Array, *, num_experts: int, axis_name: str, use_fp8: bool
+    x: jax.Array, topk_idx: jax.Array, *, num_experts: int, axis_name: str, use_fp8: bool,
+    transport_name: str | None = None,
 ):
-    """First half: quantize if asked and move the tokens and routing to every rank."""
+    """First half: quantize if asked and move the tokens and routing to every rank;
+    `transport_name` overrides `transport()`."""
     idx, num_invalid = routing.clean_topk_idx(topk_idx, num_experts)
     scales = None
     if use_fp8:
         x, scales = fp8.quantize(x)
+    if (transport_name or transport()) == "ragged":
+        return ragged.low_latency_dispatch_send(x, scales, idx, num_invalid,
+                                                num_experts=num_experts, axis_name=axis_name)
     sent = {
         "idx": idx,
         "num_invalid": num_invalid,
@@ -279,6 +280,9 @@ def low_latency_dispatch_recv(
     sent, *, num_experts: int, axis_name: str
 ) -> tuple[LowLatencyReceived, LowLatencyHandle]:
     """Second half: lay the rows out in per-expert slots [E_local, R*T, H]."""
+    if "entry_pos" in sent:  # sent by the ragged transport
+        return ragged.low_latency_dispatch_recv(sent, num_experts=num_experts,
+                                                axis_name=axis_name)
     num_ranks = lax.axis_size(axis_name)
     rank = lax.axis_index(axis_name)
     all_idx = sent["all_idx"]
@@ -287,28 +291,14 @@ def low_latency_dispatch_recv(
     local = routing.local_choices(all_idx, num_experts, num_ranks, rank)  # [R, T, K]
     flat_local = local.reshape(num_ranks * num_tokens, top_k)
 
-    # chose[f, j]: source token f chose local expert j (duplicates collapse to one message).
-    chose = jnp.any(flat_local[:, :, None] == jnp.arange(experts_per_rank), axis=1)
-    slot_of = jnp.cumsum(chose, axis=0, dtype=jnp.int32) - 1  # [R*T, E_local]
-    count = jnp.sum(chose, axis=0, dtype=jnp.int32)
+    src_of_slot, slot_of, count = expert_slots(flat_local, experts_per_rank)
     slots = num_ranks * num_tokens
-    src_of_slot = jax.vmap(
-        lambda ok, pos: _scatter_rows(
-            slots, jnp.where(ok, pos, -1), jnp.arange(slots, dtype=jnp.int32), fill=-1
-        ),
-        in_axes=1,
-    )(chose, slot_of)  # [E_local, R*T]
-
-    all_x = sent["all_x"].reshape(slots, -1)
-    x = jax.vmap(_gather_rows, in_axes=(None, 0))(all_x, src_of_slot)
+    x = slot_rows(sent["all_x"].reshape(slots, -1), src_of_slot)
     scales = None
     if sent["all_scales"] is not None:
-        all_scales = sent["all_scales"].reshape(slots, -1)
-        scales = jax.vmap(_gather_rows, in_axes=(None, 0))(all_scales, src_of_slot)
+        scales = slot_rows(sent["all_scales"].reshape(slots, -1), src_of_slot)
 
-    # Row of each source choice in this rank's flattened [E_local * R*T] slots, -1 elsewhere.
-    src_slot = jnp.take_along_axis(slot_of, jnp.maximum(flat_local, 0), axis=1)
-    src_row = jnp.where(flat_local >= 0, flat_local * slots + src_slot, -1)
+    src_row = choice_rows(flat_local, slot_of)
     received = LowLatencyReceived(x=x, scales=scales, count=count, num_invalid=sent["num_invalid"])
     handle = LowLatencyHandle(
         topk_idx=sent["idx"],
@@ -322,9 +312,11 @@ def low_latency_dispatch_recv(
 
 def low_latency_combine_send(y: jax.Array, handle: LowLatencyHandle) -> jax.Array:
     """First half: each rank returns, per source token and choice, its expert's output row."""
+    if handle.ragged is not None:
+        return ragged.low_latency_combine_send(y, handle)
     flat_y = y.reshape(-1, y.shape[2])
     src_row = handle.src_row
-    rows = _gather_rows(flat_y, src_row.reshape(-1)).reshape(*src_row.shape, -1)  # [R, T, K, H]
+    rows = gather_rows(flat_y, src_row.reshape(-1)).reshape(*src_row.shape, -1)  # [R, T, K, H]
     return _to_home(rows, handle.axis_name)  # [R(expert rank), T, K, H]
 
 
@@ -333,8 +325,11 @@ def low_latency_combine_recv(
 ) -> jax.Array:
     """Second half: weighted sum over the top-k choices at the home rank (float32, k order)."""
     dest = routing.dest_rank(handle.topk_idx, handle.num_experts, handle.num_ranks)
-    picked = jnp.take_along_axis(parts, jnp.maximum(dest, 0)[None, :, :, None], axis=0)[0]
+    if handle.ragged is not None:  # parts: one row per (token, distinct expert)
+        picked = gather_rows(parts, handle.ragged.entry_pos)
+    else:
+        picked = jnp.take_along_axis(parts, jnp.maximum(dest, 0)[None, :, :, None], axis=0)[0]
     weights = jnp.where(dest >= 0, topk_weights, 0.0)
-    terms = _products(picked, weights[:, :, None])  # [T, K, H]
-    out = _sum_in_order(terms.shape[1], lambda k: terms[:, k])
+    terms = products(picked, weights[:, :, None])  # [T, K, H]
+    out = sum_in_order(terms.shape[1], lambda k: terms[:, k])
     return out.astype(parts.dtype)

@@ -108,8 +108,11 @@ def selected_ops(args: argparse.Namespace) -> list[str]:
 
 
 def rerun_command(args: argparse.Namespace, settings: dict[str, Any]) -> str:
-    """The command line that reruns this configuration, every size spelled out."""
-    words = ["python", "-m", "jax_ep.bench"]
+    """The command line that reruns this configuration, every size spelled out (with the
+    environment variables that choose a backend's path)."""
+    words = [f"{name}={os.environ[name]}" for name in ("JAX_EP_BACKEND", "JAX_EP_XLA_TRANSPORT")
+             if os.environ.get(name)]
+    words += ["python", "-m", "jax_ep.bench"]
     for name, value in settings.items():
         words += [f"--{name.replace('_', '-')}", str(value)]
     # Left at their defaults, these select the same ops and backends again.
@@ -167,6 +170,11 @@ def run_case(
     except Exception as error:  # report it, time the rest, fail at the end
         traceback.print_exc(file=sys.stderr)
         return {**row, "status": "error", "reason": f"{type(error).__name__}: {error}"}
+    if backend == "xla":
+        from jax_ep.backends import xla
+        from jax_ep.virtual import VMAP_TRANSPORT
+
+        row["transport"] = VMAP_TRANSPORT if virtual else xla.transport()
     out = {
         **row,
         "time": dataclasses.asdict(t),
@@ -269,6 +277,23 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         )
 
 
+def print_wire(wire: dict[str, dict[str, float]]) -> None:
+    """Bytes each rank sends to the others per op: the routed minimum, then each transport's
+    bytes and their ratio to the minimum."""
+    from jax_ep.bench.wire import TRANSPORTS
+
+    header = f"{'op':<17} {'minimum':>11}" + "".join(
+        f" {name:>11} {'x min':>6}" for name in TRANSPORTS)
+    print("bytes sent to other ranks, per rank")
+    print(header)
+    print("-" * len(header))
+    for op, w in wire.items():
+        cells = "".join(
+            f" {fmt_bytes(w[n]):>11} {w[n] / w['minimum'] if w['minimum'] else 1.0:>6.2f}"
+            for n in TRANSPORTS)
+        print(f"{op:<17} {fmt_bytes(w['minimum']):>11}" + cells)
+
+
 def footnote(bandwidth: float, shared: bool, backends: list[str], on_cpu: bool,
              hardware: Any) -> list[str]:
     """Paragraphs explaining the table's columns."""
@@ -293,6 +318,14 @@ def footnote(bandwidth: float, shared: bool, backends: list[str], on_cpu: bool,
         "ranks, and bytes of row data read + written over the bytes that must move (targets: "
         "dispatch <= 3 launches, combine <= 2, low latency <= 2 per half; moved/min <= 1.15). "
         "Checked against the CPU handlers' own counts in tests/test_account.py.",
+        "bytes sent to other ranks (jax_ep.bench.wire, from the routing): the routed minimum "
+        "(normal mode and low-latency dispatch: one row per token and other rank it goes to; "
+        "low-latency combine: one row per token and distinct expert on another rank), and "
+        "what each transport sends: the xla backend's all_gather (every token to every rank) "
+        "and ragged (ragged_all_to_all of the routed rows with their routing, and an "
+        "all_gather of the counts; the header says which one the xla rows ran, "
+        "$JAX_EP_XLA_TRANSPORT chooses), and the cuda kernels (row data; low latency: one "
+        "message per token and expert).",
         "Timed with the default arguments: their value checks compile to nothing, and the "
         "default capacity never drops a row.",
     ]
@@ -404,6 +437,7 @@ def main(argv: list[str]) -> int:
             done = fmt_time(row["time"]["median"]) if row["status"] == "ok" else row["status"]
             print(done, file=sys.stderr, flush=True)
             rows.append(row)
+    wire = {op: w for op in ops if (w := suite.case_wire(op, inputs)) is not None}
     shared = on_cpu or args.virtual  # one memory moves every rank's bytes
     add_ratios(rows, bandwidth, setup.ranks if shared else 1)
     hardware = model_hardware(args.model, shared, devices[0].device_kind, bandwidth)
@@ -418,8 +452,13 @@ def main(argv: list[str]) -> int:
         f"E={setup.experts}; routing {setup.routing}; median of {repeat} calls after "
         f"{args.warmup} warm-up"
     )
+    transports = {r["transport"] for r in rows if "transport" in r}
+    if transports:
+        print(f"xla backend's transport: {', '.join(sorted(transports))}")
     print(f"rerun: {command}\n")
     print_table(rows)
+    print()
+    print_wire(wire)
     print()
     ran = [n for n in names if n not in unavailable]
     for paragraph in footnote(bandwidth, shared, ran, on_cpu, hardware) + notes:
@@ -443,6 +482,7 @@ def main(argv: list[str]) -> int:
             "copy_bandwidth_Bps": bandwidth,
             "model_hardware": hardware.name,
             "rows": rows,
+            "wire_bytes_per_rank": wire,
             "notes": notes,
             "total_s": elapsed,
         }

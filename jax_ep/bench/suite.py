@@ -21,7 +21,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import jax_ep
 from jax_ep import account
-from jax_ep.bench import OPS
+from jax_ep.bench import OPS, wire
 from jax_ep.bench.routings import KINDS, make_routing
 
 AXIS = "ep"
@@ -411,6 +411,34 @@ def case_account(op: str, inp: Inputs, virtual: bool) -> Any:
     for part in parts[1:]:
         total = total + part
     return total
+
+
+def case_wire(op: str, inp: Inputs) -> dict[str, float] | None:
+    """Bytes a rank sends over the wire for `op` (jax_ep.bench.wire): the routed "minimum"
+    and each transport's, or None for the layout (purely local)."""
+    s = inp.setup
+    if op == "layout":
+        return None
+    low = op.startswith("ll_")
+    idx = np.asarray(inp.ll_idx if low else inp.idx)
+    fp8 = op.endswith("_fp8")
+    h = s.hidden
+    fp8_row = h + h // BLOCK * SCALE_BYTES
+    row = fp8_row if fp8 else h * (2 if low else jnp.dtype(s.dtype).itemsize)
+    back = h * (2 if low else jnp.dtype(s.dtype).itemsize)
+    base = op.removeprefix("ll_").removesuffix("_fp8")  # round trips: both directions
+    directions = {"dispatch": ("dispatch",), "combine": ("combine",)}.get(
+        base, ("dispatch", "combine"))
+    out = dict.fromkeys(("minimum", *wire.TRANSPORTS), 0.0)
+    for direction in directions:
+        payload = row if direction == "dispatch" else back
+        out["minimum"] += wire.minimum(idx, s.experts, payload, low, direction)
+        for transport in wire.TRANSPORTS:
+            if low:
+                out[transport] += wire.low_latency(idx, s.experts, row, h, transport, direction)
+            else:
+                out[transport] += wire.normal(idx, s.experts, payload, transport, direction)
+    return out
 
 
 def build_case(op: str, inp: Inputs, backend: str, virtual: bool = False) -> Case:

@@ -108,6 +108,9 @@ class MoE(nnx.Module):
       ep_axis: the mesh axis of expert parallelism (its size must divide E).
       num_shared_experts: experts every token goes through (0: none).
       capacity: expert entries per device after dispatch (default: never drops).
+      capacity_factor: instead of `capacity`, a multiple of the entries a device receives on
+        average under uniform routing (T*K for T tokens per device; see
+        `jax_ep.capacity_from_factor`).
       fp8_dispatch: send the tokens to the experts as float8_e4m3fn (one scale per 128
         channels; H a multiple of 128); gradients still travel in the model's dtype.
       bias_rate: step of the auxiliary-loss-free bias update.
@@ -131,6 +134,7 @@ class MoE(nnx.Module):
 
     def __init__(self, hidden: int, ffn_hidden: int, router: RouterConfig, *, mesh: Mesh,
                  ep_axis: str = "ep", num_shared_experts: int = 0, capacity: int | None = None,
+                 capacity_factor: float | None = None,
                  fp8_dispatch: bool = False, bias_rate: float = 1e-3, overlap: bool = False,
                  redundant_experts: int = 0, num_nodes: int = 1,
                  backend: Literal["auto", "xla", "cuda"] = "auto",
@@ -145,6 +149,7 @@ class MoE(nnx.Module):
         E, H, F = router.num_experts, hidden, ffn_hidden
         self.config = router
         self.mesh, self.ep_axis, self.capacity = mesh, ep_axis, capacity
+        self.capacity_factor = capacity_factor
         self.bias_rate, self.backend, self.fp8_dispatch = bias_rate, backend, fp8_dispatch
         self.overlap, self.num_sms = overlap, num_sms
         R = mesh.shape[ep_axis]
@@ -201,7 +206,8 @@ class MoE(nnx.Module):
         def per_device(x, valid, router_w, bias, w_gate, w_up, w_down, *maps):
             log2phy, logcnt = maps if maps else (None, None)
             options = (("num_experts", num_physical), ("axis_name", ep),
-                       ("capacity", self.capacity), ("on_overflow", "drop"),
+                       ("capacity", self.capacity), ("capacity_factor", self.capacity_factor),
+                       ("on_overflow", "drop"),
                        ("backend", backends.resolve(self.backend)), ("num_sms", self.num_sms),
                        ("stream", stream))
 
