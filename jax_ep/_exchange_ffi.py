@@ -49,7 +49,19 @@ def _exchange_call(target: str, result_types, operands, attrs: dict, placement: 
         device = jax.tree.map(lambda _: jax.memory.Space.Device, result_types)
         run = compute_on2(run, compute_type=f"gpu_stream:{placement.stream}",
                           out_memory_spaces=device)
+    run = jax.custom_batching.custom_vmap(run)
+    run.def_vmap(_refuse_vmap)
     return run(*operands)
+
+
+def _refuse_vmap(axis_size, in_batched, *args):
+    """An exchange meets its peers once per call: a batch of them is not one custom call."""
+    raise ValueError(
+        "jax_ep: the cuda backend's exchange ops cannot run under jax.vmap. To run the R "
+        "ranks of an EP group in one call, use jax_ep.virtual (arguments stacked [R, ...]); "
+        "to map over a batch, call the op once on the whole batch (tokens are rows), or pass "
+        "backend='xla'."
+    )
 
 
 def _ranks(axis_name: str | None, stacked: int) -> jax.Array:

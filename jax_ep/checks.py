@@ -33,14 +33,15 @@ def invalid_ids(op: str, num_invalid: jax.Array, *, num_experts: int) -> None:
     )
 
 
-def overflow(op: str, needed: jax.Array, *, capacity: int, what: str) -> None:
-    """Checks that this rank needed at most `capacity` rows (or entries)."""
+def overflow(op: str, needed: jax.Array, *, capacity: int, what: str, default: str) -> None:
+    """Checks that this rank needed at most `capacity` rows (or entries); `default` says what
+    the default capacity holds, for the message."""
     needed = jnp.sum(needed)
     checkify.debug_check(
         needed <= capacity,
         f"{op}: capacity={capacity} is too small: this rank needs {{needed}} {what}, so "
-        f"{{dropped}} would be dropped. Pass capacity>={{needed}} (the default never "
-        f"overflows), or on_overflow='drop' to drop them and read the count in num_dropped.",
+        f"{{dropped}} would be dropped. Pass capacity>={{needed}} ({default}), or "
+        f"on_overflow='drop' to drop them and read the count in num_dropped.",
         needed=needed,
         dropped=needed - capacity,
     )

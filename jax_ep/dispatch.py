@@ -113,8 +113,9 @@ def dispatch(
       topk_weights: float32 [T, K].
       num_experts: E, a multiple of the EP axis size R.
       axis_name: the mesh axis of the expert-parallel group.
-      capacity: static rows of the output (entries when `expert_major`). Default: the
-        worst case, R*T (R*T*min(K, E/R) when `expert_major`), which never overflows.
+      capacity: static rows of the output (entries when `expert_major`). Default: R*T rows,
+        which never overflows; when `expert_major`, R*T*min(K, E/R) entries, which overflows
+        only when tokens choose the same expert more than once (R*T*K never does).
       capacity_factor: instead of `capacity`, a multiple of what a rank receives on average
         under uniform routing: capacity = ceil(capacity_factor * R*T * (1 - C(E - E/R, K) /
         C(E, K))) rows, or ceil(capacity_factor * T*K) entries when `expert_major`, at most
@@ -164,10 +165,13 @@ def dispatch(
         capacity = capacity_from_factor(
             float(capacity_factor), num_ranks=num_ranks, num_tokens=num_tokens, top_k=top_k,
             num_experts=num_experts, expert_major=expert_major)
+    # The default holds every row, and every entry unless a token picks an expert twice.
+    default = num_ranks * num_tokens * (min(top_k, experts_per_rank) if expert_major else 1)
     if capacity is None:
-        capacity = num_ranks * num_tokens
-        if expert_major:  # duplicate choices of one expert may still exceed this
-            capacity *= min(top_k, experts_per_rank)
+        capacity = default
+    if num_tokens == 0:  # nothing to send: the same empty results on every backend
+        return _no_tokens(data, scales, topk_idx, num_experts, num_ranks, axis_name, capacity,
+                          expert_major)
 
     config = _DispatchConfig(
         backend=backends.resolve(backend),
@@ -182,7 +186,43 @@ def dispatch(
         checks.invalid_ids(op, received.num_invalid, num_experts=num_experts)
     if on_overflow == "error" and capacity < worst_case:
         what = "expert entries" if expert_major else "token rows"
-        checks.overflow(op, needed, capacity=capacity, what=what)
+        note = f"the default, R*T = {default}, never overflows"
+        if expert_major:
+            note = (f"the default, R*T*min(K, E/R) = {default}, holds every entry unless tokens "
+                    f"choose the same expert more than once; R*T*K = {worst_case} always does")
+        checks.overflow(op, needed, capacity=capacity, what=what, default=note)
+    return received, handle
+
+
+def _no_tokens(data, scales, topk_idx, num_experts, num_ranks, axis_name, capacity,
+               expert_major) -> tuple[Received, DispatchHandle]:
+    """dispatch of T = 0 tokens: padding only (typed like the inputs, as the backends'
+    results are), zero counts."""
+    top_k = topk_idx.shape[1]
+    experts_per_rank = num_experts // num_ranks
+    per_row = (capacity,) if expert_major else (capacity, top_k)
+
+    def ints(value, shape):
+        return jax.lax.full_like(topk_idx, value, shape=shape)
+
+    zero = ints(0, ())
+    tokens_per_expert = ints(0, (experts_per_rank,))
+    received = Received(
+        x=jax.lax.full_like(data, 0, shape=(capacity, data.shape[1])),
+        scales=None if scales is None else jax.lax.full_like(
+            scales, 0, shape=(capacity, scales.shape[1])),
+        topk_idx=ints(-1, per_row), topk_weights=jax.lax.full_like(
+            topk_idx, 0, shape=per_row, dtype=jnp.float32),
+        num_tokens=zero, tokens_per_expert=tokens_per_expert, num_dropped=zero,
+        num_invalid=zero, group_sizes=tokens_per_expert if expert_major else None,
+    )
+    entries = ints(-1, (capacity,)) if expert_major else None
+    handle = DispatchHandle(
+        topk_idx=topk_idx, recv_src=ints(-1, (0 if expert_major else capacity,)),
+        src_row=ints(-1, (0,)), entry_row=entries, entry_choice=entries,
+        row_entries=ints(-1, (0, top_k)) if expert_major else None, num_experts=num_experts,
+        num_ranks=num_ranks, capacity=capacity, expert_major=expert_major, axis_name=axis_name,
+    )
     return received, handle
 
 
@@ -271,6 +311,8 @@ def combine(
             op, "topk_weights", topk_weights, ndim=1, dtypes=(jnp.float32,), shape=(rows,),
             expect=f"float32 [{rows}] (one weight per row of y)",
         )
+    if handle.num_tokens == 0:  # a dispatch of no tokens: nothing comes home
+        return jax.lax.full_like(y, 0, shape=(0, y.shape[1]))
     return _combine(backends.resolve(backend), placement, y, topk_weights, handle)
 
 

@@ -25,6 +25,25 @@ from jax_ep.structs import (
 )
 
 
+def _inference_only(op: str, fn, *args):
+    """fn(*args), with differentiation refused by a message naming `op` (on every backend:
+    low-latency mode serves decoding; training uses dispatch and combine)."""
+
+    @jax.custom_jvp
+    def run(*args):
+        return fn(*args)
+
+    @run.defjvp
+    def _refuse(primals, tangents):
+        raise TypeError(
+            f"{op} is not differentiable: the low-latency ops serve inference (decoding). "
+            f"To train, use jax_ep.dispatch and jax_ep.combine, whose gradients are defined "
+            f"(docs/contract.md, \"Backward\"); or apply jax.lax.stop_gradient to the inputs."
+        )
+
+    return run(*args)
+
+
 @scoped("jax_ep.low_latency_dispatch_send")
 def low_latency_dispatch_send(
     x: jax.Array,
@@ -60,13 +79,43 @@ def low_latency_dispatch_send(
     name = backends.resolve(backend)
     send = backends.function(name, "low_latency_dispatch", "low_latency_dispatch_send",
                              placement=placement)
-    data = send(x, topk_idx, num_experts=num_experts, axis_name=axis_name, use_fp8=use_fp8)
+    if num_tokens == 0:  # nothing to send: the receive builds the same empty results everywhere
+        data = {"no_tokens": (x, topk_idx, use_fp8),
+                "num_invalid": jax.lax.full_like(topk_idx, 0, shape=())}
+    else:
+        data = _inference_only(
+            op, lambda x, topk_idx: send(x, topk_idx, num_experts=num_experts,
+                                         axis_name=axis_name, use_fp8=use_fp8), x, topk_idx)
     if on_invalid == "error":
         checks.invalid_ids(op, data["num_invalid"], num_experts=num_experts)
     return LowLatencyDispatchPending(
         data=data, num_experts=num_experts, axis_name=axis_name, backend=name,
         placement=placement,
     )
+
+
+def _no_tokens(pending: LowLatencyDispatchPending):
+    """The receive of a dispatch of T = 0 tokens: empty slots, zero counts (typed like the
+    inputs, as the backends' results are)."""
+    x, topk_idx, use_fp8 = pending.data["no_tokens"]
+    num_ranks = jax.lax.axis_size(pending.axis_name)
+    experts_per_rank = pending.num_experts // num_ranks
+    hidden = x.shape[1]
+    slots = (experts_per_rank, 0, hidden)
+    scales = None
+    if use_fp8:
+        x = x.astype(jnp.float8_e4m3fn)
+        scales = jax.lax.full_like(x, 0, shape=(experts_per_rank, 0, hidden // fp8.BLOCK),
+                                   dtype=jnp.float32)
+    received = LowLatencyReceived(
+        x=jax.lax.full_like(x, 0, shape=slots), scales=scales,
+        count=jax.lax.full_like(topk_idx, 0, shape=(experts_per_rank,)),
+        num_invalid=pending.data["num_invalid"])
+    handle = LowLatencyHandle(
+        topk_idx=topk_idx, src_row=jax.lax.full_like(topk_idx, -1, shape=(num_ranks, 0,
+                                                                           topk_idx.shape[1])),
+        num_experts=pending.num_experts, num_ranks=num_ranks, axis_name=pending.axis_name)
+    return received, handle
 
 
 @scoped("jax_ep.low_latency_dispatch_recv")
@@ -79,10 +128,13 @@ def low_latency_dispatch_recv(
             "jax_ep.low_latency_dispatch_recv: pending must be the value returned by "
             f"low_latency_dispatch_send; got {type(pending).__name__}."
         )
-    recv = backends.function(pending.backend, "low_latency_dispatch", "low_latency_dispatch_recv",
-                             placement=pending.placement)
-    received, handle = recv(pending.data, num_experts=pending.num_experts,
-                            axis_name=pending.axis_name)
+    if "no_tokens" in pending.data:
+        received, handle = _no_tokens(pending)
+    else:
+        recv = backends.function(pending.backend, "low_latency_dispatch",
+                                 "low_latency_dispatch_recv", placement=pending.placement)
+        received, handle = recv(pending.data, num_experts=pending.num_experts,
+                                axis_name=pending.axis_name)
     # The combine exchanges on the dispatch's low-latency region.
     return received, dataclasses.replace(handle, buffer=pending.placement.buffer)
 
@@ -170,8 +222,9 @@ def low_latency_combine_send(
     send = backends.function(name, "low_latency_combine", "low_latency_combine_send",
                              placement=placement)
     return LowLatencyCombinePending(
-        data=send(y, handle), topk_weights=topk_weights, handle=handle, backend=name,
-        placement=placement,
+        data=y if num_tokens == 0 else _inference_only(op, send, y, handle),
+        topk_weights=topk_weights, handle=handle,
+        backend=name, placement=placement,
     )
 
 
@@ -186,7 +239,10 @@ def low_latency_combine_recv(pending: LowLatencyCombinePending) -> jax.Array:
         )
     recv = backends.function(pending.backend, "low_latency_combine", "low_latency_combine_recv",
                              placement=pending.placement)
-    return recv(pending.data, pending.topk_weights, pending.handle)
+    if pending.handle.topk_idx.shape[0] == 0:  # no tokens: nothing comes home
+        return jax.lax.full_like(pending.data, 0, shape=(0, pending.data.shape[2]))
+    return _inference_only("jax_ep.low_latency_combine", recv, pending.data,
+                           pending.topk_weights, pending.handle)
 
 
 def low_latency_combine(

@@ -257,3 +257,25 @@ def test_expert_major_feeds_ragged_dot():
                 if idx[r, t, k] >= 0:
                     want[r, t] += w[r, t, k] * (x[r, t] @ all_experts[idx[r, t, k]])
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_expert_major_default_capacity_overflows_only_with_duplicates():
+    """E/R = 1, K = 2, every token picks expert 0 twice: rank 0 needs twice the entries the
+    default R*T*min(K, E/R) holds. The error says why the default was not enough and what
+    always is."""
+    num_ranks, num_tokens = 2, 4
+    idx = np.zeros((num_ranks, num_tokens, 2), np.int32)
+    w = np.ones(idx.shape, np.float32)
+    x = np.ones((num_ranks, num_tokens, 8), np.float32)
+
+    def per_shard(x, idx, w):
+        recv, _ = jax_ep.dispatch(x, idx, w, num_experts=num_ranks, expert_major=True)
+        return recv.x
+
+    default, needed = num_ranks * num_tokens, num_ranks * num_tokens * 2
+    with pytest.raises(ValueError) as info:
+        checked(per_shard, num_ranks)(x, idx, w)
+    message = str(info.value)
+    assert f"capacity={default} is too small: this rank needs {needed} expert entries" in message
+    assert "unless tokens choose the same expert more than once" in message
+    assert f"R*T*K = {num_ranks * num_tokens * 2} always does" in message

@@ -70,6 +70,8 @@ def modelled_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     destination's rows travel padded to the operand's length.
     """
     length = operand.shape[0]
+    if length == 0:  # nothing to send (and so, in a consistent call, nothing to receive)
+        return output
     i = jnp.arange(length, dtype=jnp.int32)
     src = jnp.where(i < send_sizes[:, None], input_offsets[:, None] + i, length)
     blocks = jnp.take(operand, src, axis=0, mode="fill", fill_value=0)  # [R, length, ...]
@@ -137,7 +139,8 @@ def _packed_routing(plan: RaggedRows, keep, idx, experts_per_rank, weights=None)
         columns.append(jnp.where(on, bits[:, None, :], 0))
     tokens = jnp.arange(num_tokens, dtype=jnp.int32)[:, None, None]
     columns.append(jnp.broadcast_to(tokens, (num_tokens, width, 1)))
-    table = jnp.concatenate(columns, axis=2).reshape(num_tokens * width, -1)
+    table = jnp.concatenate(columns, axis=2)
+    table = table.reshape(num_tokens * width, table.shape[2])
     return scatter_rows(num_tokens * width, plan.slots.reshape(-1), table)
 
 

@@ -129,10 +129,11 @@ def dispatch(
     # Everything the senders hold, stacked by source rank and flattened to s * T + t.
     all_idx = _to_experts(idx, axis_name).reshape(num_ranks * num_tokens, top_k)
     all_w = _to_experts(topk_weights, axis_name).reshape(num_ranks * num_tokens, top_k)
-    all_x = _to_experts(x, axis_name).reshape(num_ranks * num_tokens, -1)
+    all_x = _to_experts(x, axis_name).reshape(num_ranks * num_tokens, x.shape[1])
     all_scales = None
     if scales is not None:
-        all_scales = _to_experts(scales, axis_name).reshape(num_ranks * num_tokens, -1)
+        all_scales = _to_experts(scales, axis_name).reshape(num_ranks * num_tokens,
+                                                             scales.shape[1])
 
     # Rank-major rows: sources in rank order, then token order.
     local = routing.local_choices(all_idx, num_experts, num_ranks, rank)
@@ -207,7 +208,7 @@ def combine(y: jax.Array, weights: jax.Array | None, handle: DispatchHandle) -> 
         return ragged.combine(y, weights, handle)
     # Gathers rather than scatters: the same data movement, and much faster on XLA:CPU.
     blocks = gather_rows(y, handle.src_row)
-    parts = _to_home(blocks.reshape(num_ranks, num_tokens, -1), handle.axis_name)
+    parts = _to_home(blocks.reshape(num_ranks, num_tokens, y.shape[1]), handle.axis_name)
     if weights is not None:  # weights travel beside the rows; the product is formed at home
         w_blocks = gather_rows(weights, handle.src_row)
         w_parts = _to_home(w_blocks.reshape(num_ranks, num_tokens), handle.axis_name)
@@ -293,10 +294,11 @@ def low_latency_dispatch_recv(
 
     src_of_slot, slot_of, count = expert_slots(flat_local, experts_per_rank)
     slots = num_ranks * num_tokens
-    x = slot_rows(sent["all_x"].reshape(slots, -1), src_of_slot)
+    x = slot_rows(sent["all_x"].reshape(slots, sent["all_x"].shape[2]), src_of_slot)
     scales = None
     if sent["all_scales"] is not None:
-        scales = slot_rows(sent["all_scales"].reshape(slots, -1), src_of_slot)
+        scales = slot_rows(sent["all_scales"].reshape(slots, sent["all_scales"].shape[2]),
+                           src_of_slot)
 
     src_row = choice_rows(flat_local, slot_of)
     received = LowLatencyReceived(x=x, scales=scales, count=count, num_invalid=sent["num_invalid"])
@@ -316,7 +318,7 @@ def low_latency_combine_send(y: jax.Array, handle: LowLatencyHandle) -> jax.Arra
         return ragged.low_latency_combine_send(y, handle)
     flat_y = y.reshape(-1, y.shape[2])
     src_row = handle.src_row
-    rows = gather_rows(flat_y, src_row.reshape(-1)).reshape(*src_row.shape, -1)  # [R, T, K, H]
+    rows = gather_rows(flat_y, src_row.reshape(-1)).reshape(*src_row.shape, y.shape[2])
     return _to_home(rows, handle.axis_name)  # [R(expert rank), T, K, H]
 
 

@@ -1,0 +1,122 @@
+"""Edge cases every backend handles the same way: no tokens, differentiation of the
+low-latency ops, and vmap.
+
+The cuda backend runs at R = 1 here (no peers needed); `JAX_EP_BACKEND=cuda` runs the xla
+cases' R = 2 through host peers too.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from harness import sharded, to_numpy
+
+import jax_ep
+from jax_ep import _ffi
+from jax_ep.backends import xla
+
+# (backend, R, transport of the xla backend)
+BACKENDS = [("xla", 2, "all_gather"), ("xla", 2, "ragged"),
+            pytest.param("cuda", 1, None, marks=pytest.mark.skipif(
+                _ffi.EXT is None, reason="compiled extension missing"))]
+
+
+@pytest.mark.parametrize("backend,num_ranks,transport", BACKENDS)
+def test_no_tokens(monkeypatch, backend, num_ranks, transport):
+    """T = 0: empty results, zero counts, zero gradients, on every backend."""
+    if transport:
+        monkeypatch.setenv(xla.TRANSPORT_ENV_VAR, transport)
+    K, E, H = 2, 4, 128
+    x = np.zeros((num_ranks, 0, H), np.float32)
+    idx = np.zeros((num_ranks, 0, K), np.int32)
+    w = np.zeros((num_ranks, 0, K), np.float32)
+
+    shapes = {}  # recorded while tracing: arrays of zero rows cannot leave a shard_map
+
+    def per_shard(x, idx, w):
+        counts = []
+        for expert_major in (False, True):
+            def loss(x, w, expert_major=expert_major):
+                recv, handle = jax_ep.dispatch(x, idx, w, num_experts=E,
+                                               expert_major=expert_major, backend=backend)
+                y = jax_ep.combine(recv.x, handle, backend=backend)
+                return jnp.sum(y), (recv, y)
+
+            (total, (recv, y)), (dx, dw) = jax.value_and_grad(loss, (0, 1), has_aux=True)(x, w)
+            shapes[expert_major] = (recv.x.shape, y.shape, dx.shape, dw.shape)
+            counts += [recv.num_tokens, recv.num_dropped, total]
+        ll_recv, handle = jax_ep.low_latency_dispatch(x.astype(jnp.bfloat16), idx,
+                                                      num_experts=E, backend=backend)
+        ll_y = jax_ep.low_latency_combine(ll_recv.x, idx, w, handle, backend=backend)
+        shapes["low_latency"] = (ll_recv.x.shape, ll_y.shape)
+        return jnp.stack(counts), ll_recv.count
+
+    counts, ll_count = to_numpy(sharded(per_shard, num_ranks)(x, idx, w))
+    assert not counts.any() and not ll_count.any()
+    for expert_major in (False, True):
+        assert shapes[expert_major] == ((0, H), (0, H), (0, H), (0, K)), shapes
+    assert shapes["low_latency"] == ((E // num_ranks, 0, H), (0, H)), shapes
+
+
+@pytest.mark.parametrize("backend,num_ranks,transport", BACKENDS)
+def test_low_latency_ops_refuse_differentiation(monkeypatch, backend, num_ranks, transport):
+    """The same error on every backend, naming the op (not a plausible gradient on one and
+    JAX's "cannot be differentiated" on the other)."""
+    if transport:
+        monkeypatch.setenv(xla.TRANSPORT_ENV_VAR, transport)
+    T, K, E, H = 5, 2, 4, 128
+    rng = np.random.default_rng()
+    x = rng.standard_normal((num_ranks, T, H)).astype(ml_dtypes.bfloat16)
+    idx = rng.integers(0, E, (num_ranks, T, K)).astype(np.int32)
+    w = rng.random((num_ranks, T, K)).astype(np.float32)
+
+    def through_dispatch(x, idx, w):
+        def loss(x):
+            recv, _ = jax_ep.low_latency_dispatch(x, idx, num_experts=E, backend=backend)
+            return jnp.sum(recv.x.astype(jnp.float32))
+        return jax.grad(loss)(x)
+
+    def through_combine(x, idx, w):
+        recv, handle = jax_ep.low_latency_dispatch(x, idx, num_experts=E, backend=backend)
+
+        def loss(w):
+            out = jax_ep.low_latency_combine(recv.x, idx, w, handle, backend=backend)
+            return jnp.sum(out.astype(jnp.float32))
+        return jax.grad(loss)(w)
+
+    for program, op in ((through_dispatch, "low_latency_dispatch"),
+                        (through_combine, "low_latency_combine")):
+        with pytest.raises(TypeError, match=rf"jax_ep\.{op} is not differentiable"):
+            sharded(program, num_ranks)(x, idx, w)
+
+    def stopped(x, idx, w):  # the way out the message names
+        def loss(x):
+            recv, _ = jax_ep.low_latency_dispatch(jax.lax.stop_gradient(x), idx,
+                                                  num_experts=E, backend=backend)
+            return jnp.sum(recv.x.astype(jnp.float32)) + jnp.sum(x.astype(jnp.float32))
+        return jax.grad(loss)(x)
+
+    np.testing.assert_array_equal(np.asarray(sharded(stopped, num_ranks)(x, idx, w)), 1)
+
+
+@pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
+def test_vmap_of_the_cuda_backend_points_to_virtual_ranks():
+    T, K, E, H = 4, 2, 4, 8
+    x = np.ones((1, 3, T, H), np.float32)
+    idx = np.zeros((1, 3, T, K), np.int32)
+    w = np.ones((1, 3, T, K), np.float32)
+
+    def per_shard(x, idx, w, backend):
+        def one(x, idx, w):
+            recv, handle = jax_ep.dispatch(x, idx, w, num_experts=E, backend=backend)
+            return jax_ep.combine(recv.x, handle, backend=backend)
+        return jax.vmap(one)(x, idx, w)
+
+    with pytest.raises(ValueError, match=r"cannot run under jax\.vmap.*jax_ep\.virtual"):
+        sharded(lambda *a: per_shard(*a, "cuda"), 1)(x, idx, w)
+    # The xla backend maps: each batch element is its own dispatch.
+    got = np.asarray(sharded(lambda *a: per_shard(*a, "xla"), 1)(x, idx, w))
+    np.testing.assert_array_equal(got, x)
