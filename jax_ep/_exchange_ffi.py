@@ -29,6 +29,25 @@ from jax_ep.backends import ANYWHERE, Placement
 from jax_ep.structs import DispatchHandle, Received
 
 
+def _allow_remat() -> None:
+    """Lets jax.checkpoint (nnx.remat) recompute a forward pass that holds exchanges.
+
+    The exchanges are side-effecting custom calls, and JAX refuses effects in a recomputed
+    forward pass unless their type is declared safe for it. It is safe here: every rank runs
+    the same program, so a recomputation repeats the same exchanges on every rank in the same
+    order, and they meet their peers again. JAX gives side-effecting FFI calls one effect type
+    (not public): where this JAX has none, recomputation stays refused by JAX's own error.
+    """
+    from jax._src import effects, ffi
+
+    effect = getattr(ffi, "FfiEffect", None)
+    if effect is not None:
+        effects.remat_allowed_effects.add_type(effect)
+
+
+_allow_remat()
+
+
 def _types(like: jax.Array, shapes) -> list:
     base = jax.typeof(like)
     return [base.update(shape=tuple(s), dtype=jnp.dtype(d)) for s, d in shapes]

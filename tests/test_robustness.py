@@ -15,20 +15,28 @@ import pytest
 from harness import sharded, to_numpy
 
 import jax_ep
-from jax_ep import _ffi
+from jax_ep import _ffi, runtime
 from jax_ep.backends import xla
 
-# (backend, R, transport of the xla backend)
+# (backend, R, transport of the xla backend); cuda at R = 2 runs between the CPU devices
+# through host peers, set up by `JAX_EP_BACKEND=cuda pytest` (tests/conftest.py).
+_EXT = pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
 BACKENDS = [("xla", 2, "all_gather"), ("xla", 2, "ragged"),
-            pytest.param("cuda", 1, None, marks=pytest.mark.skipif(
-                _ffi.EXT is None, reason="compiled extension missing"))]
+            pytest.param("cuda", 1, None, marks=_EXT), pytest.param("cuda", 2, None, marks=_EXT)]
+
+
+def _use(monkeypatch, backend, num_ranks, transport):
+    if transport:
+        monkeypatch.setenv(xla.TRANSPORT_ENV_VAR, transport)
+    if backend == "cuda" and num_ranks > 1 and not runtime.is_initialized():
+        pytest.skip("between devices the cuda backend needs host peers: run with "
+                    "JAX_EP_BACKEND=cuda")
 
 
 @pytest.mark.parametrize("backend,num_ranks,transport", BACKENDS)
 def test_no_tokens(monkeypatch, backend, num_ranks, transport):
     """T = 0: empty results, zero counts, zero gradients, on every backend."""
-    if transport:
-        monkeypatch.setenv(xla.TRANSPORT_ENV_VAR, transport)
+    _use(monkeypatch, backend, num_ranks, transport)
     K, E, H = 2, 4, 128
     x = np.zeros((num_ranks, 0, H), np.float32)
     idx = np.zeros((num_ranks, 0, K), np.int32)
@@ -65,8 +73,7 @@ def test_no_tokens(monkeypatch, backend, num_ranks, transport):
 def test_low_latency_ops_refuse_differentiation(monkeypatch, backend, num_ranks, transport):
     """The same error on every backend, naming the op (not a plausible gradient on one and
     JAX's "cannot be differentiated" on the other)."""
-    if transport:
-        monkeypatch.setenv(xla.TRANSPORT_ENV_VAR, transport)
+    _use(monkeypatch, backend, num_ranks, transport)
     T, K, E, H = 5, 2, 4, 128
     rng = np.random.default_rng()
     x = rng.standard_normal((num_ranks, T, H)).astype(ml_dtypes.bfloat16)
@@ -120,3 +127,56 @@ def test_vmap_of_the_cuda_backend_points_to_virtual_ranks():
     # The xla backend maps: each batch element is its own dispatch.
     got = np.asarray(sharded(lambda *a: per_shard(*a, "xla"), 1)(x, idx, w))
     np.testing.assert_array_equal(got, x)
+
+
+@pytest.mark.parametrize("backend,num_ranks,transport", BACKENDS)
+def test_ops_under_remat_with_default_arguments(monkeypatch, backend, num_ranks, transport):
+    """jax.checkpoint around dispatch + combine (default arguments: their value checks on)
+    gives the gradients of the same step without it, bit for bit; a low-latency round trip
+    inside a checkpointed function runs too."""
+    _use(monkeypatch, backend, num_ranks, transport)
+    T, K, E, H = 6, 2, 4, 128
+    rng = np.random.default_rng()
+    x = rng.standard_normal((num_ranks, T, H)).astype(np.float32)
+    idx = rng.integers(-1, E, (num_ranks, T, K)).astype(np.int32)
+    w = rng.random((num_ranks, T, K)).astype(np.float32)
+
+    def step(x, w, idx):
+        recv, handle = jax_ep.dispatch(x, idx, w, num_experts=E, expert_major=True,
+                                       backend=backend)
+        y = jnp.sin(recv.x)
+        out = jax_ep.combine(y, handle, topk_weights=recv.topk_weights, backend=backend)
+        ll_recv, ll_handle = jax_ep.low_latency_dispatch(
+            jax.lax.stop_gradient(x).astype(jnp.bfloat16), idx, num_experts=E, backend=backend)
+        ll_out = jax_ep.low_latency_combine(ll_recv.x, idx, jax.lax.stop_gradient(w),
+                                            ll_handle, backend=backend)
+        return jnp.sum(out * out) + jnp.sum(ll_out.astype(jnp.float32))
+
+    def grads(remat):
+        def per_shard(x, idx, w):
+            fn = jax.checkpoint(step) if remat else step
+            return jax.grad(fn, argnums=(0, 1))(x, w, idx)
+        return to_numpy(sharded(per_shard, num_ranks)(x, idx, w))
+
+    for got, want in zip(grads(True), grads(False), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_moe_layer_under_nnx_remat():
+    from flax import nnx
+
+    from jax_ep.nn import MoE, RouterConfig
+
+    mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2])
+    model = MoE(16, 12, RouterConfig(num_experts=4, top_k=2), mesh=mesh, backend="xla",
+                rngs=nnx.Rngs(0))
+    x = np.asarray(jax.random.normal(jax.random.key(1), (8, 16)))
+
+    def loss(m, x):
+        return jnp.sum(jnp.sin(m(x)[0]))
+
+    with jax.set_mesh(mesh):
+        want = nnx.jit(nnx.grad(loss))(model, x)
+        got = nnx.jit(nnx.grad(lambda m, x: nnx.remat(loss)(m, x)))(model, x)
+    for name in ("router", "w_gate", "w_up", "w_down"):
+        np.testing.assert_array_equal(got[name][...], want[name][...], err_msg=name)
