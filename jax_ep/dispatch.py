@@ -25,6 +25,8 @@ from jax_ep.structs import DispatchHandle, Received
 # SMs each normal-mode kernel launch takes by default: the budget DeepEP's normal kernels use on
 # a 132-SM H800, leaving the rest to the computation they overlap with.
 DEFAULT_NUM_SMS = 20
+# A capacity past the worst case only wastes memory; past this many bytes of rows it is refused.
+_WASTE_BYTES = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +171,13 @@ def dispatch(
     default = num_ranks * num_tokens * (min(top_k, experts_per_rank) if expert_major else 1)
     if capacity is None:
         capacity = default
+    row_bytes = data.shape[1] * data.dtype.itemsize
+    if capacity > worst_case and capacity * row_bytes > _WASTE_BYTES:
+        raise ValueError(
+            f"{op}: capacity={capacity} is more than a rank can ever need ({worst_case} "
+            f"{'entries' if expert_major else 'rows'}), and its received rows alone would take "
+            f"{capacity * row_bytes / 2**30:.1f} GiB per rank. Pass capacity<={worst_case}, "
+            f"or leave it unset for the default ({default}).")
     if num_tokens == 0:  # nothing to send: the same empty results on every backend
         return _no_tokens(data, scales, topk_idx, num_experts, num_ranks, axis_name, capacity,
                           expert_major)

@@ -55,7 +55,8 @@ def _check_routing(op: str, topk_idx, num_experts: int) -> tuple[int, int, int]:
     if num_ranks < 1:
         raise ValueError(f"{op}: topk_idx must hold at least one rank; got shape "
                          f"{list(topk_idx.shape)}.")
-    if not isinstance(num_experts, int) or num_experts < 1 or num_experts % num_ranks:
+    _checks.check_positive_int(op, "num_experts", num_experts)
+    if num_experts % num_ranks:
         raise ValueError(
             f"{op}: num_experts must be a positive multiple of the number of ranks "
             f"R = topk_idx.shape[0] = {num_ranks}; got {num_experts!r}."

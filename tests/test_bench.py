@@ -141,3 +141,22 @@ def test_bench_reports_wire_bytes_and_transport(tmp_path, monkeypatch):
         assert 0 < w["minimum"] <= w["cuda"] and w["minimum"] <= w["ragged"], (op, w)
         assert w["ragged"] < w["all_gather"], (op, w)
     assert wire["ll_combine"]["ragged"] == wire["ll_combine"]["minimum"]
+
+
+def test_bench_refuses_unwritable_json_and_oversized_runs_up_front(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(jax_ep.__file__).parents[1]), *filter(None, [env.get("PYTHONPATH")])]
+    )
+
+    def run(*flags):
+        return subprocess.run([sys.executable, "-m", "jax_ep.bench", *flags], env=env,
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+    proc = run("--json", str(tmp_path / "missing" / "x.json"))
+    assert proc.returncode == 1 and "jax_ep.bench" not in proc.stdout  # nothing timed
+    assert f"--json {tmp_path / 'missing' / 'x.json'}: the folder" in proc.stderr
+    proc = run("--tokens", "100000000")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "--tokens 100000000" in proc.stderr and "GiB" in proc.stderr and "lower them" in (
+        proc.stderr)

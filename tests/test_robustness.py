@@ -180,3 +180,38 @@ def test_moe_layer_under_nnx_remat():
         got = nnx.jit(nnx.grad(lambda m, x: nnx.remat(loss)(m, x)))(model, x)
     for name in ("router", "w_gate", "w_up", "w_down"):
         np.testing.assert_array_equal(got[name][...], want[name][...], err_msg=name)
+
+
+def test_huge_capacity_names_the_argument_and_its_cost():
+    x = np.zeros((2, 4, 256), np.float32)
+    idx = np.zeros((2, 4, 2), np.int32)
+    w = np.ones((2, 4, 2), np.float32)
+
+    def per_shard(x, idx, w):
+        return jax_ep.dispatch(x, idx, w, num_experts=4, capacity=10**9, backend="xla")[0].x
+
+    with pytest.raises(ValueError, match=r"capacity=1000000000 is more than a rank can ever "
+                                         r"need \(8 rows\).*953\.7 GiB.*capacity<=8"):
+        sharded(per_shard, 2)(x, idx, w)
+
+
+def test_virtual_ranks_take_a_numpy_integer_for_num_experts():
+    x = np.ones((2, 4, 8), np.float32)
+    idx = np.tile(np.arange(4, dtype=np.int32)[None, :, None] % 4, (2, 1, 2))
+    w = np.ones((2, 4, 2), np.float32)
+    got, _ = jax_ep.virtual.dispatch(x, idx, w, num_experts=np.int64(4), backend="xla")
+    want, _ = jax_ep.virtual.dispatch(x, idx, w, num_experts=4, backend="xla")
+    np.testing.assert_array_equal(np.asarray(got.x), np.asarray(want.x))
+
+
+def test_moe_checks_the_hidden_size():
+    from flax import nnx
+
+    from jax_ep.nn import MoE, RouterConfig
+
+    mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2])
+    model = MoE(16, 12, RouterConfig(num_experts=4, top_k=2), mesh=mesh, backend="xla",
+                rngs=nnx.Rngs(0))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"MoE: x must be \[\.\.\., hidden\] "
+                                                            r"with the layer's hidden size 16"):
+        model(jnp.ones((4, 15)))

@@ -386,8 +386,49 @@ def make_setup(args: argparse.Namespace, num_devices: int, on_cpu: bool) -> tupl
     return setup, pick(args.repeat, "repeat")
 
 
+def check_json_path(path: str | None) -> None:
+    """Exits before any timing when --json cannot be written."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        sys.exit(f"python -m jax_ep.bench: --json {path}: the folder {folder} does not exist.")
+    if not os.access(folder, os.W_OK) or os.path.isdir(path):
+        sys.exit(f"python -m jax_ep.bench: --json {path}: cannot write a file there.")
+
+
+def check_memory(setup: Any, memory_bytes: int | None, shared: bool) -> None:
+    """Exits when the run's largest buffers will not fit: per rank, the tokens gathered from
+    every rank, the rows received and combine's blocks (R x T x H each, normal mode), and the
+    low-latency slots (E/R x R x T x H). `shared`: one memory holds every rank's buffers."""
+    if memory_bytes is None:
+        return
+    s = setup
+    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[s.dtype]
+    per_rank = 3 * s.ranks * s.tokens * s.hidden * itemsize
+    per_rank += 3 * (s.experts // s.ranks) * s.ranks * s.ll_tokens * s.hidden * 2
+    need = per_rank * (s.ranks if shared else 1)
+    if need > memory_bytes:
+        sys.exit(
+            f"python -m jax_ep.bench: --ranks {s.ranks} --tokens {s.tokens} --ll-tokens "
+            f"{s.ll_tokens} --hidden {s.hidden} need about {need / 2**30:.1f} GiB "
+            f"({'all ranks in this memory' if shared else 'per device'}), more than the "
+            f"{memory_bytes / 2**30:.1f} GiB {'this machine' if shared else 'a device'} "
+            f"holds; lower them."
+        )
+
+
+def memory_of(device: Any) -> int | None:
+    """Bytes the device can hold: the host's memory on the CPU, else its allocator limit."""
+    if device.platform == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    stats = device.memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    check_json_path(args.json)
     # Virtual CPU devices must be asked for before jax starts a backend: XLA reads XLA_FLAGS
     # then (importing the jax_ep package imports jax, which starts none). The flag shapes only
     # the host platform: where jax finds GPUs it uses them, and the flag changes nothing.
@@ -405,6 +446,7 @@ def main(argv: list[str]) -> int:
     platform = devices[0].platform
     on_cpu = platform == "cpu"
     setup, repeat = make_setup(args, len(devices), on_cpu)
+    check_memory(setup, memory_of(devices[0]), on_cpu or args.virtual)
     ops = selected_ops(args)
     names = args.backends or list(jax_ep.backends.BACKENDS)
     unknown = [n for n in names if n not in jax_ep.backends.BACKENDS]

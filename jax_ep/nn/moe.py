@@ -184,6 +184,10 @@ class MoE(nnx.Module):
         number of devices of the mesh. `mask` (bool, x.shape[:-1]) marks real tokens: the
         others (padding) go to no routed expert and count in no statistic."""
         shape = x.shape
+        hidden = self.router.shape[0]
+        if x.ndim < 1 or shape[-1] != hidden:
+            raise ValueError(f"MoE: x must be [..., hidden] with the layer's hidden size "
+                             f"{hidden}; got shape {list(shape)}.")
         axes = tuple(self.mesh.axis_names)
         tokens = x.reshape(-1, shape[-1])
         if mask is None:
