@@ -215,3 +215,34 @@ def test_moe_checks_the_hidden_size():
     with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"MoE: x must be \[\.\.\., hidden\] "
                                                             r"with the layer's hidden size 16"):
         model(jnp.ones((4, 15)))
+
+
+def test_moe_statistics_survive_a_nan_token():
+    """One token holding a NaN: its output is NaN, the others' are those of a run where it
+    is a zero row; aux_loss and the router's gradient through it stay finite, and the stats
+    count the token."""
+    from flax import nnx
+
+    from jax_ep.nn import MoE, RouterConfig
+
+    mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2])
+    model = MoE(16, 12, RouterConfig(num_experts=4, top_k=2), mesh=mesh, backend="xla",
+                rngs=nnx.Rngs(0))
+    x = np.asarray(jax.random.normal(jax.random.key(3), (8, 16)))
+    bad, zero = x.copy(), x.copy()
+    bad[5, 3], zero[5] = np.nan, 0.0
+
+    def aux(m, x):
+        return m(x)[1].aux_loss
+
+    with jax.set_mesh(mesh):
+        out, stats = nnx.jit(lambda m, x: m(x))(model, bad)
+        clean, clean_stats = nnx.jit(lambda m, x: m(x))(model, zero)
+        g = nnx.jit(nnx.grad(aux))(model, bad)
+    out, clean = np.asarray(out), np.asarray(clean)
+    assert np.isnan(out[5]).all()
+    np.testing.assert_array_equal(np.delete(out, 5, 0), np.delete(clean, 5, 0))
+    assert np.isfinite(float(stats.aux_loss)) and int(stats.nonfinite) == 1
+    assert int(clean_stats.nonfinite) == 0
+    np.testing.assert_array_equal(stats.load, clean_stats.load)  # routed as the zero row
+    assert np.isfinite(np.asarray(g["router"][...])).all()

@@ -50,12 +50,15 @@ class MoEStats:
       dropped: int32 [], expert entries dropped by the dispatch capacity (0 by default).
       rank_load: int32 [R], expert entries each EP rank received (summed over the other
         mesh axes): the balance the devices see, after replication.
+      nonfinite: int32 [], tokens whose input held a NaN or infinity: routed as zero rows
+        and left out of aux_loss (their own outputs are not finite).
     """
 
     load: jax.Array
     aux_loss: jax.Array
     dropped: jax.Array
     rank_load: jax.Array
+    nonfinite: jax.Array
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -216,12 +219,17 @@ class MoE(nnx.Module):
                        ("stream", stream))
 
             def route(c):
-                idx, weights, scores = routing.select(c["x"] @ router_w, cfg, bias)
+                # A token whose input is not finite is routed as a zero row and left out of
+                # the score statistics, so that it cannot make aux_loss (or the router's
+                # gradient through it) NaN; its own output stays non-finite.
+                finite = jnp.all(jnp.isfinite(c["x"]), axis=1)
+                router_x = jnp.where(finite[:, None], c["x"], 0)
+                idx, weights, scores = routing.select(router_x @ router_w, cfg, bias)
                 idx = jnp.where(c["valid"][:, None], idx, -1)  # padding goes nowhere
                 physical = idx if log2phy is None else eplb.choose_replicas(
                     idx, log2phy, logcnt, offset=jax.lax.axis_index(ep))
                 return {**c, "idx": idx, "physical": physical, "weights": weights,
-                        "scores": scores}
+                        "scores": scores, "counted": c["valid"] & finite}
 
             def send(c):
                 if self.fp8_dispatch:
@@ -252,11 +260,12 @@ class MoE(nnx.Module):
             c = schedule(block, inputs)
             # Statistics leave per device, [1, ...] each, and are summed outside: the sums
             # (all-reduces) exist only where a caller uses them, never inside the block.
-            valid, idx = c["valid"], c["idx"]
+            valid, idx, counted = c["valid"], c["idx"], c["counted"]
             here = jax.nn.one_hot(jax.lax.axis_index(ep), self.placement[3], dtype=jnp.int32)
-            stats = (routing.expert_load(idx, E), jnp.sum(valid, dtype=jnp.float32),
-                     jnp.sum(c["scores"] * valid[:, None], axis=0), jnp.sum(c["dropped"]),
-                     here * jnp.sum(c["received"]))
+            stats = (routing.expert_load(idx, E), jnp.sum(counted, dtype=jnp.float32),
+                     jnp.sum(jnp.where(counted[:, None], c["scores"], 0), axis=0),
+                     jnp.sum(c["dropped"]), here * jnp.sum(c["received"]),
+                     jnp.sum(valid & ~counted, dtype=jnp.int32))
             return c["out"], *(a[None] for a in stats)
 
         weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
@@ -270,19 +279,19 @@ class MoE(nnx.Module):
             maps = (log2phy, logcnt)
         specs = (P(axes), P(axes), P(), P(), P(ep), P(ep), P(ep)) + (P(),) * len(maps)
         run = jax.shard_map(per_device, mesh=self.mesh, in_specs=specs,
-                            out_specs=(P(axes),) * 6)
+                            out_specs=(P(axes),) * 7)
         # Each operand placed as the program expects (a no-op when it already is).
         operands = [jax.reshard(a, spec) for a, spec in zip(
             (tokens, valid, self.router[...], bias, *weights, *maps), specs, strict=True)]
         out, *per_device_stats = run(*operands)
-        load, count, score_sums, dropped, rank_load = (
+        load, count, score_sums, dropped, rank_load, nonfinite = (
             jax.reshard(jnp.sum(a, axis=0), P()) for a in per_device_stats)
         aux = routing.balance_loss(load, score_sums / jnp.maximum(count, 1.0))
         if self.shared is not None:
             out = out + _swiglu(tokens, *(w[...] for w in self.shared))
         out = jax.reshard(out, placed).reshape(shape)
         return out, MoEStats(load=load, aux_loss=aux, dropped=dropped,
-                             rank_load=rank_load)
+                             rank_load=rank_load, nonfinite=nonfinite)
 
     def _plan(self, load) -> tuple:
         plan = eplb.ReplicaPlan.build(np.asarray(load, np.float64), *self.placement)
