@@ -57,3 +57,26 @@ def test_two_processes_match_one(tmp_path):
         assert got.shape == want.shape, key
         np.testing.assert_array_equal(got.view(np.uint8), np.asarray(want).view(np.uint8),
                                       err_msg=key)
+
+
+@pytest.mark.slow
+def test_a_lost_peer_ends_the_survivor_instead_of_hanging(tmp_path):
+    """Process 1 dies after two steps; process 0, in the middle of the next step's exchanges,
+    is ended by JAX's distributed service once the heartbeats stop (README, "Between GPUs")."""
+    heartbeat = 5
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_EP_BACKEND")}
+    env["PYTHONPATH"] = HERE
+    procs = [subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "peer_loss_worker.py"), str(pid), str(port),
+         str(heartbeat)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for pid in range(2)]
+    try:
+        survivor_log = procs[0].communicate(timeout=240)[0]
+    except subprocess.TimeoutExpired:
+        pytest.fail("the survivor hung after its peer died")
+    finally:
+        for p in procs:
+            p.kill()
+    assert "step 1" in survivor_log, survivor_log[-3000:]  # it ran before the loss ...
+    assert procs[0].returncode != 0, survivor_log[-3000:]  # ... and was ended after it
