@@ -39,6 +39,7 @@ import json
 import math
 import re
 import sys
+import zlib
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -94,17 +95,71 @@ def load_trace(path: str | Path) -> tuple[dict[str, Any], Path]:
         path = max(candidates, key=lambda p: (p.stat().st_mtime, p.name))
     opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rt") as f:
+        with opener(path, "rt", encoding="utf-8") as f:
             data = json.load(f)
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"trace_report: {str(path)!r} is not a (gzipped) JSON trace: "
-                         f"{error}") from error
+    except (OSError, EOFError, zlib.error, ValueError) as error:  # ValueError: JSON, UTF-8
+        raise ValueError(f"trace_report: {str(path)!r} is not a (gzipped) JSON trace in UTF-8: "
+                         f"{type(error).__name__}: {error}") from error
+    except RecursionError as error:
+        raise ValueError(f"trace_report: {str(path)!r} nests its JSON too deeply to be a "
+                         "Chrome trace.") from error
     if isinstance(data, list):  # the Chrome format also allows a bare event array
         data = {"traceEvents": data}
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
         raise ValueError(f"trace_report: {str(path)!r} has no 'traceEvents' list; is it a "
                          "Chrome trace?")
+    data["traceEvents"], skipped = well_formed(data["traceEvents"])
+    if skipped:  # reported by the command line beside the report
+        data["skipped"] = skipped
     return data, path
+
+
+# Event phases that sit on the timeline, so need a time stamp.
+_TIMED_PHASES = frozenset("XBEiIsftCbne")
+
+
+def _number(value: Any) -> bool:
+    """A finite int or float (not a bool, not a string)."""
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _malformed(event: Any) -> str | None:
+    """Why `event` cannot be used (the field at fault), or None."""
+    if not isinstance(event, dict):
+        return "not a JSON object"
+    args = event.get("args")
+    if args is not None and not isinstance(args, dict):
+        return "'args' is not an object"
+    timed = "ts" in event or event.get("ph") in _TIMED_PHASES
+    if timed and not _number(event.get("ts")):
+        return "'ts' missing or not a finite number"
+    if "dur" in event and not (_number(event["dur"]) and event["dur"] >= 0):
+        return "'dur' not a finite number >= 0"
+    args = args or {}
+    grid = args.get("grid")
+    if grid is not None and not (isinstance(grid, list | tuple)
+                                 and all(isinstance(g, int) and g >= 0 for g in grid)):
+        return "'args.grid' not a list of block counts"
+    device = args.get("device")
+    if device is not None and not (isinstance(device, int) and not isinstance(device, bool)
+                                   and device >= 0):
+        return "'args.device' not a device index"
+    return None
+
+
+def well_formed(events: list[Any]) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """The events the report can use, and how many were skipped for each reason (an event
+    with a bad time, duration, argument list, grid or device is left out and counted, never
+    half-used)."""
+    kept, skipped = [], {}
+    for event in events:
+        why = _malformed(event)
+        if why is None:
+            kept.append(event)
+        else:
+            skipped[why] = skipped.get(why, 0) + 1
+    return kept, skipped
 
 
 # ------------------------------------------------------------------------ classification
@@ -1096,8 +1151,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                           else "")
     report = analyze(device_trace, window, source=source)
     sys.stdout.write(format_report(report))
+    skipped = trace.get("skipped", {})
+    if skipped:
+        reasons = "; ".join(f"{n} with {why}" for why, n in sorted(skipped.items()))
+        print(f"\nskipped {sum(skipped.values())} malformed events: {reasons}")
     if args.json:
-        Path(args.json).write_text(json.dumps(to_json(report), indent=1))
+        Path(args.json).write_text(json.dumps({**to_json(report), "skipped_events": skipped},
+                                              indent=1))
     if args.png:
         plot_timeline(device_trace, report, args.png)
         print(f"\ntimeline: {args.png}")

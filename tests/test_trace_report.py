@@ -436,3 +436,47 @@ def test_deepseek_train_trace_invariants():
     assert sum(p.kernels for p in report.phases) == report.kernels
     assert all(p.occurrences == 4 for p in report.phases if p.phase.endswith(("(F)", "(B)",
                                                                             "(W)")))
+
+
+def test_malformed_events_are_skipped_and_counted(tmp_path, capsys):
+    """Each bad event is left out and counted by its field; the report comes out of the good
+    ones (a negative duration no longer stretches the window), with no traceback."""
+    good = [kernel("gemm", 7, 0, 100), kernel("ncclKernel_AllToAll", 27, 50, 100)]
+    bad = [
+        {k: v for k, v in kernel("no_ts", 7, 0, 5).items() if k != "ts"},
+        {**kernel("list_args", 7, 0, 5), "args": [1, 2]},
+        {**kernel("nan_ts", 7, 0, 5), "ts": float("nan")},
+        {**kernel("string_ts", 7, 0, 5), "ts": "12"},
+        {**kernel("nan_dur", 7, 0, 5), "dur": float("nan")},
+        kernel("negative_dur", 7, 900, -50),
+        {**kernel("string_grid", 7, 0, 5), "args": {"device": 0, "grid": "1x1x1"}},
+        {**kernel("string_device", 7, 0, 5), "args": {"device": "0", "grid": [1, 1, 1]}},
+        "not an event",
+    ]
+    path = tmp_path / "bad_events.json"
+    path.write_text(json.dumps({"traceEvents": good + bad}))  # NaN is written as NaN
+    out_json = tmp_path / "report.json"
+    assert trace_report.main([str(path), "--png", str(tmp_path / "t.png"),
+                              "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert f"skipped {len(bad)} malformed events" in out
+    for why in ("'ts' missing or not a finite number", "'args' is not an object",
+                "'dur' not a finite number >= 0", "'args.grid'", "'args.device'",
+                "not a JSON object"):
+        assert why in out, why
+    record = json.loads(out_json.read_text())
+    assert sum(record["skipped_events"].values()) == len(bad)
+    assert record["window"]["end"] - record["window"]["start"] == 150  # good kernels only
+
+
+def test_unreadable_traces_name_the_file(tmp_path, capsys):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000 + "]" * 100000)
+    latin = tmp_path / "latin.json"
+    latin.write_bytes(b'{"traceEvents": [{"name": "\xe9"}]}')
+    broken = tmp_path / "broken.json.gz"
+    broken.write_bytes(b"\x1f\x8b\x08\x00 not really gzip")
+    for path in (deep, latin, broken):
+        assert trace_report.main([str(path)]) == 2
+        err = capsys.readouterr().err
+        assert str(path) in err and "Traceback" not in err, err
