@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jax_ep.dispatch import default_capacity
 from jax_ep.fp8 import BLOCK
 
 SCALE_BYTES = 4  # one float32 scale per BLOCK channels
@@ -133,13 +134,6 @@ def _launch(*items: int) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # The ops
-
-
-def default_capacity(num_ranks: int, num_tokens: int, top_k: int, num_experts: int,
-                     expert_major: bool) -> int:
-    """The capacity of `jax_ep.dispatch` when none is given: never drops a row (entry)."""
-    capacity = num_ranks * num_tokens
-    return capacity * min(top_k, num_experts // num_ranks) if expert_major else capacity
 
 
 def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_bytes: int = 0,

@@ -41,12 +41,21 @@ class _DispatchConfig:
     placement: backends.Placement
 
 
+def default_capacity(num_ranks: int, num_tokens: int, top_k: int, num_experts: int,
+                     expert_major: bool = False) -> int:
+    """The capacity of `dispatch` when none is given: R*T rows, which never overflows; when
+    `expert_major`, R*T*min(K, E/R) entries, which overflows only when tokens choose the same
+    expert more than once (R*T*K never does)."""
+    capacity = num_ranks * num_tokens
+    return capacity * min(top_k, num_experts // num_ranks) if expert_major else capacity
+
+
 def capacity_from_factor(capacity_factor: float, *, num_ranks: int, num_tokens: int,
                          top_k: int, num_experts: int, expert_major: bool = False) -> int:
     """The dispatch capacity that `capacity_factor` stands for.
 
     capacity = ceil(capacity_factor * what a rank receives on average when every token picks
-    K distinct experts uniformly at random), at most the worst case (the default capacity):
+    K distinct experts uniformly at random), at most `default_capacity`:
     - rank-major, rows: R*T * (1 - C(E - E/R, K) / C(E, K)), the chance that a token has a
       choice on a given rank;
     - expert-major, entries: T*K.
@@ -54,16 +63,15 @@ def capacity_from_factor(capacity_factor: float, *, num_ranks: int, num_tokens: 
     experts_per_rank = num_experts // num_ranks
     if expert_major:
         average = Fraction(num_tokens * top_k)
-        worst = num_ranks * num_tokens * min(top_k, experts_per_rank)
     else:
         misses = Fraction(math.comb(num_experts - experts_per_rank, top_k),
                           math.comb(num_experts, top_k))
         average = num_ranks * num_tokens * (1 - misses)
-        worst = num_ranks * num_tokens
     # The factor as its shortest decimal (1.1, not the binary float above it): 1.1 * 300
     # gives 330 entries, as written.
     factor = Fraction(repr(float(capacity_factor)))
-    return max(1, min(worst, math.ceil(factor * average)))
+    default = default_capacity(num_ranks, num_tokens, top_k, num_experts, expert_major)
+    return max(1, min(default, math.ceil(factor * average)))
 
 
 def _check_x(op: str, x, num_tokens: int) -> tuple[jax.Array, jax.Array | None]:
@@ -145,7 +153,7 @@ def dispatch(
     num_tokens, top_k = _checks.check_topk_idx(op, topk_idx)
     data, scales = _check_x(op, x, num_tokens)
     _checks.check_topk_weights(op, topk_weights, num_tokens, top_k)
-    experts_per_rank = _checks.check_num_experts(op, num_experts, num_ranks, axis_name)
+    _checks.check_num_experts(op, num_experts, num_ranks, axis_name)
     _checks.check_top_k(op, top_k, num_experts)
     _checks.check_positive_int(op, "capacity", capacity, allow_none=True)
     if capacity_factor is not None:
@@ -167,8 +175,7 @@ def dispatch(
         capacity = capacity_from_factor(
             float(capacity_factor), num_ranks=num_ranks, num_tokens=num_tokens, top_k=top_k,
             num_experts=num_experts, expert_major=expert_major)
-    # The default holds every row, and every entry unless a token picks an expert twice.
-    default = num_ranks * num_tokens * (min(top_k, experts_per_rank) if expert_major else 1)
+    default = default_capacity(num_ranks, num_tokens, top_k, num_experts, expert_major)
     if capacity is None:
         capacity = default
     row_bytes = data.shape[1] * data.dtype.itemsize

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from jax_ep import _checks, _exchange_ffi, _ffi, fp8
 from jax_ep.backends import xla
+from jax_ep.dispatch import default_capacity
 from jax_ep.structs import (
     DispatchHandle,
     DispatchLayout,
@@ -134,9 +135,7 @@ def dispatch(
     _checks.check_positive_int(op, "capacity", capacity, allow_none=True)
     placement = _checks.placement(op, num_sms, None)
     if capacity is None:
-        capacity = num_ranks * num_tokens
-        if expert_major:
-            capacity *= min(top_k, num_experts // num_ranks)
+        capacity = default_capacity(num_ranks, num_tokens, top_k, num_experts, expert_major)
     if _backend(op, backend) == "xla":
         def run(xs, ss, idx, w):
             received, handle, _ = xla.dispatch(

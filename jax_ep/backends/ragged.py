@@ -131,7 +131,7 @@ def _packed_routing(plan: RaggedRows, keep, idx, experts_per_rank, weights=None)
     width = plan.slots.shape[1]
     num_ranks = keep.shape[1]
     dests = jnp.sort(jnp.where(keep, jnp.arange(num_ranks), num_ranks), axis=1)[:, :width]
-    dest = jnp.where(idx >= 0, idx // experts_per_rank, -1)
+    dest = routing.dest_rank(idx, experts_per_rank * num_ranks, num_ranks)
     on = dest[:, None, :] == dests[:, :, None]  # [T, width, K]
     columns = [jnp.where(on, idx[:, None, :] - dests[:, :, None] * experts_per_rank, -1)]
     if weights is not None:
@@ -175,8 +175,7 @@ def _rows_with_kept_entries(idx, capacity: int, num_experts: int, axis_name: str
     within = jnp.zeros_like(flat).at[order].set(jnp.arange(flat.shape[0]) - first)
     position = gather_rows(base, flat, fill=capacity) + within
     kept = ((flat >= 0) & (position < capacity)).reshape(num_tokens, top_k)
-    dest = routing.dest_rank(idx, num_experts, num_ranks)
-    keep = jnp.any(kept[:, :, None] & (dest[:, :, None] == jnp.arange(num_ranks)), axis=1)
+    keep = routing.is_token_in_rank(jnp.where(kept, idx, -1), num_experts, num_ranks)
     return keep, jnp.sum(total[rank])
 
 
