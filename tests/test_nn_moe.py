@@ -220,3 +220,182 @@ def test_redundant_experts_balance_ranks_and_leave_results_unchanged():
         MoE(16, 12, cfg, mesh=mesh, redundant_experts=3, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="no redundant experts"):
         plain.rebalance(stats.load)
+
+
+def test_parameters_carry_their_ep_sharding_for_flax():
+    """nnx.get_partition_spec / get_named_sharding (Flax's sharding metadata, logical axes
+    mapped by the layer's rules) give the experts' EP placement, the arrays are placed so, and
+    the NNX guide's jitted init keeps it."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 4), ("data", "ep"))
+    cfg = RouterConfig(num_experts=8, top_k=2)
+
+    def create():
+        return MoE(16, 12, cfg, mesh=mesh, num_shared_experts=1, rngs=nnx.Rngs(0))
+
+    @nnx.jit
+    def create_sharded():  # the NNX sharding guide's recipe
+        model = create()
+        state = nnx.state(model)
+        nnx.update(model, jax.lax.with_sharding_constraint(state,
+                                                           nnx.get_partition_spec(state)))
+        return model
+
+    want = {"router": P(None, None), "w_gate": P("ep", None, None),
+            "w_up": P("ep", None, None), "w_down": P("ep", None, None)}
+    with jax.set_mesh(mesh):
+        for model in (create(), create_sharded()):
+            state = nnx.state(model, nnx.Param)
+            specs = nnx.get_partition_spec(state)
+            named = nnx.get_named_sharding(state, mesh)
+            for name, spec in want.items():
+                assert specs[name].get_value() == spec, name
+                assert named[name].get_value() == jax.NamedSharding(mesh, spec), name
+                assert model.__getattribute__(name)[...].sharding.spec == spec, name
+            assert specs["shared"][0].get_value() == P(None, None)
+            assert model.w_gate.out_sharding == ("expert", "embed", "mlp")
+
+
+def test_experts_sharded_further_over_another_axis():
+    """sharding_rules (("mlp", "tp"),) stores the FFN dimension over "tp" as well: the same
+    forward and gradients as the dense layer, and gradients placed like their parameters."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 2, 2), ("data", "ep", "tp"))
+    cfg = RouterConfig(num_experts=8, top_k=3, score="sigmoid", num_groups=4, top_groups=2)
+    model = MoE(16, 12, cfg, mesh=mesh, num_shared_experts=1, backend="xla",
+                sharding_rules=(("mlp", "tp"),), rngs=nnx.Rngs(3))
+    specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+    assert specs["w_gate"].get_value() == P("ep", None, "tp")
+    assert specs["w_down"].get_value() == P("ep", "tp", None)
+    assert specs["shared"][2].get_value() == P("tp", None)
+    assert model.w_down[...].sharding.spec == P("ep", "tp", None)
+    x = np.asarray(jax.random.normal(jax.random.key(4), (3, 8, 16)))
+    p = plain_params(model)
+    w_p = jax.grad(lambda p: jnp.sum(jnp.sin(dense_moe(p, x, cfg))))(p)
+    with jax.set_mesh(mesh):
+        got = nnx.jit(lambda m, x: m(x)[0])(model, x)
+        grads = nnx.jit(nnx.grad(lambda m: jnp.sum(jnp.sin(m(x)[0]))))(model)
+    np.testing.assert_allclose(got, dense_moe(p, x, cfg), rtol=2e-5, atol=2e-5)
+    for name in ("w_gate", "w_up", "w_down"):
+        np.testing.assert_allclose(grads[name][...], w_p[name], rtol=1e-4, atol=1e-5)
+        assert grads[name][...].sharding.spec == specs[name].get_value(), name
+
+
+def test_param_dtype_apart_from_compute_dtype():
+    """float32 parameters computed in bfloat16: parameters and their gradients stay
+    float32, the output is bfloat16 and close to the float32 layer's."""
+    mesh = jax.make_mesh((1, 4), ("data", "ep"), devices=jax.devices()[:4])
+    cfg = RouterConfig(num_experts=8, top_k=2)
+    layers = {dtype: MoE(16, 12, cfg, mesh=mesh, num_shared_experts=1, backend="xla",
+                         dtype=dtype, rngs=nnx.Rngs(0)) for dtype in (None, jnp.bfloat16)}
+    x = jax.random.normal(jax.random.key(6), (32, 16))
+    with jax.set_mesh(mesh):
+        want = nnx.jit(lambda m, x: m(x)[0])(layers[None], x)
+        got = nnx.jit(lambda m, x: m(x)[0])(layers[jnp.bfloat16], x)
+        grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x)[0].astype(jnp.float32))))(
+            layers[jnp.bfloat16])
+    assert layers[jnp.bfloat16].w_gate[...].dtype == jnp.float32
+    assert want.dtype == jnp.float32 and got.dtype == jnp.bfloat16
+    assert grads["w_gate"][...].dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0.05, atol=0.05)
+    half = MoE(16, 12, cfg, mesh=mesh, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert half.w_up[...].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("rules, match", [
+    ((("expert", "data"),), "pass ep_axis='data'"),
+    ((("mlp", "nope"),), "not a mesh axis"),
+    ((("mlp", "ep"),), "not a mesh axis other than the EP axis"),
+    ((("heads", "data"),), "logical axis 'heads'"),
+    ((("mlp", "data"), ("embed", "data")), "only one of a weight's dimensions"),
+    ((("mlp", "data"),), "cannot be sharded over mesh axis 'data' of size 2"),
+])
+def test_bad_sharding_rules_are_named(rules, match):
+    mesh = jax.make_mesh((2, 4), ("data", "ep"))
+    with pytest.raises(ValueError, match=match):
+        MoE(16, 13, RouterConfig(num_experts=8, top_k=2), mesh=mesh, sharding_rules=rules,
+            rngs=nnx.Rngs(0))
+
+
+def test_linen_wrapper_in_a_linen_model():
+    """jax_ep.nn.linen.MoE inside a Linen model, initialized and trained under jit on a
+    (data, ep) mesh: logically partitioned parameters placed over the EP axis, the dense
+    layer's output and gradients, and the bias update through apply."""
+    from flax import linen as nn
+    from jax.sharding import PartitionSpec as P
+
+    from jax_ep.nn import linen as ep_linen
+
+    mesh = jax.make_mesh((2, 4), ("data", "ep"))
+    cfg = RouterConfig(num_experts=8, top_k=2, score="sigmoid")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(16, name="proj")(x)
+            y, stats = ep_linen.MoE(16, 12, cfg, mesh=mesh, num_shared_experts=1,
+                                    backend="xla", name="moe")(h)
+            return h + y, stats
+
+    model = Block()
+    x = jax.random.normal(jax.random.key(0), (4, 8, 16))
+    with jax.set_mesh(mesh):
+        variables = jax.jit(model.init)(jax.random.key(1), x)
+        y, stats = jax.jit(model.apply)(variables, x)
+        grads = jax.jit(jax.grad(lambda v: jnp.sum(jnp.sin(model.apply(v, x)[0]))))(
+            variables)
+    boxes = variables["params"]["moe"]
+    assert isinstance(boxes["w_gate"], nn.LogicallyPartitioned)
+    specs = nn.get_partition_spec(variables)["params"]["moe"]
+    assert specs["w_gate"] == P("expert", "embed", "mlp")
+    mesh_specs = nn.logical_to_mesh(specs, boxes["w_gate"].rules)
+    assert mesh_specs["w_gate"] == P("ep", None, None)
+    assert boxes["w_down"].value.sharding.spec == P("ep", None, None)
+
+    p = {name: np.asarray(boxes[name].value) for name in ("router", "w_gate", "w_up",
+                                                           "w_down")}
+    p["shared"] = [np.asarray(boxes["shared"][i].value) for i in range(3)]
+    p["expert_bias"] = np.asarray(variables["ExpertBias"]["moe"]["expert_bias"])
+    proj = jax.device_get(variables["params"]["proj"])
+    h = np.asarray(x @ proj["kernel"] + proj["bias"])
+    np.testing.assert_allclose(y, h + dense_moe(p, h, cfg), rtol=2e-5, atol=2e-5)
+    want = jax.grad(lambda p: jnp.sum(jnp.sin(h + dense_moe(p, h, cfg))))(p)
+    for name in ("router", "w_gate", "w_down"):
+        np.testing.assert_allclose(grads["params"]["moe"][name].value, want[name],
+                                   rtol=1e-4, atol=1e-5, err_msg=name)
+
+    layer = ep_linen.MoE(16, 12, cfg, mesh=mesh, backend="xla", bias_rate=0.1)
+    with jax.set_mesh(mesh):
+        state = layer.init(jax.random.key(2), h)
+        _, stats = layer.apply(state, h)
+        _, updated = layer.apply(state, stats.load, nnx_method="update_bias",
+                                 mutable=["ExpertBias"])
+    np.testing.assert_allclose(updated["ExpertBias"]["expert_bias"],
+                               router.updated_bias(jnp.zeros(8), stats.load, 0.1))
+    with pytest.raises(TypeError, match="pass no rngs"):
+        ep_linen.MoE(16, 12, cfg, mesh=mesh, rngs=nnx.Rngs(0))
+
+
+def test_deepseek_v3_configuration():
+    """jax_ep.nn.configs.deepseek_v3: DeepSeek-V3's routing at scaled-down widths, its layer
+    equal to the dense layer over 8 EP ranks (32 experts each), every token on 8 experts of
+    at most 4 groups."""
+    from jax_ep.nn import configs
+
+    cfg = configs.deepseek_v3()
+    r = cfg.router
+    assert (r.num_experts, r.top_k, r.num_groups, r.top_groups) == (256, 8, 8, 4)
+    assert (r.score, r.routed_scaling, cfg.num_shared_experts) == ("sigmoid", 2.5, 1)
+    assert configs.deepseek_v3(hidden=7168, ffn_hidden=2048).hidden == 7168
+    mesh = jax.make_mesh((1, 8), ("data", "ep"))
+    model = cfg.layer(mesh=mesh, rngs=nnx.Rngs(1), backend="xla")
+    x = np.asarray(jax.random.normal(jax.random.key(7), (48, cfg.hidden)))
+    p = plain_params(model)
+    with jax.set_mesh(mesh):
+        y, stats = nnx.jit(lambda m, x: m(x))(model, x)
+    np.testing.assert_allclose(y, dense_moe(p, x, r), rtol=2e-5, atol=2e-5)
+    assert float(stats.load.sum()) == 48 * 8
+    idx = np.asarray(router.select(x @ p["router"], r, p["expert_bias"])[0])
+    assert max(len(set(row // 32)) for row in idx) <= 4  # groups of 32 experts

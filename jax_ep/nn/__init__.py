@@ -1,6 +1,10 @@
-"""Flax (NNX) layers on jax_ep's ops: `MoE` and its routing (`router`)."""
+"""Flax layers on jax_ep's ops: `MoE` (NNX) and its routing (`router`), the same layer for
+Linen models (`linen.MoE`), and published shapes (`configs`)."""
 
-from jax_ep.nn.moe import MoE, MoEStats
+from jax_ep.nn import configs, linen
+from jax_ep.nn.configs import MoEConfig
+from jax_ep.nn.moe import LOGICAL_AXES, MoE, MoEStats, default_sharding_rules
 from jax_ep.nn.router import RouterConfig
 
-__all__ = ["MoE", "MoEStats", "RouterConfig"]
+__all__ = ["LOGICAL_AXES", "MoE", "MoEConfig", "MoEStats", "RouterConfig", "configs",
+           "default_sharding_rules", "linen"]

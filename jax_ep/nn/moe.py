@@ -2,10 +2,16 @@
 experts.
 
 Tokens are split over every axis of the mesh; the experts over the EP axis (expert e on EP
-rank e // (E/R)), replicated over the other axes, so each group of devices along the EP axis is
-one EP group. Inside `shard_map` each device routes its tokens, `jax_ep.dispatch`es them
-expert-major, runs its local experts with `jax.lax.ragged_dot` and `jax_ep.combine`s the
-weighted outputs home. The layer owns the parameters only; all communication is jax_ep's ops.
+rank e // (E/R)), so each group of devices along the EP axis is one EP group. Inside
+`shard_map` each device routes its tokens, `jax_ep.dispatch`es them expert-major, runs its
+local experts with `jax.lax.ragged_dot` and `jax_ep.combine`s the weighted outputs home. The
+layer owns the parameters only; all communication is jax_ep's ops.
+
+Parameters carry Flax sharding metadata in logical axis names (`LOGICAL_AXES`) and the rules
+that map them to mesh axes, so `nnx.get_partition_spec` and `nnx.get_named_sharding` give
+their placement: "expert" on the EP axis; "embed" and "mlp" replicated unless
+`sharding_rules` maps them to another mesh axis, where they are stored sharded and gathered
+for each call (the FSDP pattern).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.nnx.nn import dtypes
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -26,6 +33,41 @@ from jax_ep import backends, eplb, fp8
 from jax_ep.nn import router as routing
 from jax_ep.nn.router import RouterConfig
 from jax_ep.overlap import Comm, Compute
+
+# Each parameter's axes in logical names; `sharding_rules` maps the names to mesh axes.
+LOGICAL_AXES = {
+    "router": ("embed", None),
+    "w_gate": ("expert", "embed", "mlp"),
+    "w_up": ("expert", "embed", "mlp"),
+    "w_down": ("expert", "mlp", "embed"),
+    "shared": (("embed", "mlp"), ("embed", "mlp"), ("mlp", "embed")),
+}
+
+
+def default_sharding_rules(ep_axis: str = "ep") -> tuple[tuple[str, str | None], ...]:
+    """The layer's logical-to-mesh axis rules: experts over `ep_axis`, the rest replicated."""
+    return (("expert", ep_axis), ("embed", None), ("mlp", None))
+
+
+def _merged_rules(rules, mesh: Mesh, ep_axis: str) -> tuple[tuple[str, str | None], ...]:
+    merged = dict(default_sharding_rules(ep_axis))
+    for name, axis in rules or ():
+        if name not in merged:
+            raise ValueError(f"MoE: sharding_rules names the logical axis {name!r}; the layer's"
+                             f" axes are {sorted(merged)}.")
+        if name == "expert" and axis != ep_axis:
+            raise ValueError(f"MoE: sharding_rules maps 'expert' to {axis!r}, but the experts "
+                             f"live on the EP axis {ep_axis!r}; pass ep_axis={axis!r} instead.")
+        if axis is not None and (axis not in mesh.axis_names or axis == ep_axis):
+            raise ValueError(f"MoE: sharding_rules maps {name!r} to {axis!r}, which is not a "
+                             f"mesh axis other than the EP axis {ep_axis!r} (mesh axes: "
+                             f"{mesh.axis_names}).")
+        merged[name] = axis
+    if merged["embed"] is not None and merged["embed"] == merged["mlp"]:
+        raise ValueError(f"MoE: sharding_rules maps both 'embed' and 'mlp' to "
+                         f"{merged['embed']!r}; one mesh axis can shard only one of a "
+                         f"weight's dimensions.")
+    return tuple(merged.items())
 
 
 class ExpertBias(nnx.Variable):
@@ -131,7 +173,13 @@ class MoE(nnx.Module):
       backend: jax_ep backend ("auto", "xla", "cuda").
       num_sms: SMs each kernel launch of the dispatch and combine may take (the "cuda"
         backend; None: every SM).
-      dtype: parameter and computation dtype.
+      sharding_rules: (logical axis, mesh axis or None) pairs over `default_sharding_rules`:
+        e.g. (("mlp", "tp"),) stores the experts' FFN dimension sharded over a "tp" axis
+        (parameters and optimizer state take 1/size of the memory; each call gathers the
+        local experts' weights). "expert" always maps to `ep_axis`.
+      param_dtype: the parameters' dtype (e.g. float32 master weights).
+      dtype: the computation dtype (e.g. bfloat16); None: the inputs' and parameters'
+        promoted dtype.
       rngs: nnx.Rngs for the initial parameters.
     """
 
@@ -142,7 +190,8 @@ class MoE(nnx.Module):
                  redundant_experts: int = 0, num_nodes: int = 1,
                  backend: Literal["auto", "xla", "cuda"] = "auto",
                  num_sms: int | None = jax_ep.DEFAULT_NUM_SMS,
-                 dtype=jnp.float32, rngs: nnx.Rngs):
+                 sharding_rules=None, param_dtype=jnp.float32, dtype=None,
+                 rngs: nnx.Rngs):
         if ep_axis not in mesh.axis_names:
             raise ValueError(f"MoE: ep_axis {ep_axis!r} is not an axis of the mesh "
                              f"{mesh.axis_names}.")
@@ -155,6 +204,8 @@ class MoE(nnx.Module):
         self.capacity_factor = capacity_factor
         self.bias_rate, self.backend, self.fp8_dispatch = bias_rate, backend, fp8_dispatch
         self.overlap, self.num_sms = overlap, num_sms
+        self.dtype, self.param_dtype = dtype, param_dtype
+        self.sharding_rules = rules = _merged_rules(sharding_rules, mesh, ep_axis)
         R = mesh.shape[ep_axis]
         if redundant_experts < 0 or (E + redundant_experts) % R:
             raise ValueError(f"MoE: num_experts + redundant_experts ({E} + {redundant_experts})"
@@ -166,20 +217,34 @@ class MoE(nnx.Module):
         if fp8_dispatch:
             fp8.check_hidden("MoE", "the hidden size", hidden)
 
-        def normal(key, shape, fan_in, spec=None):
-            value = (jax.random.normal(key, shape, jnp.float32) * fan_in**-0.5).astype(dtype)
-            return nnx.Param(jax.device_put(value, NamedSharding(mesh, spec or P())))
+        mesh_axes = dict(rules)
 
-        self.router = normal(rngs.params(), (H, E), H)
+        def normal(key, shape, fan_in, names):
+            spec = P(*(mesh_axes.get(n) for n in names))
+            for size, axis in zip(shape, spec, strict=True):
+                if axis is not None and size % mesh.shape[axis]:
+                    raise ValueError(f"MoE: a weight of shape {shape} cannot be sharded over "
+                                     f"mesh axis {axis!r} of size {mesh.shape[axis]} (logical "
+                                     f"axes {names}); change sharding_rules or the widths.")
+            value = jax.random.normal(key, shape, jnp.float32) * fan_in**-0.5
+            # Placed here, whatever Flax's eager-sharding setting; the metadata tells Flax
+            # (get_partition_spec, a jitted init, Linen boxes) where it lives.
+            return nnx.Param(jax.device_put(value.astype(param_dtype), NamedSharding(mesh, spec)),
+                             out_sharding=names, sharding_rules=rules, mesh=mesh,
+                             eager_sharding=False)
+
+        axes = LOGICAL_AXES
+        self.router = normal(rngs.params(), (H, E), H, axes["router"])
         self.expert_bias = ExpertBias(jnp.zeros((E,), jnp.float32))
-        experts = P(ep_axis)  # expert e lives on EP rank e // (E/R)
-        self.w_gate = normal(rngs.params(), (E, H, F), H, experts)
-        self.w_up = normal(rngs.params(), (E, H, F), H, experts)
-        self.w_down = normal(rngs.params(), (E, F, H), F, experts)
+        # expert e lives on EP rank e // (E/R)
+        self.w_gate = normal(rngs.params(), (E, H, F), H, axes["w_gate"])
+        self.w_up = normal(rngs.params(), (E, H, F), H, axes["w_up"])
+        self.w_down = normal(rngs.params(), (E, F, H), F, axes["w_down"])
         S = num_shared_experts * F  # the shared experts as one SwiGLU of width S
-        self.shared = nnx.List([normal(rngs.params(), (H, S), H),
-                                normal(rngs.params(), (H, S), H),
-                                normal(rngs.params(), (S, H), S)]) if S else None
+        self.shared = nnx.List([
+            normal(rngs.params(), shape, shape[0], names)
+            for shape, names in zip(((H, S), (H, S), (S, H)), axes["shared"], strict=True)
+        ]) if S else None
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None
                  ) -> tuple[jax.Array, MoEStats]:
@@ -199,6 +264,12 @@ class MoE(nnx.Module):
             raise ValueError(f"MoE: mask must have the shape of x without its last axis, "
                              f"{shape[:-1]}; got {mask.shape}.")
         valid = mask.reshape(-1)
+        shared = () if self.shared is None else tuple(w[...] for w in self.shared)
+        # Computed in `dtype` (the parameters cast from `param_dtype` before they move).
+        tokens, router_w, *weights = dtypes.promote_dtype(
+            (tokens, self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...],
+             *shared), dtype=self.dtype)
+        weights, shared = tuple(weights[:3]), weights[3:]
         placed = jax.typeof(tokens).sharding.spec  # restored on the way out
         devices = self.mesh.size
         if tokens.shape[0] % devices:
@@ -268,7 +339,6 @@ class MoE(nnx.Module):
                      jnp.sum(valid & ~counted, dtype=jnp.int32))
             return c["out"], *(a[None] for a in stats)
 
-        weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
         maps = ()
         if self.replicas is not None:  # one weight block per physical expert, and the maps
             phy2log, log2phy, logcnt = (m[...] for m in self.replicas)
@@ -282,13 +352,13 @@ class MoE(nnx.Module):
                             out_specs=(P(axes),) * 7)
         # Each operand placed as the program expects (a no-op when it already is).
         operands = [jax.reshard(a, spec) for a, spec in zip(
-            (tokens, valid, self.router[...], bias, *weights, *maps), specs, strict=True)]
+            (tokens, valid, router_w, bias, *weights, *maps), specs, strict=True)]
         out, *per_device_stats = run(*operands)
         load, count, score_sums, dropped, rank_load, nonfinite = (
             jax.reshard(jnp.sum(a, axis=0), P()) for a in per_device_stats)
         aux = routing.balance_loss(load, score_sums / jnp.maximum(count, 1.0))
-        if self.shared is not None:
-            out = out + _swiglu(tokens, *(w[...] for w in self.shared))
+        if shared:  # gathered where sharding_rules shard them, like the experts
+            out = out + _swiglu(tokens, *(jax.reshard(w, P()) for w in shared))
         out = jax.reshard(out, placed).reshape(shape)
         return out, MoEStats(load=load, aux_loss=aux, dropped=dropped,
                              rank_load=rank_load, nonfinite=nonfinite)
