@@ -27,6 +27,22 @@ from jax_ep.structs import (
 
 __version__ = "0.1.0"
 
+# Modules reached as attributes on first use (`jax_ep.pipeline`, `jax_ep.nn`, ...): importing
+# them here would slow `import jax_ep` (Flax) or run them twice under `python -m`.
+_ON_FIRST_USE = ("account", "bench", "nn", "perfmodel", "pipeline", "reference", "trace_report")
+
+
+def __getattr__(name: str):
+    if name in _ON_FIRST_USE:
+        import importlib
+
+        return importlib.import_module(f"jax_ep.{name}")
+    raise AttributeError(f"module 'jax_ep' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_ON_FIRST_USE])
+
 __all__ = [
     "BufferConfig",
     "DEFAULT_NUM_SMS",
@@ -35,7 +51,9 @@ __all__ = [
     "LowLatencyHandle",
     "LowLatencyReceived",
     "Received",
+    "account",
     "backends",
+    "bench",
     "capacity_from_factor",
     "checked",
     "checks",
@@ -52,8 +70,13 @@ __all__ = [
     "low_latency_dispatch",
     "low_latency_dispatch_recv",
     "low_latency_dispatch_send",
+    "nn",
     "overlap",
+    "perfmodel",
+    "pipeline",
     "profile",
+    "reference",
     "runtime",
+    "trace_report",
     "virtual",
 ]
