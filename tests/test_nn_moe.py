@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_ep.nn import MoE, RouterConfig, router
+from jax_ep.nn import MoE, RouterConfig, default_sharding_rules, router
 
 
 def dense_moe(p: dict, x, config: RouterConfig, expert_x=None):
@@ -321,14 +321,16 @@ def test_bad_sharding_rules_are_named(rules, match):
 
 def test_linen_wrapper_in_a_linen_model():
     """jax_ep.nn.linen.MoE inside a Linen model, initialized and trained under jit on a
-    (data, ep) mesh: logically partitioned parameters placed over the EP axis, the dense
-    layer's output and gradients, and the bias update through apply."""
+    (data, ep) mesh of auto axes (as MaxText makes them): logically partitioned parameters
+    placed over the EP axis, the dense layer's output and gradients, and the bias update
+    through apply."""
     from flax import linen as nn
+    from jax.sharding import AxisType
     from jax.sharding import PartitionSpec as P
 
     from jax_ep.nn import linen as ep_linen
 
-    mesh = jax.make_mesh((2, 4), ("data", "ep"))
+    mesh = jax.make_mesh((2, 4), ("data", "ep"), axis_types=(AxisType.Auto,) * 2)
     cfg = RouterConfig(num_experts=8, top_k=2, score="sigmoid")
 
     class Block(nn.Module):
@@ -342,7 +344,11 @@ def test_linen_wrapper_in_a_linen_model():
     model = Block()
     x = jax.random.normal(jax.random.key(0), (4, 8, 16))
     with jax.set_mesh(mesh):
-        variables = jax.jit(model.init)(jax.random.key(1), x)
+        # MaxText's recipe: the logical specs of an abstract init, mapped by the rules.
+        abstract = jax.eval_shape(model.init, jax.random.key(1), x)
+        shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh,
+                                                default_sharding_rules("ep"))
+        variables = jax.jit(model.init, out_shardings=shardings)(jax.random.key(1), x)
         y, stats = jax.jit(model.apply)(variables, x)
         grads = jax.jit(jax.grad(lambda v: jnp.sum(jnp.sin(model.apply(v, x)[0]))))(
             variables)
@@ -350,8 +356,7 @@ def test_linen_wrapper_in_a_linen_model():
     assert isinstance(boxes["w_gate"], nn.LogicallyPartitioned)
     specs = nn.get_partition_spec(variables)["params"]["moe"]
     assert specs["w_gate"] == P("expert", "embed", "mlp")
-    mesh_specs = nn.logical_to_mesh(specs, boxes["w_gate"].rules)
-    assert mesh_specs["w_gate"] == P("ep", None, None)
+    assert nn.logical_to_mesh(specs, boxes["w_gate"].rules)["w_gate"] == P("ep", None, None)
     assert boxes["w_down"].value.sharding.spec == P("ep", None, None)
 
     p = {name: np.asarray(boxes[name].value) for name in ("router", "w_gate", "w_up",

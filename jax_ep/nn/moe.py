@@ -345,23 +345,32 @@ class MoE(nnx.Module):
             # Gathered from the whole logical set (an all-gather over the EP axis per call):
             # simple and exact for gradients, but it holds every expert on every device.
             weights = eplb.physical_expert_weights(
-                tuple(jax.reshard(w, P()) for w in weights), phy2log)
+                tuple(self._place(w, P()) for w in weights), phy2log)
             maps = (log2phy, logcnt)
         specs = (P(axes), P(axes), P(), P(), P(ep), P(ep), P(ep)) + (P(),) * len(maps)
         run = jax.shard_map(per_device, mesh=self.mesh, in_specs=specs,
                             out_specs=(P(axes),) * 7)
         # Each operand placed as the program expects (a no-op when it already is).
-        operands = [jax.reshard(a, spec) for a, spec in zip(
+        operands = [self._place(a, spec) for a, spec in zip(
             (tokens, valid, router_w, bias, *weights, *maps), specs, strict=True)]
         out, *per_device_stats = run(*operands)
         load, count, score_sums, dropped, rank_load, nonfinite = (
-            jax.reshard(jnp.sum(a, axis=0), P()) for a in per_device_stats)
+            self._place(jnp.sum(a, axis=0), P()) for a in per_device_stats)
         aux = routing.balance_loss(load, score_sums / jnp.maximum(count, 1.0))
         if shared:  # gathered where sharding_rules shard them, like the experts
-            out = out + _swiglu(tokens, *(jax.reshard(w, P()) for w in shared))
-        out = jax.reshard(out, placed).reshape(shape)
+            out = out + _swiglu(tokens, *(self._place(w, P()) for w in shared))
+        if self.mesh.are_all_axes_explicit:  # auto axes: XLA's propagation places it
+            out = jax.reshard(out, placed)
+        out = out.reshape(shape)
         return out, MoEStats(load=load, aux_loss=aux, dropped=dropped,
                              rank_load=rank_load, nonfinite=nonfinite)
+
+    def _place(self, a: jax.Array, spec: P) -> jax.Array:
+        """`a` placed as `spec` on the layer's mesh: resharded on a mesh of explicit axes,
+        constrained on one of auto axes (as MaxText's meshes are)."""
+        if self.mesh.are_all_axes_explicit:
+            return jax.reshard(a, spec)
+        return jax.lax.with_sharding_constraint(a, NamedSharding(self.mesh, spec))
 
     def _plan(self, load) -> tuple:
         plan = eplb.ReplicaPlan.build(np.asarray(load, np.float64), *self.placement)
