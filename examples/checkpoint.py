@@ -75,7 +75,7 @@ def checkpoint_paths(folder: str) -> tuple[str, str]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="examples/checkpoint.py", description=__doc__,
+    parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", choices=("save", "restore"),
                         help="save: train from scratch and save; restore: load and go on")
@@ -97,6 +97,8 @@ def main(argv: list[str]) -> int:
     mesh = jax.make_mesh((args.data, args.ep), ("data", "ep"),
                          devices=jax.devices()[:devices])
     state_path, progress_path = checkpoint_paths(args.dir)
+    if args.action == "save" and os.path.exists(state_path):
+        parser.error(f"--dir {args.dir} already holds a checkpoint; pick a new folder.")
     checkpointer = ocp.StandardCheckpointer()
     print(f"mesh data {args.data} x ep {args.ep}; {CONFIG.router.num_experts} experts, "
           f"{CONFIG.router.num_experts // args.ep} per device", flush=True)
@@ -108,8 +110,6 @@ def main(argv: list[str]) -> int:
             # The loss the next step will report, for the restored run to compare with.
             x, y = batch(args.steps)
             next_loss = float(nnx.jit(loss_fn)(model, x, y)[0])
-            if os.path.exists(state_path):
-                parser.error(f"--dir {args.dir} already holds a checkpoint; pick a new folder.")
             checkpointer.save(state_path, nnx.state((model, optimizer)))
             checkpointer.wait_until_finished()
             with open(progress_path, "w") as f:

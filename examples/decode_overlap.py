@@ -74,7 +74,10 @@ def dense_reference(x, params, top_k):
     """float64 NumPy: every token through its top-k experts (bf16 roundings where the
     block has them)."""
     w_attn, w_router, w_in, w_out = (np.asarray(p, np.float64) for p in params)
-    bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16), np.float64)
+
+    def bf16(a):
+        return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16), np.float64)
+
     x = np.asarray(x, np.float64)
     h = x + np.tanh(x @ w_attn)
     logits = h @ w_router
@@ -104,6 +107,15 @@ def main():
     parser.add_argument("--profile", metavar="DIR", help="write a trace of the overlapped step")
     args = parser.parse_args()
     R, T, H, E, K = args.ranks, args.tokens, args.hidden, args.experts, args.top_k
+    for wrong, message in (
+        (not 0 < R <= len(jax.devices()), f"--ranks {R}: {len(jax.devices())} devices exist"),
+        (T < 2 or T % 2, f"--tokens {T}: the two micro-batches need an even count"),
+        (H < 128 or H % 128, f"--hidden {H}: FP8 dispatch needs a multiple of 128"),
+        (E % R, f"--experts {E}: must be a multiple of --ranks {R}"),
+        (not 0 < K <= E, f"--top-k {K}: must be between 1 and --experts {E}"),
+    ):
+        if wrong:
+            parser.error(message + ".")
     F = 2 * H
     mesh = jax.make_mesh((R,), ("ep",))
     keys = jax.random.split(jax.random.key(0), 5)
@@ -151,7 +163,8 @@ def main():
         print(f"trace: {trace.path} ({trace.labelled} labelled events); summarize it with\n"
               f"  python -m jax_ep.trace_report {trace.path}")
     if not same:
-        raise SystemExit("the overlapped program differs from the sequential one")
+        parser.exit(1, f"{parser.prog}: error: the overlapped program differs from the "
+                       "sequential one\n")
 
 
 if __name__ == "__main__":

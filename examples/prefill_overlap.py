@@ -39,15 +39,27 @@ def main():
     parser.add_argument("--backend", default="auto", choices=("auto", "xla", "cuda"))
     parser.add_argument("--profile", metavar="DIR", help="write a trace of the overlapped layer")
     args = parser.parse_args()
+    if args.data * args.ep > len(jax.devices()):
+        parser.error(f"--data {args.data} x --ep {args.ep} needs more than the "
+                     f"{len(jax.devices())} devices.")
+    if args.tokens < 1 or args.tokens % (2 * args.data * args.ep):
+        parser.error(f"--tokens {args.tokens}: each of the {args.data * args.ep} devices splits "
+                     f"its tokens in two; pass a multiple of {2 * args.data * args.ep}.")
     mesh = jax.make_mesh((args.data, args.ep), ("data", "ep"))
-    config = RouterConfig(num_experts=args.experts, top_k=args.top_k, score="sigmoid",
-                          num_groups=4, top_groups=2)
+    try:
+        config = RouterConfig(num_experts=args.experts, top_k=args.top_k, score="sigmoid",
+                              num_groups=4, top_groups=2)
+    except ValueError as error:
+        parser.error(str(error))
     x = jax.random.normal(jax.random.key(1), (args.tokens, args.hidden))
 
     outputs, times = {}, {}
     for overlap in (False, True):
-        layer = MoE(args.hidden, 2 * args.hidden, config, mesh=mesh, num_shared_experts=1,
-                    overlap=overlap, backend=args.backend, rngs=nnx.Rngs(0))
+        try:
+            layer = MoE(args.hidden, 2 * args.hidden, config, mesh=mesh, num_shared_experts=1,
+                        overlap=overlap, backend=args.backend, rngs=nnx.Rngs(0))
+        except ValueError as error:  # sizes the layer rejects
+            parser.error(str(error))
         forward = nnx.jit(lambda layer, x: layer(x))
         with jax.set_mesh(mesh):
             outputs[overlap] = jax.block_until_ready(forward(layer, x))
@@ -58,7 +70,7 @@ def main():
                 samples.append(time.perf_counter() - start)
             if overlap and args.profile:
                 graph, state = nnx.split(layer)
-                step = jax.jit(lambda state, x: nnx.merge(graph, state)(x)[0])
+                step = jax.jit(lambda state, x: nnx.merge(graph, state)(x)[0])  # noqa: B023
                 trace = jax_ep.profile.capture(step, state, x, log_dir=args.profile)
         times[overlap] = float(np.median(samples))
         name = "overlap" if overlap else "one batch"
@@ -78,7 +90,8 @@ def main():
         print(f"trace: {trace.path}; summarize it with\n"
               f"  python -m jax_ep.trace_report {trace.path}")
     if difference > 1e-5 or not same_stats:
-        raise SystemExit("the overlapped layer differs from the one-batch layer")
+        parser.exit(1, f"{parser.prog}: error: the overlapped layer differs from the "
+                       "one-batch layer\n")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import jax_ep
 from jax_ep import pipeline
 
 
-def parse_args():
+def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--schedule", default="dualpipe", choices=sorted(pipeline.SCHEDULES))
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks")
@@ -43,13 +43,27 @@ def parse_args():
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--log-every", type=int, default=10)
-    return p.parse_args()
+    return p
 
 
 def main():
-    args = parse_args()
+    parser = make_parser()
+    args = parser.parse_args()
     H, E, K, F = args.hidden, args.experts, args.top_k, 2 * args.hidden
-    schedule = pipeline.make_schedule(args.schedule, args.pp, args.micro_batches)
+    for wrong, message in (
+        (args.pp * args.ep > len(jax.devices()),
+         f"--pp {args.pp} x --ep {args.ep} needs more than the {len(jax.devices())} devices"),
+        (E % args.ep, f"--experts {E}: must be a multiple of --ep {args.ep}"),
+        (args.tokens % args.ep, f"--tokens {args.tokens}: must be a multiple of --ep {args.ep}"),
+        (not 0 < K <= E, f"--top-k {K}: must be between 1 and --experts {E}"),
+        (args.steps < 1 or args.log_every < 1, "--steps and --log-every must be at least 1"),
+    ):
+        if wrong:
+            parser.error(message + ".")
+    try:
+        schedule = pipeline.make_schedule(args.schedule, args.pp, args.micro_batches)
+    except ValueError as error:
+        parser.error(str(error))
     S, M = schedule.num_stages, schedule.num_micro_batches
     mesh = jax.make_mesh((args.pp, args.ep), ("pp", "ep"))
 
@@ -118,7 +132,7 @@ def main():
         def one(xm, tm):
             h = xm
             for s in range(S):
-                h = stage(jax.tree.map(lambda a: a[s], params), h)
+                h = stage(jax.tree.map(lambda a, s=s: a[s], params), h)
             return loss(h, tm)
 
         losses = jnp.stack([one(x[m], t[m]) for m in range(M)])
@@ -149,7 +163,8 @@ def main():
             same = np.array_equal(np.asarray(losses), np.asarray(want))
             print(f"step 1: pipeline losses == sequential model losses bit for bit: {same}")
             if not same:
-                raise SystemExit("the pipeline differs from the sequential model")
+                parser.exit(1, f"{parser.prog}: error: the pipeline differs from the "
+                               "sequential model\n")
         params, opt_state = update(params, grads, opt_state)
         if step == 1 or step % args.log_every == 0 or step == args.steps:
             print(f"step {step:4d}  loss {float(jnp.mean(losses)):.4f}  "

@@ -93,7 +93,7 @@ class Model(nnx.Module):
         return self.embed.attend(self.norm(x)), stats
 
 
-def parse_args(argv):
+def parse_args(argv) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--minutes", type=float, default=4.5, help="stop training after this long")
@@ -112,19 +112,24 @@ def parse_args(argv):
     p.add_argument("--bias-rate", type=float, default=1e-2, help="balancing bias step")
     p.add_argument("--backend", default="auto", choices=("auto", "xla", "cuda"))
     p.add_argument("--fp8", action="store_true",
-                   help="dispatch tokens to the experts in FP8 (needs --width % 128 == 0)")
+                   help="dispatch tokens to the experts in FP8 (needs a --width that is a "
+                   "multiple of 128)")
     p.add_argument("--corpus-mb", type=float, default=8.0)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--png", default="train_moe_loss.png", help="loss curve ('' for none)")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.fp8 and args.width % 128:
+        p.error(f"--fp8 needs a --width that is a multiple of 128 (one FP8 scale per 128 "
+                f"channels); got --width {args.width}. Try --fp8 --width 128.")
+    if args.ep < 1 or len(jax.devices()) % args.ep:
+        p.error(f"--ep {args.ep} must divide the {len(jax.devices())} devices.")
+    return p, args
 
 
 def main(argv) -> int:
-    args = parse_args(argv)
+    parser, args = parse_args(argv)
     devices = jax.devices()
-    if len(devices) % args.ep:
-        sys.exit(f"--ep {args.ep} must divide the {len(devices)} devices.")
     mesh = jax.make_mesh((len(devices) // args.ep, args.ep), ("data", "ep"))
     data = corpus(int(args.corpus_mb * 2**20))
     entropy = unigram_entropy(data)
@@ -134,7 +139,10 @@ def main(argv) -> int:
           f"{entropy:.3f} nats/byte; mesh {dict(mesh.shape)} on {devices[0].platform}")
 
     with jax.set_mesh(mesh):
-        model = Model(args, mesh, rngs=nnx.Rngs(args.seed))
+        try:
+            model = Model(args, mesh, rngs=nnx.Rngs(args.seed))
+        except ValueError as error:  # sizes the layer rejects: --experts, --groups, --top-k
+            parser.error(str(error))
         optimizer = nnx.Optimizer(model, optax.adamw(args.lr), wrt=nnx.Param)
 
     def loss_fn(model, tokens):

@@ -333,6 +333,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--ranks", type=int, default=8, help="EP ranks (default 8)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.ranks < 1 or 256 % args.ranks:
+        p.error(f"--ranks {args.ranks}: the ranks must divide the 256 experts; "
+                "pick one of 1, 2, 4, ..., 256.")
     for between, title in ((False, "virtual ranks (one GPU)"),
                            (True, "one rank per GPU (between GPUs)")):
         print(f"R = {args.ranks}, {title}; targets: launches dispatch <= 3, combine <= 2, "

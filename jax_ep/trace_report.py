@@ -1136,7 +1136,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     try:
         trace, path = load_trace(args.trace)
         classifier = Classifier(tuple(args.comm), tuple(args.compute), not args.no_builtin)
@@ -1144,8 +1145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                classifier=classifier, phase_pattern=args.phases,
                                phase_depth=args.phase_depth, num_sms=args.sms)
         window = resolve_window(device_trace, trace, args.window_from, args.window_to)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
+    except ValueError as error:  # a trace that cannot be read: reported like a bad flag
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
     source = str(path) + (f" (newest trace below {args.trace})" if Path(args.trace).is_dir()
                           else "")

@@ -48,39 +48,9 @@ def test_bench_virtual_ranks_times_both_backends(tmp_path):
 
 
 def test_bench_runs_every_op(tmp_path):
-    out = tmp_path / "bench.json"
     # A fresh process: none of this process's device settings (conftest.py) carry over, and
     # it imports the jax_ep under test.
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(jax_ep.__file__).parents[1]), *filter(None, [env.get("PYTHONPATH")])]
-    )
-    command = [
-        sys.executable,
-        "-m",
-        "jax_ep.bench",
-        "--tokens",
-        "16",
-        "--ll-tokens",
-        "8",
-        "--hidden",
-        "128",
-        "--experts",
-        "16",
-        "--top-k",
-        "4",
-        "--repeat",
-        "2",
-        "--warmup",
-        "1",
-        "--fp8",
-        "--json",
-        str(out),
-    ]
-    proc = subprocess.run(
-        command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, record = _run_bench(tmp_path)
     assert f"[1/{len(OPS) * len(jax_ep.backends.BACKENDS)}]" in proc.stderr  # progress
 
     # The table: every op on the xla backend, with a positive time.
@@ -93,7 +63,6 @@ def test_bench_runs_every_op(tmp_path):
     assert all(t > 0 for t in times.values()), proc.stdout
 
     # The JSON: the same rows, with times and bytes moved.
-    record = json.loads(out.read_text())
     assert record["copy_bandwidth_Bps"] > 0
     xla_rows = {r["op"]: r for r in record["rows"] if r["backend"] == "xla"}
     assert sorted(xla_rows) == sorted(OPS)
@@ -105,6 +74,29 @@ def test_bench_runs_every_op(tmp_path):
     assert {(r["op"], r["backend"]) for r in record["rows"]} == {
         (op, backend) for op in OPS for backend in jax_ep.backends.BACKENDS
     }
+    # On CPU the model column is this machine's floor, and the output says so.
+    assert record["model_hardware"] == "this machine, all ranks"
+    assert any(n.startswith("model on CPU: a floor, not a forecast") for n in record["notes"])
+
+
+def test_bench_explains_a_round_trip_faster_than_its_dispatch():
+    """The note on ll_round_trip < ll_dispatch appears exactly for the backends where it
+    happened, with the size of the receive buffer dispatch returns."""
+    from jax_ep import perfmodel
+    from jax_ep.bench import suite
+    from jax_ep.bench.__main__ import readings
+
+    setup = suite.Setup(ranks=8, tokens=16, ll_tokens=32, hidden=2048, top_k=8, experts=256,
+                        routing="uniform", dtype="bfloat16", seed=0)
+
+    def row(op, backend, seconds):
+        return {"op": op, "backend": backend, "status": "ok", "time": {"median": seconds}}
+
+    rows = [row("ll_dispatch", "xla", 0.087), row("ll_round_trip", "xla", 0.003),
+            row("ll_dispatch", "cuda", 0.001), row("ll_round_trip", "cuda", 0.002)]
+    notes = readings(rows, setup, perfmodel.H800, on_cpu=False, virtual=True)
+    assert len(notes) == 1 and notes[0].startswith("ll_round_trip < ll_dispatch (xla)")
+    assert "(268 MB over the ranks here" in notes[0]  # 256 x 8 x 32 x 2048 x 2 bytes
 
 
 def test_bench_prints_the_performance_model(tmp_path):
@@ -124,6 +116,7 @@ def test_bench_prints_the_performance_model(tmp_path):
                            perfmodel.H800, mode="low_latency")
     assert rows["ll_combine"]["model_s"] == ll.combine_s
     assert "layout" not in rows  # not asked for; and the model has no layout row
+    assert not any(n.startswith("model on CPU") for n in record["notes"])  # a GPU's model
 
 
 def test_bench_reports_wire_bytes_and_transport(tmp_path, monkeypatch):
@@ -154,9 +147,11 @@ def test_bench_refuses_unwritable_json_and_oversized_runs_up_front(tmp_path):
                               capture_output=True, text=True, timeout=120, cwd=tmp_path)
 
     proc = run("--json", str(tmp_path / "missing" / "x.json"))
-    assert proc.returncode == 1 and "jax_ep.bench" not in proc.stdout  # nothing timed
-    assert f"--json {tmp_path / 'missing' / 'x.json'}: the folder" in proc.stderr
+    assert proc.returncode == 2 and "jax_ep.bench" not in proc.stdout  # nothing timed
+    json_path = tmp_path / "missing" / "x.json"
+    assert f"python -m jax_ep.bench: error: --json {json_path}: the folder" in proc.stderr
     proc = run("--tokens", "100000000")
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert "--tokens 100000000" in proc.stderr and "GiB" in proc.stderr and "lower them" in (
-        proc.stderr)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "python -m jax_ep.bench: error: --ranks" in proc.stderr
+    assert "--tokens 100000000" in proc.stderr and "GiB" in proc.stderr
+    assert "lower them" in proc.stderr

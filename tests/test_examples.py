@@ -58,3 +58,19 @@ def test_train_dualpipe_matches_sequential_and_learns():
     assert "pipeline losses == sequential model losses bit for bit: True" in out, out
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
     assert len(losses) == 3 and losses[-1] < losses[0], out
+
+
+def test_checkpoint_resumes_on_another_data_parallel_size(tmp_path):
+    """Saved on data 2 x ep 4, restored in a fresh process on data 1 x ep 4: the first loss
+    after the restore is the loss the saved run would have reported next, and training goes on."""
+    folder = str(tmp_path / "ckpt")
+    saved = _run_example("checkpoint.py", "save", "--dir", folder, "--data", "2", "--ep", "4",
+                         "--steps", "4")
+    next_loss = float(re.search(r"next loss (\d+\.\d+)", saved).group(1))
+    restored = _run_example("checkpoint.py", "restore", "--dir", folder, "--data", "1",
+                            "--ep", "4", "--steps", "3")
+    assert "restored step 4" in restored, restored
+    losses = [float(v) for v in re.findall(r"step +\d+ +loss (\d+\.\d+)", restored)]
+    assert len(losses) == 2, restored  # the first and the last step report
+    assert abs(losses[0] - next_loss) < 1e-5, (next_loss, restored)
+    assert losses[-1] < losses[0], restored

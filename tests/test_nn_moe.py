@@ -185,6 +185,9 @@ def test_fp8_dispatch_forward_and_gradients():
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     error = np.linalg.norm(grads[0] - grads[1]) / np.linalg.norm(grads[1])
     assert 0 < error < 0.1, error
+    with pytest.raises(ValueError, match=r"^MoE\(fp8_dispatch=True\): the hidden size of the "
+                       r"tokens \(16\) must be a multiple of 128"):
+        MoE(16, 12, cfg, mesh=mesh, fp8_dispatch=True, rngs=nnx.Rngs(0))
 
 
 def test_redundant_experts_balance_ranks_and_leave_results_unchanged():

@@ -391,7 +391,8 @@ def test_cli_writes_report_png_and_json(tmp_path, capsys):
 
 def test_cli_errors(tmp_path, capsys):
     assert trace_report.main([str(tmp_path / "missing.json")]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "python -m jax_ep.trace_report: error:" in err and "does not exist" in err
     no_kernels = tmp_path / "cpu_only.json"
     no_kernels.write_text(json.dumps({"traceEvents": [annotation("step", 0, 10),
                                                       launch(1, 2)]}))

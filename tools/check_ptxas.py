@@ -85,7 +85,7 @@ def find_nvcc() -> str:
     if nvcc is None and os.path.exists(os.path.join(cuda_home, "bin", "nvcc")):
         nvcc = os.path.join(cuda_home, "bin", "nvcc")
     if nvcc is None:
-        sys.exit("check_ptxas: nvcc not found; put it on PATH or set CUDA_HOME")
+        sys.exit("check_ptxas.py: error: nvcc not found; put it on PATH or set CUDA_HOME")
     return nvcc
 
 
@@ -93,7 +93,8 @@ def nvshmem_include() -> str:
     try:
         import nvidia.nvshmem
     except ImportError:
-        sys.exit("check_ptxas: NVSHMEM headers not found: pip install nvidia-nvshmem-cu13==3.4.5")
+        sys.exit("check_ptxas.py: error: NVSHMEM headers not found: "
+                 "pip install nvidia-nvshmem-cu13==3.4.5")
     # A namespace package: its location is __path__, not __file__.
     return os.path.join(list(nvidia.nvshmem.__path__)[0], "include")
 

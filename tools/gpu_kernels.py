@@ -41,7 +41,7 @@ def require_installed_gpu_build() -> None:
     if "gpu" not in platforms:
         problems.append(f"no GPU visible to JAX (platforms {platforms})")
     if problems:
-        sys.exit("gpu_kernels: " + "; ".join(problems))
+        sys.exit("gpu_kernels.py: error: " + "; ".join(problems))
     print(f"jax_ep {where}; {jax.devices()[0].device_kind}; jax {jax.__version__}; "
           f"{_ffi.EXT.build_info()}", flush=True)
 

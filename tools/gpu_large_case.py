@@ -153,7 +153,7 @@ def main() -> int:
           f"T={LL_T}; seed {seed} (rerun: --seed {seed})", flush=True)
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if not gpus:
-        sys.exit("gpu_large_case: no GPU visible to JAX")
+        sys.exit("gpu_large_case.py: error: no GPU visible to JAX")
     gpu, cpu = gpus[0], jax.devices("cpu")[0]
     named_cases = list(cases(np.random.default_rng(seed)))
     results, failed = {}, 0

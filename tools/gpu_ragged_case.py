@@ -34,7 +34,7 @@ CASES = [(37, 3, 12, "hot_expert", None, False, False), (37, 3, 12, "duplicates"
 def main() -> None:
     platform = jax.devices()[0].platform
     if platform != "gpu":
-        sys.exit(f"gpu_ragged_case: needs a GPU; JAX sees {platform}.")
+        sys.exit(f"gpu_ragged_case.py: error: needs a GPU; JAX sees {platform}.")
     rng = np.random.default_rng(0)
     for T, K, E, kind, capacity, expert_major, use_fp8 in CASES:
         idx, w = make_routing(rng, num_ranks=1, num_tokens=T, top_k=K, num_experts=E, kind=kind)

@@ -30,7 +30,12 @@ GPU_DEFAULTS = {"tokens": 4096, "ll_tokens": 128, "hidden": 7168, "repeat": 50}
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+class UsageError(Exception):
+    """Flags that describe a run the ops would reject: reported as argparse reports its own
+    errors (`python -m jax_ep.bench: error: ...`, exit status 2)."""
+
+
+def make_parser() -> argparse.ArgumentParser:
     """The command line; the size flags left unset take the platform's defaults later."""
     p = argparse.ArgumentParser(
         prog="python -m jax_ep.bench",
@@ -93,10 +98,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="exit non-zero unless every op of these backends was timed (no n/a rows): "
         "e.g. --require cuda, so that a run without the compiled kernels cannot pass",
     )
-    args = p.parse_args(argv)
-    if (args.repeat is not None and args.repeat < 1) or args.warmup < 0:
-        p.error("--repeat must be at least 1 and --warmup at least 0")
-    return args
+    return p
 
 
 def selected_ops(args: argparse.Namespace) -> list[str]:
@@ -334,6 +336,38 @@ def footnote(bandwidth: float, shared: bool, backends: list[str], on_cpu: bool,
     return lines
 
 
+def readings(rows: list[dict[str, Any]], setup: Any, hardware: Any, on_cpu: bool,
+             virtual: bool) -> list[str]:
+    """Paragraphs on numbers that look wrong at first sight, printed where they occur."""
+    from jax_ep import perfmodel
+
+    notes = []
+    median = {(r["op"], r["backend"]): r["time"]["median"] for r in rows if r["status"] == "ok"}
+    if on_cpu and isinstance(hardware, perfmodel.SharedDevice) and any(
+            "model_s" in r for r in rows):
+        notes.append(
+            "model on CPU: a floor, not a forecast. It is one launch plus the bytes at this "
+            "machine's copy bandwidth (perfmodel.SharedDevice), so the times sit 10-100x above "
+            "it: the program also fills the receive buffers it returns (padding included), "
+            "moves what the transport sends (x min in the table above), and sorts, scatters "
+            f"and gathers rows on {os.cpu_count()} cores"
+            + ("" if virtual else ", its R device threads meeting at every collective")
+            + ". On a GPU the column is the model fitted to DeepEP's tables (--model "
+            "H800|H100|H200).")
+    slots = setup.experts * setup.ranks * setup.ll_tokens * setup.hidden * 2  # all ranks
+    for backend in dict.fromkeys(r["backend"] for r in rows):
+        trip, alone = median.get(("ll_round_trip", backend)), median.get(("ll_dispatch", backend))
+        if trip is not None and alone is not None and trip < alone:
+            notes.append(
+                f"ll_round_trip < ll_dispatch ({backend}): low-latency dispatch returns its "
+                f"whole receive buffer, E/R local experts x R*T slots x H per rank "
+                f"({slots / 1e6:.0f} MB over the ranks here, mostly empty slots), and that "
+                "buffer is written when it is made. In the round trip it stays inside one "
+                "program, where the combine reads only the filled slots and XLA need not "
+                "write the rest. bytes/rank counts the messages only.")
+    return notes
+
+
 def notes_for(rows: list[dict[str, Any]], unavailable: dict[str, str]) -> list[str]:
     """Why rows were not timed: per unavailable backend, per backend's missing ops, per error."""
     notes = [f"n/a, {name} (every op): {why}" for name, why in unavailable.items()]
@@ -354,7 +388,7 @@ def notes_for(rows: list[dict[str, Any]], unavailable: dict[str, str]) -> list[s
 def make_setup(args: argparse.Namespace, num_devices: int, on_cpu: bool) -> tuple[Any, int]:
     """The run's Setup and repeat count: the flags given, else the platform's defaults.
 
-    Exits with a message when the flags describe a run the ops would reject.
+    Raises UsageError when the flags describe a run the ops would reject.
     """
     from jax_ep.bench import suite
 
@@ -367,7 +401,7 @@ def make_setup(args: argparse.Namespace, num_devices: int, on_cpu: bool) -> tupl
     if args.virtual and args.ranks is None:
         ranks = CPU_DEFAULTS["ranks"]
     if ranks > num_devices and not args.virtual:
-        sys.exit(f"--ranks {ranks}: only {num_devices} devices are available.")
+        raise UsageError(f"--ranks {ranks}: only {num_devices} devices are available.")
     setup = suite.Setup(
         ranks=ranks,
         tokens=pick(args.tokens, "tokens"),
@@ -382,25 +416,26 @@ def make_setup(args: argparse.Namespace, num_devices: int, on_cpu: bool) -> tupl
     try:
         setup.check()
     except ValueError as error:
-        sys.exit(f"python -m jax_ep.bench: {error}")
+        raise UsageError(str(error)) from None
     return setup, pick(args.repeat, "repeat")
 
 
 def check_json_path(path: str | None) -> None:
-    """Exits before any timing when --json cannot be written."""
+    """Raises UsageError before any timing when --json cannot be written."""
     if path is None:
         return
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        sys.exit(f"python -m jax_ep.bench: --json {path}: the folder {folder} does not exist.")
+        raise UsageError(f"--json {path}: the folder {folder} does not exist.")
     if not os.access(folder, os.W_OK) or os.path.isdir(path):
-        sys.exit(f"python -m jax_ep.bench: --json {path}: cannot write a file there.")
+        raise UsageError(f"--json {path}: cannot write a file there.")
 
 
 def check_memory(setup: Any, memory_bytes: int | None, shared: bool) -> None:
-    """Exits when the run's largest buffers will not fit: per rank, the tokens gathered from
-    every rank, the rows received and combine's blocks (R x T x H each, normal mode), and the
-    low-latency slots (E/R x R x T x H). `shared`: one memory holds every rank's buffers."""
+    """Raises UsageError when the run's largest buffers will not fit: per rank, the tokens
+    gathered from every rank, the rows received and combine's blocks (R x T x H each, normal
+    mode), and the low-latency slots (E/R x R x T x H). `shared`: one memory holds every
+    rank's buffers."""
     if memory_bytes is None:
         return
     s = setup
@@ -409,8 +444,8 @@ def check_memory(setup: Any, memory_bytes: int | None, shared: bool) -> None:
     per_rank += 3 * (s.experts // s.ranks) * s.ranks * s.ll_tokens * s.hidden * 2
     need = per_rank * (s.ranks if shared else 1)
     if need > memory_bytes:
-        sys.exit(
-            f"python -m jax_ep.bench: --ranks {s.ranks} --tokens {s.tokens} --ll-tokens "
+        raise UsageError(
+            f"--ranks {s.ranks} --tokens {s.tokens} --ll-tokens "
             f"{s.ll_tokens} --hidden {s.hidden} need about {need / 2**30:.1f} GiB "
             f"({'all ranks in this memory' if shared else 'per device'}), more than the "
             f"{memory_bytes / 2**30:.1f} GiB {'this machine' if shared else 'a device'} "
@@ -427,7 +462,17 @@ def memory_of(device: Any) -> int | None:
 
 
 def main(argv: list[str]) -> int:
-    args = parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except UsageError as error:
+        parser.error(str(error))
+
+
+def run(args: argparse.Namespace) -> int:
+    if (args.repeat is not None and args.repeat < 1) or args.warmup < 0:
+        raise UsageError("--repeat must be at least 1 and --warmup at least 0")
     check_json_path(args.json)
     # Virtual CPU devices must be asked for before jax starts a backend: XLA reads XLA_FLAGS
     # then (importing the jax_ep package imports jax, which starts none). The flag shapes only
@@ -451,7 +496,8 @@ def main(argv: list[str]) -> int:
     names = args.backends or list(jax_ep.backends.BACKENDS)
     unknown = [n for n in names if n not in jax_ep.backends.BACKENDS]
     if unknown:
-        sys.exit(f"--backends: unknown {unknown}; choose from {list(jax_ep.backends.BACKENDS)}.")
+        raise UsageError(f"--backends: unknown {unknown}; choose from "
+                         f"{list(jax_ep.backends.BACKENDS)}.")
     settings = {**dataclasses.asdict(setup), "warmup": args.warmup, "repeat": repeat}
     command = rerun_command(args, settings)
     device = f"{devices[0].device_kind} x{setup.ranks}"
@@ -484,7 +530,7 @@ def main(argv: list[str]) -> int:
     add_ratios(rows, bandwidth, setup.ranks if shared else 1)
     hardware = model_hardware(args.model, shared, devices[0].device_kind, bandwidth)
     add_predictions(rows, setup, hardware)
-    notes = notes_for(rows, unavailable)
+    notes = readings(rows, setup, hardware, on_cpu, args.virtual) + notes_for(rows, unavailable)
     elapsed = time.perf_counter() - started
 
     print(f"\njax_ep.bench on {device}, jax {jax.__version__}, jax_ep {jax_ep.__version__}")
@@ -536,7 +582,8 @@ def main(argv: list[str]) -> int:
                if r["backend"] in args.require and r["status"] != "ok"]
     missing += [f"backend {n} (not selected)" for n in args.require if n not in names]
     if missing:
-        print(f"--require: not timed: {', '.join(missing)}", file=sys.stderr)
+        print(f"python -m jax_ep.bench: error: --require: not timed: {', '.join(missing)}",
+              file=sys.stderr)
         return 1
     return 1 if any(r["status"] == "error" for r in rows) else 0
 

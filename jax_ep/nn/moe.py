@@ -215,7 +215,7 @@ class MoE(nnx.Module):
         self.replicas = nnx.List([ReplicaMap(jnp.asarray(a)) for a in self._plan(
             np.ones(E))]) if redundant_experts else None
         if fp8_dispatch:
-            fp8.check_hidden("MoE", "the hidden size", hidden)
+            fp8.check_hidden("MoE(fp8_dispatch=True)", "the tokens", hidden)
 
         mesh_axes = dict(rules)
 

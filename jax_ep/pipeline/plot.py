@@ -146,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("out_dir", help="folder for the pictures (e.g. docs)")
     args = parser.parse_args(argv)
+    if not os.path.isdir(args.out_dir):
+        parser.error(f"{args.out_dir}: no such folder; create it first.")
     costs = Costs(f=1.0, b=2.0, w=1.0)
     for name, (ranks, micro_batches) in DOC_FIGURES.items():
         sim = simulate(make_schedule(name, ranks, micro_batches), costs)

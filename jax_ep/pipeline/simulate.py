@@ -325,8 +325,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not args.table:
         parser.error("nothing to do; pass --table")
-    costs = Costs(args.f, args.b, args.w, args.fb, args.comm)
-    print(bubble_table(args.pp, costs, args.micro_batches_per_stage))
+    try:
+        costs = Costs(args.f, args.b, args.w, args.fb, args.comm)
+        print(bubble_table(args.pp, costs, args.micro_batches_per_stage))
+    except ValueError as error:
+        parser.error(str(error))
 
 
 if __name__ == "__main__":
