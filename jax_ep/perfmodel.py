@@ -5,7 +5,10 @@ or BF16, ranks) and a machine (`Hardware`: NVLink and NIC bandwidths, GPUs per n
 latencies) `predict` gives the time of dispatch and combine in DeepEP's normal mode (each token
 sent once per destination rank, internode traffic forwarded over NVLink inside the node) and
 low-latency mode (one message per (token, expert), straight to the expert's rank). Traffic is
-the expectation under random routing, computed exactly (`expected_destinations`).
+the expectation under random routing, computed exactly (`expected_destinations`). Between
+nodes, normal mode is modelled two ways (`INTERNODE`): node-aware, DeepEP's scheme, and flat
+puts, each token sent once per destination rank wherever it is; `internode_table()` sets both
+beside DeepEP's internode rows.
 
 The H800 constants were fit once to DeepEP's published tables; `calibration_table()` compares
 every published row with the model, and `python -m jax_ep.perfmodel --table` prints it
@@ -23,6 +26,7 @@ __all__ = [
     "H100",
     "H200",
     "H800",
+    "INTERNODE",
     "MODES",
     "PRESETS",
     "CalibrationRow",
@@ -33,12 +37,19 @@ __all__ = [
     "SharedDevice",
     "calibration_table",
     "expected_destinations",
+    "internode_markdown",
+    "internode_table",
     "markdown_table",
     "predict",
     "table_config",
 ]
 
 MODES = ("normal", "low_latency")
+# Normal mode between nodes. node_aware: a token crosses the network once per destination
+# node, to the GPU of its own local index there, which forwards it over NVLink (DeepEP's
+# internode kernels). flat: one put per destination rank, over the network to every rank
+# outside the node (what a put between any two ranks gives without the relay).
+INTERNODE = ("node_aware", "flat")
 FP8_BLOCK = 128  # channels per FP8 scale
 SCALE_BYTES = 4  # one float32 scale per block
 LL_HEADER_BYTES = 16  # source info and layout sent with every low-latency dispatch message
@@ -406,6 +417,7 @@ class Prediction:
     mode: str
     dispatch: OpTime
     combine: OpTime
+    internode: str = "node_aware"
 
     @property
     def dispatch_s(self) -> float:
@@ -425,14 +437,16 @@ class Prediction:
             f"{op.bottleneck}-bound)"
             for name, op in (("dispatch", self.dispatch), ("combine", self.combine))
         )
+        scheme = " (flat puts)" if self.mode == "normal" and self.internode == "flat" else ""
         return (
-            f"{self.hardware} {self.mode} EP{c.num_ranks} T={c.num_tokens} H={c.hidden} "
+            f"{self.hardware} {self.mode}{scheme} EP{c.num_ranks} T={c.num_tokens} H={c.hidden} "
             f"top-{c.num_topk}/{c.num_experts}{groups}, {kind} dispatch: {ops}"
         )
 
 
 def predict(
-    config: Config, hardware: Hardware | SharedDevice = H800, mode: str = "normal"
+    config: Config, hardware: Hardware | SharedDevice = H800, mode: str = "normal",
+    internode: str = "node_aware",
 ) -> Prediction:
     """Predicted dispatch and combine times of `config` on `hardware` in `mode`.
 
@@ -440,6 +454,7 @@ def predict(
       config: shapes, routing and data types.
       hardware: a cluster (`H800`, `H100`, `H200`, or your own `Hardware`) or a `SharedDevice`.
       mode: "normal" (DeepEP's normal kernels) or "low_latency".
+      internode: how normal mode crosses nodes, one of `INTERNODE` (no effect inside a node).
 
     Returns:
       A `Prediction`; per rank, every rank alike (traffic is the expectation under random
@@ -447,6 +462,8 @@ def predict(
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}; got {mode!r}.")
+    if internode not in INTERNODE:
+        raise ValueError(f"internode must be one of {list(INTERNODE)}; got {internode!r}.")
     if isinstance(hardware, SharedDevice):
         return _predict_shared(config, hardware, mode)
     if not isinstance(hardware, Hardware):
@@ -460,11 +477,13 @@ def predict(
             f"num_ranks ({config.num_ranks}) must be at most gpus_per_node "
             f"({hardware.gpus_per_node}) or a multiple of it: nodes are filled."
         )
-    if mode == "normal":
+    if mode == "normal" and internode == "flat":
+        ops = _normal_flat(config, hardware, gpus)
+    elif mode == "normal":
         ops = _normal(config, hardware, gpus)
     else:
         ops = _low_latency(config, hardware, gpus)
-    return Prediction(config, hardware.name, mode, *ops)
+    return Prediction(config, hardware.name, mode, *ops, internode=internode)
 
 
 def _normal(c: Config, hw: Hardware, gpus: int) -> tuple[OpTime, OpTime]:
@@ -492,6 +511,34 @@ def _normal(c: Config, hw: Hardware, gpus: int) -> tuple[OpTime, OpTime]:
         bottleneck = max(legs, key=legs.get) if any(used.values()) else "none"
         seconds = (hw.launch_us + latency) * 1e-6 + max(legs.values())
         links = {"nvlink": nvlink, "rdma": rdma}
+        return OpTime(seconds, links, bottleneck, deepep_rows * row_bytes, deepep_link)
+
+    return op(c.dispatch_row_bytes), op(c.combine_row_bytes)
+
+
+def _normal_flat(c: Config, hw: Hardware, gpus: int) -> tuple[OpTime, OpTime]:
+    """Each token once per destination rank, straight there: NVLink to the other GPUs of the
+    node, RDMA to every rank of another node. No relay, so the two links work side by side
+    and each pays only its own latency. DeepEP's count stays that of its own scheme, so the
+    GB/s of both schemes compare."""
+    nodes = c.num_ranks // gpus
+    ranks_per_token = _destinations(c, c.num_ranks)
+    rows_nvlink = c.num_tokens * ranks_per_token * (gpus - 1) / c.num_ranks
+    rows_rdma = c.num_tokens * ranks_per_token * (c.num_ranks - gpus) / c.num_ranks
+    if nodes == 1:
+        deepep_rows, deepep_link = c.num_tokens * ranks_per_token, "NVLink"
+    else:
+        deepep_rows, deepep_link = c.num_tokens * _destinations(c, nodes), "RDMA"
+
+    def op(row_bytes: float) -> OpTime:
+        links = {"nvlink": rows_nvlink * row_bytes, "rdma": rows_rdma * row_bytes}
+        legs = {
+            "nvlink": hw.nvlink_latency_us * 1e-6 + links["nvlink"] / (hw.nvlink_gbps * 1e9),
+            "rdma": hw.rdma_latency_us * 1e-6 + links["rdma"] / (hw.nic_gbps * 1e9),
+        }
+        legs = {k: t for k, t in legs.items() if links[k] > 0}
+        bottleneck = max(legs, key=legs.get) if legs else "none"
+        seconds = hw.launch_us * 1e-6 + max(legs.values(), default=0.0)
         return OpTime(seconds, links, bottleneck, deepep_rows * row_bytes, deepep_link)
 
     return op(c.dispatch_row_bytes), op(c.combine_row_bytes)
@@ -667,6 +714,61 @@ def markdown_table(rows: Sequence[CalibrationRow]) -> str:
     return "\n".join(lines)
 
 
+@dataclasses.dataclass(frozen=True)
+class InternodeRow:
+    """One op of DeepEP's internode normal table beside both schemes' predictions.
+
+    Attributes:
+      num_ranks: EP (8 GPUs per node).
+      op: "dispatch" or "combine".
+      published_gbps: DeepEP's RDMA GB/s.
+      node_aware, flat: the predictions (`OpTime`) of the two `INTERNODE` schemes.
+    """
+
+    num_ranks: int
+    op: str
+    published_gbps: float
+    node_aware: OpTime
+    flat: OpTime
+
+    @property
+    def published_s(self) -> float:
+        return self.node_aware.deepep_bytes / (self.published_gbps * 1e9)
+
+
+def internode_table(hardware: Hardware = H800) -> list[InternodeRow]:
+    """DeepEP's internode normal rows (EP16 to EP64) and what each scheme predicts there."""
+    rows = []
+    for ep, published in DEEPEP_NORMAL.items():
+        if ep <= hardware.gpus_per_node:
+            continue
+        config = table_config("normal", ep)
+        aware, flat = (predict(config, hardware, "normal", scheme) for scheme in INTERNODE)
+        for i, name in enumerate(("dispatch", "combine")):
+            rows.append(InternodeRow(ep, name, published[i], getattr(aware, name),
+                                     getattr(flat, name)))
+    return rows
+
+
+def internode_markdown(rows: Sequence[InternodeRow]) -> str:
+    """The two schemes as a markdown table (docs/perfmodel.md shows it)."""
+    lines = [
+        "| EP | op | DeepEP | node-aware | flat puts | flat / node-aware | RDMA MB per rank, "
+        "node-aware / flat |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.num_ranks} | {r.op} | {_fmt_time(r.published_s)} "
+            f"({r.published_gbps:.0f} GB/s) | {_fmt_time(r.node_aware.seconds)} "
+            f"({r.node_aware.gbps:.1f} GB/s) | {_fmt_time(r.flat.seconds)} "
+            f"({r.flat.gbps:.1f} GB/s) | {r.flat.seconds / r.node_aware.seconds:.2f} "
+            f"| {r.node_aware.link_bytes['rdma'] / 1e6:.1f} / "
+            f"{r.flat.link_bytes['rdma'] / 1e6:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------
 # Command line
 
@@ -674,7 +776,8 @@ def markdown_table(rows: Sequence[CalibrationRow]) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     """`python -m jax_ep.perfmodel`: one prediction, or --table for the comparison."""
     parser = argparse.ArgumentParser(prog="python -m jax_ep.perfmodel", description=__doc__)
-    parser.add_argument("--table", action="store_true", help="print the DeepEP comparison")
+    parser.add_argument("--table", action="store_true",
+                        help="print the DeepEP comparison and the internode schemes' table")
     parser.add_argument("--hardware", choices=sorted(PRESETS), default="H800")
     parser.add_argument("--mode", choices=(*MODES, "both"), default="both")
     parser.add_argument("--ep", type=int, default=8, help="EP ranks")
@@ -685,9 +788,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--groups", type=int, help="expert groups (default: no group limit)")
     parser.add_argument("--topk-groups", type=int, help="groups per token (with --groups)")
     parser.add_argument("--bf16", action="store_true", help="dispatch BF16 instead of FP8")
+    parser.add_argument("--internode", choices=INTERNODE, default="node_aware",
+                        help="how normal mode crosses nodes (default: node_aware, DeepEP's)")
     args = parser.parse_args(argv)
     if args.table:
         print(markdown_table(calibration_table()))
+        print("\nNormal mode between nodes, H800, both schemes:\n")
+        print(internode_markdown(internode_table()))
         return
     hardware = PRESETS[args.hardware]
     for mode in MODES if args.mode == "both" else (args.mode,):
@@ -703,7 +810,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 num_groups=args.groups,
                 num_topk_groups=args.topk_groups,
             )
-            print(predict(config, hardware, mode).describe())
+            print(predict(config, hardware, mode, args.internode).describe())
         except ValueError as error:
             parser.error(str(error))
 

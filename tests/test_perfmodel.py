@@ -132,6 +132,10 @@ def sampled_traffic(rng, num_ranks, gpus, num_tokens, num_experts, num_topk, gro
         "rows": received.sum() / num_ranks,
         # Rows from a source of another local index cross NVLink (directly, or forwarded).
         "rows_nvlink": received[local[:, None] != local[None, :]].sum() / num_ranks,
+        # Flat puts: each row straight from its source to its destination rank.
+        "rows_flat_nvlink": received[(node[:, None] == node[None, :])
+                                     & ~np.eye(num_ranks, dtype=bool)].sum() / num_ranks,
+        "rows_flat_rdma": received[node[:, None] != node[None, :]].sum() / num_ranks,
         "tokens_nodes": node_hit.sum() / num_ranks,
         "tokens_remote_nodes": (node_hit.sum() - own_node_hit.sum()) / num_ranks,
         "messages": idx.size / num_ranks,
@@ -156,6 +160,12 @@ def test_bytes_per_link_match_a_numpy_count(groups):
         assert op.deepep_bytes == pytest.approx(s["tokens_nodes"] * row, rel=0.02)
         assert op.link_bytes["rdma"] == pytest.approx(s["tokens_remote_nodes"] * row, rel=0.03)
         assert op.link_bytes["nvlink"] == pytest.approx(s["rows_nvlink"] * row, rel=0.02)
+
+    flat = pm.predict(config, hw, "normal", internode="flat")
+    for op, row in ((flat.dispatch, fp8_row), (flat.combine, bf16_row)):
+        assert op.deepep_bytes == pytest.approx(s["tokens_nodes"] * row, rel=0.02)
+        assert op.link_bytes["rdma"] == pytest.approx(s["rows_flat_rdma"] * row, rel=0.02)
+        assert op.link_bytes["nvlink"] == pytest.approx(s["rows_flat_nvlink"] * row, rel=0.03)
 
     low = pm.predict(config, hw, "low_latency")
     for op, message in ((low.dispatch, fp8_row + 16), (low.combine, bf16_row)):
@@ -205,6 +215,36 @@ def test_normal_internode_time_by_hand():
     legs = max(rdma / (hw.nic_gbps * 1e9), nvlink / (hw.nvlink_gbps * 1e9))
     assert p.combine_s == pytest.approx(fixed * 1e-6 + legs, rel=1e-12)
     assert p.combine.bottleneck == "rdma"
+
+
+def test_flat_internode_time_by_hand_and_against_node_aware():
+    """Flat puts: one row per destination rank, the links side by side, each with its own
+    latency. At DeepEP's internode settings they send 2-3.5x the RDMA bytes and take longer;
+    inside one node both schemes are the same."""
+    hw = pm.H800
+    config = pm.Config(4096, 7168, 8, 256, 32, fp8_dispatch=True)  # 4 nodes, no group limit
+    p = pm.predict(config, hw, "normal", internode="flat")
+    ranks_per_token = 32 * (1 - math.comb(248, 8) / math.comb(256, 8))
+    row = 7168 * 2
+    rdma = 4096 * ranks_per_token * 24 / 32 * row
+    nvlink = 4096 * ranks_per_token * 7 / 32 * row
+    assert p.combine.link_bytes == {"nvlink": pytest.approx(nvlink, rel=1e-12),
+                                    "rdma": pytest.approx(rdma, rel=1e-12)}
+    legs = max((hw.rdma_latency_us * 1e-6 + rdma / (hw.nic_gbps * 1e9)),
+               (hw.nvlink_latency_us * 1e-6 + nvlink / (hw.nvlink_gbps * 1e9)))
+    assert p.combine_s == pytest.approx(hw.launch_us * 1e-6 + legs, rel=1e-12)
+    assert "(flat puts)" in p.describe()
+
+    rows = pm.internode_table()
+    assert [(r.num_ranks, r.op) for r in rows] == [
+        (ep, op) for ep in (16, 32, 64) for op in ("dispatch", "combine")]
+    for r in rows:
+        ratio = r.flat.link_bytes["rdma"] / r.node_aware.link_bytes["rdma"]
+        assert 1.5 < ratio < 3.5 and r.flat.seconds > r.node_aware.seconds, r
+        assert r.flat.deepep_bytes == r.node_aware.deepep_bytes
+    intranode = pm.Config(4096, 7168, 8, 256, 8, fp8_dispatch=True)
+    assert pm.predict(intranode, hw, "normal", internode="flat").dispatch == pm.predict(
+        intranode, hw, "normal").dispatch
 
 
 def test_shared_device_moves_every_rank_bytes_through_one_memory():
@@ -277,12 +317,16 @@ def test_published_normal_rows_use_deepeps_byte_count():
 def test_docs_show_the_current_table():
     doc = Path(__file__).resolve().parents[1] / "docs" / "perfmodel.md"
     assert pm.markdown_table(pm.calibration_table()) in doc.read_text()
+    assert pm.internode_markdown(pm.internode_table()) in doc.read_text()
 
 
 def test_command_line(capsys):
     pm.main(["--table"])
     out = capsys.readouterr().out
     assert out.count("| normal |") == 8 and out.count("| low_latency |") == 12
+    assert "| 64 | combine |" in out  # the internode schemes' table
+    pm.main(["--ep", "32", "--mode", "normal", "--internode", "flat"])
+    assert capsys.readouterr().out.startswith("H800 normal (flat puts) EP32")
     pm.main(["--ep", "16", "--mode", "low_latency", "--hardware", "H100"])
     line = capsys.readouterr().out.strip()
     assert line.startswith("H100 low_latency EP16 T=128") and "rdma-bound" in line
@@ -319,6 +363,8 @@ def test_predict_and_hardware_reject_bad_input():
     config = pm.Config(128, 7168, 8, 256, 32)
     with pytest.raises(ValueError, match="mode must be one of"):
         pm.predict(config, pm.H800, "fast")
+    with pytest.raises(ValueError, match="internode must be one of"):
+        pm.predict(config, pm.H800, "normal", internode="ring")
     with pytest.raises(ValueError, match="Hardware or SharedDevice"):
         pm.predict(config, "H800")
     with pytest.raises(ValueError, match="multiple of it"):
