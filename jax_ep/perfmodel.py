@@ -532,14 +532,7 @@ def _normal_flat(c: Config, hw: Hardware, gpus: int) -> tuple[OpTime, OpTime]:
 
     def op(row_bytes: float) -> OpTime:
         links = {"nvlink": rows_nvlink * row_bytes, "rdma": rows_rdma * row_bytes}
-        legs = {
-            "nvlink": hw.nvlink_latency_us * 1e-6 + links["nvlink"] / (hw.nvlink_gbps * 1e9),
-            "rdma": hw.rdma_latency_us * 1e-6 + links["rdma"] / (hw.nic_gbps * 1e9),
-        }
-        legs = {k: t for k, t in legs.items() if links[k] > 0}
-        bottleneck = max(legs, key=legs.get) if legs else "none"
-        seconds = hw.launch_us * 1e-6 + max(legs.values(), default=0.0)
-        return OpTime(seconds, links, bottleneck, deepep_rows * row_bytes, deepep_link)
+        return OpTime(*_side_by_side(links, hw), deepep_rows * row_bytes, deepep_link)
 
     return op(c.dispatch_row_bytes), op(c.combine_row_bytes)
 
@@ -560,17 +553,21 @@ def _low_latency(c: Config, hw: Hardware, gpus: int) -> tuple[OpTime, OpTime]:
             "nvlink": messages * share_nvlink * message_bytes,
             "rdma": messages * share_rdma * message_bytes,
         }
-        # The two links carry their messages at the same time.
-        legs = {
-            "nvlink": hw.nvlink_latency_us * 1e-6 + links["nvlink"] / (hw.nvlink_gbps * 1e9),
-            "rdma": hw.rdma_latency_us * 1e-6 + links["rdma"] / (hw.nic_gbps * 1e9),
-        }
-        legs = {k: t for k, t in legs.items() if links[k] > 0}
-        bottleneck = max(legs, key=legs.get) if legs else "none"
-        seconds = hw.launch_us * 1e-6 + max(legs.values(), default=0.0)
-        return OpTime(seconds, links, bottleneck, messages * message_bytes, "all")
+        return OpTime(*_side_by_side(links, hw), messages * message_bytes, "all")
 
     return op(c.dispatch_row_bytes + LL_HEADER_BYTES), op(c.combine_row_bytes)
+
+
+def _side_by_side(links: dict[str, float], hw: Hardware) -> tuple[float, dict[str, float], str]:
+    """(seconds, links, bottleneck) when the two links carry their bytes at the same time,
+    each after its own latency."""
+    legs = {
+        "nvlink": hw.nvlink_latency_us * 1e-6 + links["nvlink"] / (hw.nvlink_gbps * 1e9),
+        "rdma": hw.rdma_latency_us * 1e-6 + links["rdma"] / (hw.nic_gbps * 1e9),
+    }
+    legs = {k: t for k, t in legs.items() if links[k] > 0}
+    bottleneck = max(legs, key=legs.get) if legs else "none"
+    return hw.launch_us * 1e-6 + max(legs.values(), default=0.0), links, bottleneck
 
 
 def _predict_shared(c: Config, device: SharedDevice, mode: str) -> Prediction:
