@@ -10,7 +10,7 @@
 
 namespace jax_ep::cuda {
 
-// Dispatch layout of one rank's routing (purely local; DESIGN.md §3). Writes every element of:
+// Dispatch layout of one rank's routing (purely local; docs/contract.md). Writes every element of:
 //   num_tokens_per_rank [num_ranks]: tokens with at least one valid choice on each rank;
 //   num_tokens_per_expert [num_experts]: valid choices per expert (duplicates count twice);
 //   is_token_in_rank [num_tokens, num_ranks]: token t has a valid choice on rank r;

@@ -1,10 +1,11 @@
 // What an op does, counted where its code runs on the CPU: the cross-check of the account
 // (jax_ep/account.py), which predicts the same numbers from the routing for the GPU.
 //
-// Counted: launches (phases with items and barrier kernels, per rank's stream),
-// barriers between ranks, and the bytes of row data (token rows, FP8 scales, partial sums)
-// that the phase bodies read and write. Bookkeeping (ids, weights, counters, offsets) is not
-// counted: a few bytes per row next to kilobytes. On the GPU the calls compile to nothing.
+// Counted: launches (phases with items, per rank's stream), barriers between ranks (the
+// waits for all peers inside a launch: Meet's before and after), and the bytes of row data
+// (token rows, FP8 scales, partial sums) that the phase bodies read and write. Bookkeeping
+// (ids, weights, counters, offsets) is not counted: a few bytes per row next to kilobytes.
+// On the GPU the calls compile to nothing.
 #pragma once
 
 #include <atomic>

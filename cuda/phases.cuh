@@ -7,7 +7,7 @@
 // A launch may also have a tail (NoTail): items that need every item of the launch done (the
 // count phase's totals and bases). The block that finishes last, found with a ticket, runs
 // them with its threads, one item per thread: no launch of its own. Between GPUs a launch
-// also meets the other ranks (Meet, cuda/peer_exchange.cu): before its items, every block
+// also meets the other ranks (Meet, cuda/peer_ops.h): before its items, every block
 // waits for the peers' earlier launches; after them, the last block tells the peers this
 // launch is done.
 #pragma once

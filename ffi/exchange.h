@@ -1,7 +1,7 @@
 // FFI targets of the dispatch and combine ops; the bodies are in cuda/exchange.h. Operands and
 // results stack V ranks on their leading axis: V = R with virtual ranks (all R ranks of the
-// group in one call), V = 1 between GPUs (one rank per device, peers through NVSHMEM; CUDA
-// only). Shapes below write R for that leading axis. Every target takes the attribute
+// group in one call), V = 1 between devices (one rank per device, peers through NVSHMEM on GPUs, through host
+// peers on CPU devices). Shapes below write R for that leading axis. Every target takes the attribute
 // num_ranks (R) and, before the operands listed below, `ranks` s32 [R]: the EP rank of each
 // stacked rank (0..R-1 with virtual ranks; the EP axis index between devices).
 //

@@ -1,7 +1,9 @@
 """Benchmarks of jax_ep's ops: `python -m jax_ep.bench` (see `jax_ep/bench/__main__.py`).
 
 Modules: `suite` (the timed programs, one per op), `timing` (timers, copy bandwidth),
-`routings` (routing generators shared with the tests). The op names live here, free of jax,
+`virtual_cases` (the same ops through
+`jax_ep.virtual`), `routings` (routing generators shared with the tests), `wire` (the bytes
+each transport sends per op). The op names live here, free of jax,
 so the command line can be checked before any device is touched.
 """
 
