@@ -8,10 +8,16 @@
 // NumPy reference without a GPU. Items move rows with `copy_row(dst, src, bytes, lane, lanes)`:
 // a warp on the GPU (32 lanes); on the CPU one lane, or 32 emulated ones (cuda/host_launch.h).
 //
-// Peers. Every buffer that one rank writes for another is reached through a `Peers` view:
-// `peers.at(base, stride, rank)` is rank's copy of the buffer. With virtual ranks (all R ranks
-// of the group inside one call, inputs and outputs stacked [R, ...]) that is base + rank *
-// stride. Every write has exactly one writer and every output element that the contract defines
+// Peers. Every buffer that one rank writes for another is reached through a `Peers` view of
+// one of two kinds. A store view (kPuts false) hands out pointers: `peers.at(base, stride,
+// rank)` is rank's copy of the buffer; with virtual ranks (all R ranks of the group inside one
+// call, inputs and outputs stacked [R, ...]) that is base + rank * stride. A put view (kPuts
+// true: peers reached over the network, NVSHMEM's puts) hands out no pointer to a peer: it
+// copies from this rank's symmetric buffer into a peer's copy of a buffer (`put`, `put_value`),
+// and a phase reads only this rank's own copy (`own`). The bodies write a value to a peer
+// through store_to, a row with a put or stores as the view's kind says, and read received
+// data through own_copy; the phases that read a peer's copy (normal combine) take store views
+// only. Every write has exactly one writer and every output element that the contract defines
 // is written once, so no buffer needs clearing and results do not depend on scheduling. Rows
 // past a count carry no data and are not written (docs/contract.md, "Padding").
 //
@@ -32,11 +38,34 @@ namespace jax_ep {
 
 // Virtual ranks: rank r's copy of a stacked buffer.
 struct VirtualPeers {
+  static constexpr bool kPuts = false;
   template <typename T>
   JAX_EP_HOST_DEVICE T* at(T* base, int64_t stride, int rank) const {
     return base + stride * rank;
   }
 };
+
+// Writes `value` to element i of rank's copy of the buffer at `base`.
+template <typename Peers, typename T>
+JAX_EP_HOST_DEVICE void store_to(const Peers& peers, T* base, int64_t stride, int rank, int64_t i,
+                                 T value) {
+  if constexpr (Peers::kPuts) {
+    peers.put_value(base + i, rank, value);
+  } else {
+    peers.at(base, stride, rank)[i] = value;
+  }
+}
+
+// Rank's copy of the buffer at `base`, where rank is the one whose phase reads it (the
+// receiver: this rank between devices).
+template <typename Peers, typename T>
+JAX_EP_HOST_DEVICE T* own_copy(const Peers& peers, T* base, int64_t stride, int rank) {
+  if constexpr (Peers::kPuts) {
+    return peers.own(base, rank);
+  } else {
+    return peers.at(base, stride, rank);
+  }
+}
 
 // The unit of the row copies: 16 bytes, one vector load or store per lane.
 struct alignas(16) Word {
@@ -340,7 +369,7 @@ JAX_EP_HOST_DEVICE void publish_total(const Peers& peers, int32_t* table, int ch
     *num_invalid = total;
     return;
   }
-  for (int d = 0; d < R; ++d) peers.at(counts, 0, d)[c] = total;
+  for (int d = 0; d < R; ++d) store_to(peers, counts, 0, d, c, total);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -981,6 +1010,10 @@ struct LowLatencyArgs {
   float* recv_scales;        // [R, E/R, R*T, H/128] (FP8)
   int32_t* src_row;          // [R(expert side), R(source), T, K]
   int32_t* count;            // [R, E/R]
+  // Put views: the send area in this rank's symmetric buffer, [T, H] payload bytes and
+  // [T, H/128] scales, where ll_stage puts each token's row once for the send's puts to read.
+  char* send_x = nullptr;
+  float* send_scales = nullptr;
   // XLA's results when recv_x, recv_scales and src_row are in the symmetric buffer (between
   // devices: the receive copies the counted rows and src_row here); null with virtual ranks.
   void* out_x = nullptr;
@@ -1160,30 +1193,70 @@ JAX_EP_HOST_DEVICE int32_t ll_offset(const LowLatencyArgs& a, int s, int t, int3
 
 // The send's rows of token t (`ids`, `offsets`: its choices and their slot offsets in its
 // chunk, `x`: its row): once to each expert it chose, as bf16 or cast to FP8 (one loop nest
-// per case: in one, the two cases hold more registers).
+// per case: in one, the two cases hold more registers). A put view sends, instead, the row
+// ll_stage left in the send area, one put per message.
 template <bool kFp8, typename Peers>
 JAX_EP_HOST_DEVICE void ll_send_rows(const LowLatencyArgs& a, const Peers& peers, int s, int t,
                                      const int32_t* ids, const int32_t* offsets, const Bf16* x,
                                      int lane, int lanes) {
   const int K = a.top_k, El = a.experts_per_rank(), S = a.hidden / kFp8Block;
   const int64_t slots = a.slots(), row_bytes = a.row_bytes();
-  Fan<char> rows(0);
-  Fan<float> scales(1);
-  for (int k = 0; k < K;) {
-    for (; k < K && !rows.full(); ++k) {
+  // The slot of expert e's rank that message k goes to.
+  auto slot_row = [&](int32_t e, int k) {
+    return static_cast<int64_t>(e % El) * slots +
+           ll_slot(a, s, e, ll_offset(a, s, t, e, offsets, k));
+  };
+  if constexpr (Peers::kPuts) {
+    const int64_t here = a.local(s) * a.num_tokens + t;
+    for (int k = 0; k < K; ++k) {
       const int32_t e = ids[k];
       if (e < 0 || !first_occurrence(ids, k)) continue;
-      const int d = e / El, j = e % El;
-      const int64_t row =
-          static_cast<int64_t>(j) * slots + ll_slot(a, s, e, ll_offset(a, s, t, e, offsets, k));
-      rows.add(peers.at(static_cast<char*>(a.recv_x), El * slots * row_bytes, d) + row * row_bytes);
-      if (kFp8) scales.add(peers.at(a.recv_scales, El * slots * S, d) + row * S);
+      const int64_t row = slot_row(e, k);
+      peers.put(static_cast<char*>(a.recv_x) + row * row_bytes, e / El,
+                a.send_x + here * row_bytes, row_bytes, lane, lanes);
+      if (kFp8) {
+        peers.put(a.recv_scales + row * S, e / El, a.send_scales + here * S, S * 4, lane, lanes);
+      }
     }
-    if (kFp8) {
-      ll_cast_rows(a, x, rows, scales, lane, lanes);
-    } else {
-      fan_out_row(rows, x, row_bytes, lane, lanes);
+  } else {
+    Fan<char> rows(0);
+    Fan<float> scales(1);
+    for (int k = 0; k < K;) {
+      for (; k < K && !rows.full(); ++k) {
+        const int32_t e = ids[k];
+        if (e < 0 || !first_occurrence(ids, k)) continue;
+        const int d = e / El;
+        const int64_t row = slot_row(e, k);
+        rows.add(peers.at(static_cast<char*>(a.recv_x), El * slots * row_bytes, d) +
+                 row * row_bytes);
+        if (kFp8) scales.add(peers.at(a.recv_scales, El * slots * S, d) + row * S);
+      }
+      if (kFp8) {
+        ll_cast_rows(a, x, rows, scales, lane, lanes);
+      } else {
+        fan_out_row(rows, x, row_bytes, lane, lanes);
+      }
     }
+  }
+}
+
+// Put views, the stage before the send, items (s, t): token t's row, as bf16 or cast to FP8
+// with its scales, once into this rank's send area, where the send's puts read it. A put's
+// source must lie in the symmetric buffer (RDMA reads it there), and it is finished a launch
+// before the puts, so that every lane of a put reads a whole row, on the GPU as on the CPU's
+// emulated lanes (which run one after another).
+template <bool kFp8>
+JAX_EP_HOST_DEVICE void ll_stage(const LowLatencyArgs& a, int s, int t, int lane, int lanes) {
+  const int64_t here = a.local(s) * a.num_tokens + t, row_bytes = a.row_bytes();
+  const Bf16* x = a.x + here * a.hidden;
+  Fan<char> rows(0);
+  Fan<float> scales(1);
+  rows.add(a.send_x + here * row_bytes);
+  if (kFp8) {
+    scales.add(a.send_scales + here * (a.hidden / kFp8Block));
+    ll_cast_rows(a, x, rows, scales, lane, lanes);
+  } else {
+    fan_out_row(rows, x, row_bytes, lane, lanes);
   }
 }
 
@@ -1209,7 +1282,7 @@ JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int
       row = static_cast<int32_t>((e % El) * slots +
                                  ll_slot(a, s, e, ll_offset(a, s, t, e, offsets, first)));
     }
-    peers.at(a.src_row, slots * K, d)[src * K + k] = row;
+    store_to(peers, a.src_row, slots * K, d, src * K + k, row);
   }
   ll_send_rows<kFp8>(a, peers, s, t, ids, offsets, x, lane, lanes);
 }
@@ -1243,18 +1316,18 @@ JAX_EP_HOST_DEVICE void ll_finish(const LowLatencyArgs& a, const Peers& peers, i
     }
     const int64_t bytes = a.row_bytes();
     copy_row(static_cast<char*>(a.out_x) + (a.local(d) * El * slots + r) * bytes,
-             peers.at(static_cast<char*>(a.recv_x), El * slots * bytes, d) + from * bytes, bytes,
+             own_copy(peers, static_cast<char*>(a.recv_x), El * slots * bytes, d) + from * bytes, bytes,
              lane, lanes);
     if (a.use_fp8) {
       copy_row(a.out_scales + (a.local(d) * El * slots + r) * S,
-               peers.at(a.recv_scales, El * slots * S, d) + from * S, S * 4, lane, lanes);
+               own_copy(peers, a.recv_scales, El * slots * S, d) + from * S, S * 4, lane, lanes);
     }
   }
   if (lane != 0) return;
   if (i == 0) a.count[a.local(d) * El + j] = count;
   if (r < slots && a.out_src_row) {  // the choices of token r of the group
     const int K = a.top_k;
-    const int32_t* sent = peers.at(a.src_row, slots * K, d) + r * K;
+    const int32_t* sent = own_copy(peers, a.src_row, slots * K, d) + r * K;
     int32_t* to = a.out_src_row + (a.local(d) * slots + r) * K;
     for (int k = 0; k < K; ++k) {
       int32_t row = sent[k];
@@ -1278,6 +1351,9 @@ struct LowLatencyCombineArgs {
   // Between devices: [R(home), T, K, H] in the symmetric buffer, where the send returns each
   // choice's row to its token's home. Null with virtual ranks: the receive reads y in place.
   Bf16* staging = nullptr;
+  // Put views: [R(source), T, K, H], where ll_combine_stage copies the rows this rank returns,
+  // in this rank's symmetric buffer (a put's source must lie there).
+  Bf16* send_rows = nullptr;
   Bf16* out;                  // [R, T, H]
   int buffer = 0;  // between devices: which of the two low-latency regions (cuda/peer_ops.h)
   // Rank whose data sits at index 0 of the per-rank arrays that are not reached through Peers
@@ -1288,7 +1364,8 @@ struct LowLatencyCombineArgs {
 };
 
 // Combine send between devices, items (d, s*T + t): expert rank d returns the rows of token t
-// of source s, one per choice it holds, to staging slot (t, k) of the home rank s.
+// of source s, one per choice it holds, to staging slot (t, k) of the home rank s; a put view
+// from where ll_combine_stage copied them.
 template <typename Peers>
 JAX_EP_HOST_DEVICE void ll_combine_send(const LowLatencyCombineArgs& a, const Peers& peers, int d,
                                         int64_t src, int lane, int lanes) {
@@ -1296,14 +1373,33 @@ JAX_EP_HOST_DEVICE void ll_combine_send(const LowLatencyCombineArgs& a, const Pe
   const int El = a.num_experts / R;
   const int64_t slots = static_cast<int64_t>(R) * T;
   const int s = static_cast<int>(src / T);
-  const int64_t t = src % T;
+  const int64_t t = src % T, bytes = 2 * static_cast<int64_t>(H);
   const int32_t* rows = a.src_row + (a.local(d) * slots + src) * K;
-  const Bf16* y = a.y + a.local(d) * El * slots * H;
-  Bf16* staging = peers.at(a.staging, static_cast<int64_t>(T) * K * H, s);
   for (int k = 0; k < K; ++k) {
     if (rows[k] < 0) continue;
-    copy_row(staging + (t * K + k) * H, y + static_cast<int64_t>(rows[k]) * H,
-             2 * static_cast<int64_t>(H), lane, lanes);
+    if constexpr (Peers::kPuts) {
+      peers.put(a.staging + (t * K + k) * H, s,
+                a.send_rows + ((a.local(d) * slots + src) * K + k) * H, bytes, lane, lanes);
+    } else {
+      const Bf16* y = a.y + a.local(d) * El * slots * H;
+      copy_row(peers.at(a.staging, static_cast<int64_t>(T) * K * H, s) + (t * K + k) * H,
+               y + static_cast<int64_t>(rows[k]) * H, bytes, lane, lanes);
+    }
+  }
+}
+
+// Put views, the stage before the combine send, items (d, s*T + t): the rows the send returns
+// for token t of source s, copied into this rank's send area (see ll_stage).
+JAX_EP_HOST_DEVICE void ll_combine_stage(const LowLatencyCombineArgs& a, int d, int64_t src,
+                                         int lane, int lanes) {
+  const int K = a.top_k, H = a.hidden;
+  const int64_t slots = static_cast<int64_t>(a.num_ranks) * a.num_tokens;
+  const int32_t* rows = a.src_row + (a.local(d) * slots + src) * K;
+  const Bf16* y = a.y + a.local(d) * (a.num_experts / a.num_ranks) * slots * H;
+  for (int k = 0; k < K; ++k) {
+    if (rows[k] < 0) continue;
+    copy_row(a.send_rows + ((a.local(d) * slots + src) * K + k) * H,
+             y + static_cast<int64_t>(rows[k]) * H, 2 * static_cast<int64_t>(H), lane, lanes);
   }
 }
 

@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 
 #include <atomic>
+#include <cstdio>
 #include <chrono>
 #include <cstdlib>
 #include <memory>
@@ -37,9 +38,11 @@ struct RankState {
 // R symmetric buffers in anonymous memory (zero until written, pages on first touch).
 class Group {
  public:
-  Group(int num_ranks, size_t bytes, size_t low_latency_offset, const Timeouts& timeouts)
+  Group(int num_ranks, size_t bytes, size_t low_latency_offset, bool puts,
+        const Timeouts& timeouts)
       : bytes_(bytes),
         low_latency_offset_(low_latency_offset),
+        puts_(puts),
         timeouts_(timeouts),
         regions_(num_ranks),
         ranks_(num_ranks) {
@@ -60,6 +63,7 @@ class Group {
   int num_ranks() const { return static_cast<int>(regions_.size()); }
   size_t bytes() const { return bytes_; }
   size_t low_latency_offset() const { return low_latency_offset_; }
+  bool puts() const { return puts_; }
   const Timeouts& timeouts() const { return timeouts_; }
   char* const* regions() const { return regions_.data(); }
   RankState& rank(int r) { return ranks_[r]; }
@@ -70,6 +74,7 @@ class Group {
 
  private:
   size_t bytes_, low_latency_offset_;
+  bool puts_;
   Timeouts timeouts_;
   std::vector<char*> regions_;
   std::vector<RankState> ranks_;
@@ -82,6 +87,7 @@ struct Registry {
   std::mutex mutex;  // initialize, finalize, creating a group
   size_t bytes = 0;  // 0: not initialized
   size_t low_latency_offset = 0;
+  bool puts = false;
   Timeouts timeouts;
   std::atomic<Group*> groups[kMaxPeers + 1] = {};
   std::vector<std::unique_ptr<Group>> owned;
@@ -94,7 +100,7 @@ struct Registry {
     g = groups[num_ranks].load(std::memory_order_acquire);
     if (g == nullptr && bytes != 0) {
       owned.push_back(
-          std::make_unique<Group>(num_ranks, bytes, low_latency_offset, timeouts));
+          std::make_unique<Group>(num_ranks, bytes, low_latency_offset, puts, timeouts));
       g = owned.back().get();
       groups[num_ranks].store(g, std::memory_order_release);
     }
@@ -109,6 +115,7 @@ Registry& registry() {
 
 // Peers in host memory: the same offset in rank `rank`'s buffer.
 struct HostPeers {
+  static constexpr bool kPuts = false;
   char* const* regions;
   int me;
   template <typename T>
@@ -119,11 +126,51 @@ struct HostPeers {
   }
 };
 
+// Peers in host memory reached by puts only (cuda/exchange.h, put views), as over a network:
+// a put copies from this rank's buffer into the same offset of a peer's, and no phase gets a
+// pointer into a peer's buffer. What a put view forbids is checked: a put's source outside
+// this rank's buffer (RDMA could not read it), and reading another rank's copy.
+struct HostPutPeers {
+  static constexpr bool kPuts = true;
+  char* const* regions;
+  int me;
+  size_t bytes;
+
+  template <typename T>
+  void put(T* dst, int rank, const T* src, int64_t count, int lane, int lanes) const {
+    const uintptr_t from = reinterpret_cast<uintptr_t>(src);
+    const uintptr_t own = reinterpret_cast<uintptr_t>(regions[me]);
+    if (from < own || from + count > own + bytes) misuse("a put's source outside the buffer");
+    copy_row(peer(dst, rank), src, count, lane, lanes);
+  }
+  template <typename T>
+  void put_value(T* dst, int rank, T value) const {
+    *peer(dst, rank) = value;
+  }
+  template <typename T>
+  T* own(T* base, int rank) const {
+    if (rank != me) misuse("a read of another rank's buffer");
+    return base;
+  }
+
+ private:
+  template <typename T>
+  T* peer(T* base, int rank) const {
+    return HostPeers{regions, me}.at(base, 0, rank);
+  }
+  [[noreturn]] void misuse(const char* what) const {
+    std::fprintf(stderr, "jax_ep: host put peers, rank %d: %s (a bug in jax_ep)\n", me, what);
+    std::abort();
+  }
+};
+
 // The CPU platform of cuda/peer_ops.h: launches on this thread (or the grid's threads), meeting
 // the peers as in the file comment.
 class HostPlatform {
  public:
   using Peers = HostPeers;
+  using PutPeers = HostPutPeers;
+  static constexpr bool kPutPeers = true;
 
   explicit HostPlatform(const HostGrid& grid) : grid_(grid) {}
 
@@ -152,6 +199,8 @@ class HostPlatform {
   }
 
   Peers peers() const { return Peers{group_->regions(), me_}; }
+  bool puts() const { return group_->puts(); }
+  PutPeers put_peers() const { return PutPeers{group_->regions(), me_, group_->bytes()}; }
   int rank() const { return me_; }
   char* symmetric() const { return group_->regions()[me_]; }
   size_t bytes() const { return group_->bytes(); }
@@ -237,7 +286,7 @@ class HostPlatform {
 
 }  // namespace
 
-std::string initialize(size_t bytes_per_rank, size_t low_latency_bytes) {
+std::string initialize(size_t bytes_per_rank, size_t low_latency_bytes, bool puts) {
   Registry& reg = registry();
   std::lock_guard<std::mutex> lock(reg.mutex);
   if (reg.bytes != 0) return "host peers are already initialized";
@@ -246,6 +295,7 @@ std::string initialize(size_t bytes_per_rank, size_t low_latency_bytes) {
   reg.timeouts = timeouts_from_env();
   reg.bytes = bytes_per_rank;
   reg.low_latency_offset = low_latency_offset(bytes_per_rank, low_latency_bytes);
+  reg.puts = puts;
   return "";
 }
 

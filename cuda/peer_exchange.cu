@@ -32,6 +32,7 @@ namespace jax_ep::cuda {
 namespace {
 
 struct NvshmemPeers {
+  static constexpr bool kPuts = false;
   template <typename T>
   __host__ __device__ T* at(T* base, int64_t /*stride*/, int rank) const {
 #if defined(__CUDA_ARCH__)
@@ -230,6 +231,7 @@ PeerError prepare(int op, int num_ranks, const SymmetricBuffer** out) {
 class DevicePlatform {
  public:
   using Peers = NvshmemPeers;
+  static constexpr bool kPutPeers = false;  // puts between GPUs: not built yet
 
   // Checks the preconditions of `op`; rank() etc. are valid when the result is ok.
   PeerError open(int op, int num_ranks, const int32_t* axis_index, int num_sms,

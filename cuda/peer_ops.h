@@ -17,7 +17,10 @@
 //
 // A Platform P provides:
 //   using Peers; Peers peers() const;        the view that turns a symmetric address into a
-//                                             peer's copy of it
+//                                             peer's copy of it (a store view, cuda/exchange.h)
+//   static constexpr bool kPutPeers;          whether it also has a put view; if so:
+//     bool puts() const;                      whether this group reaches its peers by puts
+//     PutPeers put_peers() const;             the put view
 //   int rank() const;                         this rank
 //   char* symmetric() const; size_t bytes() const;   this rank's symmetric buffer
 //   size_t low_latency_offset() const;        where its low-latency regions start
@@ -37,6 +40,7 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "cuda/phase_functors.h"
 
@@ -231,35 +235,47 @@ size_t carve_combine(char* base, const CombineArgs<T>& a, CombineRegions<T>* r) 
 }
 
 // Low-latency dispatch and combine (both halves of each reach them).
+// With puts, also the send areas the puts read from (a put's source must lie in the symmetric
+// buffer): each token's row and scales (dispatch), the rows returned to each source (combine).
 struct LowLatencyRegions {
   int32_t* counts;
   char* recv_x;
   float* recv_scales;
   int32_t* src_row;
   Bf16* staging;
+  char* send_x = nullptr;
+  float* send_scales = nullptr;
+  Bf16* send_rows = nullptr;
 };
 
 inline size_t carve_low_latency(char* base, int R, int T, int K, int E, int H, bool fp8,
-                                LowLatencyRegions* r) {
-  const int64_t slots = static_cast<int64_t>(E / R) * R * T;
+                                bool puts, LowLatencyRegions* r) {
+  const int64_t slots = static_cast<int64_t>(E / R) * R * T, row_bytes = fp8 ? H : 2 * H;
   Carver c(base);
   r->counts = c.take<int32_t>(static_cast<int64_t>(R) * E);
-  r->recv_x = c.take<char>(slots * (fp8 ? H : 2 * H));
+  r->recv_x = c.take<char>(slots * row_bytes);
   r->recv_scales = c.take<float>(fp8 ? slots * (H / kFp8Block) : 0);
   r->src_row = c.take<int32_t>(static_cast<int64_t>(R) * T * K);
   r->staging = c.take<Bf16>(static_cast<int64_t>(T) * K * H);
+  if (puts) {
+    r->send_x = c.take<char>(static_cast<int64_t>(T) * row_bytes);
+    r->send_scales = c.take<float>(fp8 ? static_cast<int64_t>(T) * (H / kFp8Block) : 0);
+    r->send_rows = c.take<Bf16>(static_cast<int64_t>(R) * T * K * H);
+  }
   return c.used();
 }
 
 // The regions a configuration needs: its largest normal-mode call (dispatch with FP8 scales
 // and combine with weights, rank-major and, with expert_major, expert-major; capacity 0 is
-// the ops' default) and its low-latency calls (FP8 or not) with ll_tokens tokens.
+// the ops' default) and its low-latency calls (FP8 or not) with ll_tokens tokens, over puts
+// (with their send areas) or not.
 struct RegionBytes {
   size_t signals, normal, low_latency;
 };
 
 inline RegionBytes buffer_region_bytes(int R, int T, int K, int E, int H, int dtype_bytes,
-                                       int64_t capacity, bool expert_major, int ll_tokens) {
+                                       int64_t capacity, bool expert_major, int ll_tokens,
+                                       bool puts) {
   size_t normal = 0;
   for (const bool em : {false, true}) {
     if (em && !expert_major) continue;
@@ -285,10 +301,38 @@ inline RegionBytes buffer_region_bytes(int R, int T, int K, int E, int H, int dt
     LowLatencyRegions r;
     for (const bool fp8 : {false, true}) {
       low_latency =
-          std::max(low_latency, carve_low_latency(nullptr, R, ll_tokens, K, E, H, fp8, &r));
+          std::max(low_latency, carve_low_latency(nullptr, R, ll_tokens, K, E, H, fp8, puts, &r));
     }
   }
   return RegionBytes{kSignalBytes, normal, 2 * low_latency};  // two halves
+}
+
+// Whether the platform reaches its peers by puts.
+template <typename Platform>
+bool uses_puts(const Platform& p) {
+  if constexpr (Platform::kPutPeers) {
+    return p.puts();
+  } else {
+    return false;
+  }
+}
+
+// f(peers) with the view the platform reaches its peers with.
+template <typename Platform, typename F>
+PeerError with_peers(Platform& p, const F& f) {
+  if constexpr (Platform::kPutPeers) {
+    if (p.puts()) return f(p.put_peers());
+  }
+  return f(p.peers());
+}
+
+// The error of a normal-mode op over puts: its combine reads the peers' buffers.
+inline PeerError needs_stores(int op) {
+  return PeerError{std::string(kPeerOpNames[op]) + ": normal-mode dispatch and combine need "
+                   "peers reachable with loads and stores, and this EP group reaches its peers "
+                   "with puts ($JAX_EP_PEER_ACCESS=put); over puts only the low-latency ops run "
+                   "so far. Use the low-latency ops, or unset $JAX_EP_PEER_ACCESS where the "
+                   "peers share memory"};
 }
 
 // run_op(platform, op, args): op `op` (PeerOp) for the platform's rank, one overload per
@@ -296,6 +340,7 @@ inline RegionBytes buffer_region_bytes(int R, int T, int K, int E, int H, int dt
 
 template <typename Platform>
 PeerError run_op(Platform& p, int op, const DispatchArgs& out) {
+  if (uses_puts(p)) return needs_stores(op);
   DispatchArgs a = out;
   a.first_rank = p.rank();
   a.out = out.results();  // the finish phase copies them out of the symmetric buffer
@@ -317,6 +362,7 @@ PeerError run_op(Platform& p, int op, const DispatchArgs& out) {
 
 template <typename Platform, typename T>
 PeerError run_op(Platform& p, int op, const CombineArgs<T>& in) {
+  if (uses_puts(p)) return needs_stores(op);
   const int R = in.num_ranks;
   CombineArgs<T> a = in;
   a.first_rank = p.rank();
@@ -350,7 +396,8 @@ PeerError open_ll(Platform& p, int op, int R, int T, int K, int E, int H, bool f
                   LowLatencyRegions* r) {
   const size_t half = (p.bytes() - p.low_latency_offset()) / 2 / kAlign * kAlign;
   char* base = p.symmetric() + p.low_latency_offset() + buffer * half;
-  return fits(op, "low-latency", carve_low_latency(base, R, T, K, E, H, fp8, r), half);
+  const size_t used = carve_low_latency(base, R, T, K, E, H, fp8, uses_puts(p), r);
+  return fits(op, "low-latency", used, half);
 }
 
 // The error of a send on a region whose last exchange of the same kind was not received: it
@@ -368,9 +415,10 @@ inline PeerError in_flight(int op, int buffer, const char* receive, bool* flag) 
 
 // Both halves of low-latency dispatch: the send counts, then writes each message into its
 // per-source slot on the expert's rank (once the peers are done with the last call that used
-// the same low-latency region, so a send need not wait for a call on the other one); the
-// receive (after every message arrived) copies the counted rows out to their compact slots
-// and writes the counts.
+// the same low-latency region, so a send need not wait for a call on the other one); over
+// puts, each token's row goes into the send area first (LowLatencyStage). The receive (after
+// every message arrived) copies the counted rows out to their compact slots and writes the
+// counts.
 template <typename Platform>
 PeerError run_op(Platform& p, int op, const LowLatencyArgs& out) {
   LowLatencyRegions r;
@@ -384,36 +432,41 @@ PeerError run_op(Platform& p, int op, const LowLatencyArgs& out) {
   a.recv_x = r.recv_x;
   a.recv_scales = r.recv_scales;
   a.src_row = r.src_row;
-  using Peers = typename Platform::Peers;
+  a.send_x = r.send_x;
+  a.send_scales = r.send_scales;
   RegionUse& use = p.region_use(a.buffer);
-  if (op == kPeerLlDispatchSend) {
-    if (use.dispatch_in_flight) {
-      return in_flight(op, a.buffer, "low_latency_dispatch_recv", &use.dispatch_in_flight);
-    }
-    // The count numbers this rank's messages; the send needs no other rank's counts.
-    p.per_warp(LowLatencyCount{a}, a.num_chunks, Meet{Wait::kStart, false, {}, use.last_use},
-               LowLatencyTotals<Peers>{a, a.first_rank, 1, p.peers()});
-    with_ll_send(a, p.peers(),
-                 [&](const auto& send) { p.per_warp(send, a.num_tokens, Meet{{}, true, {}}); });
-    use.last_use = p.arrivals();
-    use.dispatch_in_flight = true;
-    return p.result(op);
+  if (op == kPeerLlDispatchSend && use.dispatch_in_flight) {
+    return in_flight(op, a.buffer, "low_latency_dispatch_recv", &use.dispatch_in_flight);
   }
-  // The finish copies the counted rows and src_row out of the symmetric buffer.
-  a.out_x = out.recv_x;
-  a.out_scales = out.recv_scales;
-  a.out_src_row = out.src_row;
-  // Once every message has arrived (the peers sent it in their send).
-  p.per_warp(LowLatencyFinish<Peers>{a, p.peers()}, a.experts_per_rank() * a.slots(),
-             Meet{Wait::kStart, true, {}});
-  use.last_use = p.arrivals();
-  use.dispatch_in_flight = false;
-  return p.result(op);
+  if (op != kPeerLlDispatchSend) {
+    // The finish copies the counted rows and src_row out of the symmetric buffer.
+    a.out_x = out.recv_x;
+    a.out_scales = out.recv_scales;
+    a.out_src_row = out.src_row;
+  }
+  return with_peers(p, [&](const auto& peers) {
+    using Peers = std::decay_t<decltype(peers)>;
+    if (op == kPeerLlDispatchSend) {
+      // The count numbers this rank's messages; the send needs no other rank's counts.
+      p.per_warp(LowLatencyCount{a}, a.num_chunks, Meet{Wait::kStart, false, {}, use.last_use},
+                 LowLatencyTotals<Peers>{a, a.first_rank, 1, peers});
+      if constexpr (Peers::kPuts) p.per_warp(LowLatencyStage{a}, a.num_tokens, Meet{});
+      with_ll_send(a, peers,
+                   [&](const auto& send) { p.per_warp(send, a.num_tokens, Meet{{}, true, {}}); });
+    } else {
+      // Once every message has arrived (the peers sent it in their send).
+      p.per_warp(LowLatencyFinish<Peers>{a, peers}, a.experts_per_rank() * a.slots(),
+                 Meet{Wait::kStart, true, {}});
+    }
+    use.last_use = p.arrivals();
+    use.dispatch_in_flight = op == kPeerLlDispatchSend;
+    return p.result(op);
+  });
 }
 
 // Both halves of low-latency combine: the send pushes rows into the homes' staging slots
-// (once the homes are done with the last call that used the region), the receive sums them
-// (after they all arrived).
+// (once the homes are done with the last call that used the region; over puts, from the send
+// area, LowLatencyCombineStage), the receive sums them (after they all arrived).
 template <typename Platform>
 PeerError run_op(Platform& p, int op, const LowLatencyCombineArgs& in) {
   LowLatencyRegions r;
@@ -423,20 +476,26 @@ PeerError run_op(Platform& p, int op, const LowLatencyCombineArgs& in) {
   LowLatencyCombineArgs a = in;
   a.first_rank = p.rank();
   a.staging = r.staging;
+  a.send_rows = r.send_rows;
   RegionUse& use = p.region_use(a.buffer);
   const bool send = op == kPeerLlCombineSend;
   if (send && use.combine_in_flight) {
     return in_flight(op, a.buffer, "low_latency_combine_recv", &use.combine_in_flight);
   }
-  if (send) {
-    p.per_warp(LowLatencyCombineSend<typename Platform::Peers>{a, p.peers()},
-               int64_t{a.num_ranks} * a.num_tokens, Meet{Wait::kStart, true, {}, use.last_use});
-  } else {
-    p.per_warp(LowLatencyCombineToken{a}, a.num_tokens, Meet{Wait::kStart, true, {}});
-  }
-  use.last_use = p.arrivals();
-  use.combine_in_flight = send;
-  return p.result(op);
+  return with_peers(p, [&](const auto& peers) {
+    using Peers = std::decay_t<decltype(peers)>;
+    const int64_t sources = int64_t{a.num_ranks} * a.num_tokens;
+    if (send) {
+      if constexpr (Peers::kPuts) p.per_warp(LowLatencyCombineStage{a}, sources, Meet{});
+      p.per_warp(LowLatencyCombineSend<Peers>{a, peers}, sources,
+                 Meet{Wait::kStart, true, {}, use.last_use});
+    } else {
+      p.per_warp(LowLatencyCombineToken{a}, a.num_tokens, Meet{Wait::kStart, true, {}});
+    }
+    use.last_use = p.arrivals();
+    use.combine_in_flight = send;
+    return p.result(op);
+  });
 }
 
 }  // namespace jax_ep

@@ -154,6 +154,18 @@ void with_ll_send(const LowLatencyArgs& a, const Peers& peers, const Launch& lau
     launch(LowLatencySend<Peers, false>{a, peers});
   }
 }
+// Put views: the row of each token into the send area, before the send (ll_stage).
+struct LowLatencyStage {
+  static constexpr bool kCopy = true;
+  LowLatencyArgs a;
+  JAX_EP_HOST_DEVICE void operator()(int s, int64_t t, int lane, int lanes) const {
+    if (a.use_fp8) {
+      ll_stage<true>(a, s, static_cast<int>(t), lane, lanes);
+    } else {
+      ll_stage<false>(a, s, static_cast<int>(t), lane, lanes);
+    }
+  }
+};
 template <typename Peers>
 struct LowLatencyFinish {
   static constexpr bool kCopy = true;
@@ -170,6 +182,14 @@ struct LowLatencyCombineSend {
   Peers peers{};
   JAX_EP_HOST_DEVICE void operator()(int d, int64_t src, int lane, int lanes) const {
     ll_combine_send(a, peers, d, src, lane, lanes);
+  }
+};
+// Put views: the rows the combine send returns, into the send area (ll_combine_stage).
+struct LowLatencyCombineStage {
+  static constexpr bool kCopy = true;
+  LowLatencyCombineArgs a;
+  JAX_EP_HOST_DEVICE void operator()(int d, int64_t src, int lane, int lanes) const {
+    ll_combine_stage(a, d, src, lane, lanes);
   }
 };
 struct LowLatencyCombineToken {

@@ -73,17 +73,17 @@ nb::object State() {
 #endif
 }
 
-void HostPeersInitialize(size_t buffer_bytes, size_t low_latency_bytes) {
-  const std::string error = host::initialize(buffer_bytes, low_latency_bytes);
+void HostPeersInitialize(size_t buffer_bytes, size_t low_latency_bytes, bool puts) {
+  const std::string error = host::initialize(buffer_bytes, low_latency_bytes, puts);
   if (!error.empty()) throw std::runtime_error("jax_ep.initialize: " + error);
 }
 
 nb::dict BufferRegions(int num_ranks, int num_tokens, int top_k, int num_experts, int hidden,
                        int dtype_bytes, int64_t capacity, bool expert_major,
-                       int low_latency_tokens) {
+                       int low_latency_tokens, bool puts) {
   const RegionBytes r = buffer_region_bytes(num_ranks, num_tokens, top_k, num_experts, hidden,
                                             dtype_bytes, capacity, expert_major,
-                                            low_latency_tokens);
+                                            low_latency_tokens, puts);
   nb::dict out;
   out["signals"] = r.signals;
   out["normal"] = r.normal;
@@ -102,15 +102,17 @@ void BindRuntime(nb::module_& m) {
         "failure or without CUDA.");
   m.def("runtime_finalize", &Finalize, "Frees the symmetric buffer and finalizes NVSHMEM.");
   m.def("host_peers_initialize", &HostPeersInitialize, nb::arg("buffer_bytes"),
-        nb::arg("low_latency_bytes"),
+        nb::arg("low_latency_bytes"), nb::arg("puts") = false,
         "Sets up host peers (the exchange between the CPU devices of this process) with a "
         "buffer of `buffer_bytes` per rank, its last low_latency_bytes for low-latency "
-        "regions.");
+        "regions, reached with stores or, with `puts`, with puts only.");
   m.def("buffer_regions", &BufferRegions, nb::arg("num_ranks"), nb::arg("num_tokens"),
         nb::arg("top_k"), nb::arg("num_experts"), nb::arg("hidden"), nb::arg("dtype_bytes"),
         nb::arg("capacity"), nb::arg("expert_major"), nb::arg("low_latency_tokens"),
+        nb::arg("puts") = false,
         "Bytes of each region of the symmetric buffer for the largest calls of a "
-        "configuration, as the ops carve them (cuda/peer_ops.h); capacity 0: the default.");
+        "configuration, as the ops carve them (cuda/peer_ops.h); capacity 0: the default; "
+        "puts: with the send areas of peers reached by puts.");
   m.def("host_peers_finalize", &host::finalize,
         "Frees the host peers' buffers (no exchange may be running).");
   m.def("host_peers_buffer_bytes", &host::buffer_bytes,

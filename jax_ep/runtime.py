@@ -15,6 +15,13 @@ symmetric buffer per rank, sized for the largest call (`BufferConfig`, `required
   stand-in for NVSHMEM in host memory (cuda/host_peers.h), so that `backend="cuda"` runs
   between the CPU devices of `shard_map` the ops the GPUs run: same phases, buffer carving
   and flags. Buffers are reserved per group size and touched only where written.
+
+How a rank reaches its peers' buffers, `$JAX_EP_PEER_ACCESS` (read by `initialize()`):
+`store` (the default) with loads and stores, as over NVLink; `put` with puts only, as over
+InfiniBand or RoCE between nodes (cuda/exchange.h, put views). Over puts the low-latency ops
+run, each send copying what it sends into a send area of the buffer first (sized by
+`buffer_regions`); normal-mode dispatch and combine are refused. Puts run between host peers
+so far; between GPUs they are not built yet.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import threading
 import jax
 
 SIGNAL_BYTES = 4096  # the peers' signals at the start of the buffer (cuda/peer_ops.h)
+PEER_ACCESS = ("store", "put")
 KEY_TIMEOUT_MS = 10 * 60 * 1000
 
 _state: dict[str, object] = {}
@@ -82,23 +90,38 @@ class BufferConfig:
             raise ValueError("BufferConfig.low_latency_tokens must be >= 0.")
 
 
-def buffer_regions(config: BufferConfig) -> dict[str, int]:
+def peer_access() -> str:
+    """How ranks reach each other's buffers: `$JAX_EP_PEER_ACCESS`, "store" (default) or
+    "put" (see the module's docstring)."""
+    value = os.environ.get("JAX_EP_PEER_ACCESS", "").strip().lower() or "store"
+    if value not in PEER_ACCESS:
+        raise ValueError(f"$JAX_EP_PEER_ACCESS={value!r} is not one of {PEER_ACCESS}: "
+                         f"'store' reaches peers with loads and stores (NVLink, the default), "
+                         f"'put' with puts only (as between nodes).")
+    return value
+
+
+def buffer_regions(config: BufferConfig, *, access: str | None = None) -> dict[str, int]:
     """Bytes of each region of the symmetric buffer: {'signals', 'normal', 'low_latency'}.
 
     Computed by the extension from the carving the ops use (cuda/peer_ops.h), so the sizes
     here are the sizes there. The normal-mode region holds the largest dispatch (with FP8
     scales) or combine (with weights) of the config; the low-latency region two halves, each
     holding its low-latency calls (two exchanges in flight, `buffer` 0 and 1), and no
-    normal-mode call reaches into it.
+    normal-mode call reaches into it. Over puts (`access`, default `peer_access()`) the
+    low-latency region also holds the send areas the puts read from.
     """
     config.check()
+    access = access or peer_access()
+    if access not in PEER_ACCESS:
+        raise ValueError(f"buffer_regions: access must be one of {PEER_ACCESS}; got {access!r}.")
     from jax_ep import _ffi
 
     _ffi.require_extension("jax_ep.runtime.buffer_regions")
     return dict(_ffi.EXT.buffer_regions(
         config.ranks(), config.num_tokens, config.top_k, config.num_experts, config.hidden,
         config.dtype_bytes, config.capacity or 0, config.expert_major,
-        config.low_latency_tokens))
+        config.low_latency_tokens, access == "put"))
 
 
 def required_bytes(config: BufferConfig) -> int:
@@ -112,8 +135,8 @@ def is_initialized() -> bool:
 
 
 def state() -> dict | None:
-    """{'platform', 'rank', 'num_ranks', 'buffer_bytes', 'low_latency_bytes'} while
-    initialized, else None."""
+    """{'platform', 'rank', 'num_ranks', 'buffer_bytes', 'low_latency_bytes',
+    'peer_access'} while initialized, else None."""
     return dict(_state) if _state else None
 
 
@@ -132,10 +155,10 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
 
     Raises:
       RuntimeError: more than one local GPU, several processes without GPUs, an extension
-        without CUDA (GPUs) or without a build, already initialized, or NVSHMEM failed (the
-        message says which step).
-      ValueError: a bad config, both config and buffer_bytes, or low_latency_bytes without
-        buffer_bytes.
+        without CUDA (GPUs) or without a build, already initialized, puts between GPUs
+        ($JAX_EP_PEER_ACCESS=put), or NVSHMEM failed (the message says which step).
+      ValueError: a bad config, both config and buffer_bytes, low_latency_bytes without
+        buffer_bytes, or a bad $JAX_EP_PEER_ACCESS.
     """
     op = "jax_ep.initialize"
     if config is not None and buffer_bytes is not None:
@@ -149,7 +172,14 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
     from jax_ep import _ffi
 
     _ffi.require_extension(op)
+    access = peer_access()
     gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
+    if gpus and access == "put":
+        raise RuntimeError(
+            f"{op}: $JAX_EP_PEER_ACCESS=put: puts between GPUs are not built yet (they run "
+            f"between host peers, the CPU devices of one process); unset it to reach the peers "
+            f"with loads and stores (GPUs of one node, NVLink)."
+        )
     if len(gpus) > 1:
         raise RuntimeError(
             f"{op}: this process sees {len(gpus)} GPUs; NVSHMEM allows one GPU per process. "
@@ -168,7 +198,7 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
             f"devices (--xla_force_host_platform_device_count), or backend='xla'."
         )
     if buffer_bytes is None:
-        regions = buffer_regions(config or BufferConfig())
+        regions = buffer_regions(config or BufferConfig(), access=access)
         buffer_bytes, low_latency_bytes = sum(regions.values()), regions["low_latency"]
     if not isinstance(buffer_bytes, int) or not isinstance(low_latency_bytes, int) or \
             low_latency_bytes < 0 or buffer_bytes - low_latency_bytes <= SIGNAL_BYTES:
@@ -182,9 +212,10 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
                                     buffer_bytes, low_latency_bytes)
         _state.update(platform="gpu", rank=rank, num_ranks=num_ranks)
     else:
-        _ffi.EXT.host_peers_initialize(buffer_bytes, low_latency_bytes)
+        _ffi.EXT.host_peers_initialize(buffer_bytes, low_latency_bytes, access == "put")
         _state.update(platform="cpu", rank=rank, num_ranks=jax.local_device_count())
-    _state.update(buffer_bytes=buffer_bytes, low_latency_bytes=low_latency_bytes)
+    _state.update(buffer_bytes=buffer_bytes, low_latency_bytes=low_latency_bytes,
+                  peer_access=access)
 
 
 def _share_unique_id(op: str, rank: int, num_ranks: int, ext) -> bytes:

@@ -244,3 +244,88 @@ def test_normal_calls_never_reach_a_low_latency_exchange_in_flight():
     finally:
         jax_ep.finalize()
         initialize_for_tests()
+
+
+# Peers reached by puts only ($JAX_EP_PEER_ACCESS=put: HostPutPeers, cuda/host_peers.cc): no
+# phase gets a pointer into a peer's buffer, each send copies what it sends into a send area
+# of its own buffer and puts it from there, and a phase that read another rank's buffer, or
+# put from outside its own, would abort the process.
+
+
+@pytest.fixture
+def put_peers(monkeypatch):
+    """Host peers reached by puts for one test, then the module's again."""
+    jax_ep.finalize()
+    monkeypatch.setenv("JAX_EP_PEER_ACCESS", "put")
+    jax_ep.initialize(buffer_bytes=HOST_PEER_BYTES, low_latency_bytes=HOST_PEER_LOW_LATENCY_BYTES)
+    try:
+        assert runtime.state()["peer_access"] == "put"
+        yield
+    finally:
+        jax_ep.finalize()
+        monkeypatch.undo()
+        initialize_for_tests()
+
+
+@pytest.mark.parametrize("R", [2, 3, 4, 8])
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_low_latency_over_puts_matches_portable_backend(put_peers, R, use_fp8):
+    """Two exchanges in flight, one on each low-latency region, with fresh routings of every
+    kind (masked choices, duplicates, empty ranks, a hot expert) and T not a power of two."""
+    rng = np.random.default_rng()
+    T, K, E, H = int(rng.integers(3, 12)), 3, 2 * R, 256
+    kinds = rng.choice(["uniform", "masked", "duplicates", "empty_ranks", "hot_expert"], 2,
+                       replace=False)
+    (idx_a, w_a), (idx_b, w_b) = (routing(rng, R, T, K, E, str(kind)) for kind in kinds)
+    x_a, x_b = (rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16) for _ in "ab")
+
+    def program(backend):
+        def per_shard(x_a, x_b, idx_a, idx_b, w_a, w_b):
+            sent = [jax_ep.low_latency_dispatch_send(x, idx, num_experts=E, use_fp8=use_fp8,
+                                                     backend=backend, buffer=b)
+                    for b, (x, idx) in enumerate(((x_a, idx_a), (x_b, idx_b)))]
+            received = [jax_ep.low_latency_dispatch_recv(p) for p in sent]
+            staged = []
+            for (recv, handle), idx, w in zip(received, (idx_a, idx_b), (w_a, w_b), strict=True):
+                y = (recv.x.astype(jnp.float32) * 3).astype(jnp.bfloat16)
+                staged.append(jax_ep.low_latency_combine_send(y, idx, w, handle,
+                                                              backend=backend))
+            return ([recv.with_zero_padding() for recv, _ in received],
+                    [jax_ep.low_latency_combine_recv(s) for s in staged])
+
+        return per_shard
+
+    got, want = both_backends(program, R, x_a, x_b, idx_a, idx_b, w_a, w_b)
+    assert_trees_bitwise(got, want)
+
+
+def test_normal_mode_over_puts_is_refused(put_peers):
+    R, T, K, E, H = 2, 5, 2, 4, 128
+    rng = np.random.default_rng()
+    idx, w = routing(rng, R, T, K, E, "uniform")
+    x = rng.standard_normal((R, T, H)).astype(np.float32)
+    run = sharded(lambda x, i, w: jax_ep.dispatch(x, i, w, num_experts=E, backend="cuda")[0]
+                  .with_zero_padding().x, R)
+    with pytest.raises(Exception, match=r"jax_ep_dispatch: normal-mode dispatch and combine "
+                                        r"need peers reachable with loads and stores.*"
+                                        r"\$JAX_EP_PEER_ACCESS=put.*low-latency ops"):
+        jax.block_until_ready(run(x, idx, w))
+    forget_failed_exchange()
+
+
+def test_peer_access_sizes_the_send_areas(monkeypatch):
+    R, T, K, H = 4, 24, 4, 256
+    config = jax_ep.BufferConfig(num_tokens=16, hidden=H, top_k=K, num_experts=8, num_ranks=R,
+                                 low_latency_tokens=T)
+    store, put = (runtime.buffer_regions(config, access=a) for a in ("store", "put"))
+    # Per half: each token's bf16 row (the FP8 call's rows and scales are smaller) and the rows
+    # returned to each source (multiples of 256 bytes here, so no alignment padding).
+    send = T * 2 * H + R * T * K * H * 2
+    assert put["low_latency"] - store["low_latency"] == 2 * send
+    assert put["normal"] == store["normal"]
+    monkeypatch.setenv("JAX_EP_PEER_ACCESS", "put")
+    assert runtime.buffer_regions(config) == put
+    monkeypatch.setenv("JAX_EP_PEER_ACCESS", "loads")
+    with pytest.raises(ValueError, match=r"\$JAX_EP_PEER_ACCESS='loads' is not one of "
+                                         r"\('store', 'put'\)"):
+        runtime.buffer_regions(config)

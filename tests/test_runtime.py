@@ -66,7 +66,8 @@ def test_initialize_on_cpu_sets_up_host_peers():
         assert runtime.state() == {
             "platform": "cpu", "rank": 0, "num_ranks": 8,
             "buffer_bytes": runtime.required_bytes(config),
-            "low_latency_bytes": runtime.buffer_regions(config)["low_latency"]}
+            "low_latency_bytes": runtime.buffer_regions(config)["low_latency"],
+            "peer_access": "store"}
         assert _ffi.EXT.host_peers_buffer_bytes() == runtime.required_bytes(config)
         with pytest.raises(RuntimeError, match="already initialized"):
             jax_ep.initialize(config)
