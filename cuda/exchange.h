@@ -16,10 +16,11 @@
 // copies from this rank's symmetric buffer into a peer's copy of a buffer (`put`, `put_value`),
 // and a phase reads only this rank's own copy (`own`). The bodies write a value to a peer
 // through store_to, a row with a put or stores as the view's kind says, and read received
-// data through own_copy; the phases that read a peer's copy (normal combine) take store views
-// only. Every write has exactly one writer and every output element that the contract defines
-// is written once, so no buffer needs clearing and results do not depend on scheduling. Rows
-// past a count carry no data and are not written (docs/contract.md, "Padding").
+// data through own_copy. Normal combine, which reads the peers' copies with a store view, has
+// the receivers return the rows with a put view (combine_return). Every write has exactly one
+// writer and every output element that the contract defines is written once, so no buffer
+// needs clearing and results do not depend on scheduling. Rows past a count carry no data
+// and are not written (docs/contract.md, "Padding").
 //
 // Ordering rules (docs/contract.md): rank-major rows are ordered by source rank, then token;
 // expert-major entries by local expert, then rank-major row, then choice; low-latency slots of
@@ -45,15 +46,37 @@ struct VirtualPeers {
   }
 };
 
+// Rank's copy of the array at `base`, written element by element: through the copy's address,
+// found once, with a store view; with put_value with a put view.
+template <typename Peers, typename T>
+struct PeerArray {
+  const Peers& peers;
+  T* base;  // the copy's address (store view), or this rank's address of the array (puts)
+  int rank;
+  JAX_EP_HOST_DEVICE void set(int64_t i, T value) const {
+    if constexpr (Peers::kPuts) {
+      peers.put_value(base + i, rank, value);
+    } else {
+      base[i] = value;
+    }
+  }
+};
+
+template <typename Peers, typename T>
+JAX_EP_HOST_DEVICE PeerArray<Peers, T> peer_array(const Peers& peers, T* base, int64_t stride,
+                                                  int rank) {
+  if constexpr (Peers::kPuts) {
+    return {peers, base, rank};
+  } else {
+    return {peers, peers.at(base, stride, rank), rank};
+  }
+}
+
 // Writes `value` to element i of rank's copy of the buffer at `base`.
 template <typename Peers, typename T>
 JAX_EP_HOST_DEVICE void store_to(const Peers& peers, T* base, int64_t stride, int rank, int64_t i,
                                  T value) {
-  if constexpr (Peers::kPuts) {
-    peers.put_value(base + i, rank, value);
-  } else {
-    peers.at(base, stride, rank)[i] = value;
-  }
+  peer_array(peers, base, stride, rank).set(i, value);
 }
 
 // Rank's copy of the buffer at `base`, where rank is the one whose phase reads it (the
@@ -404,6 +427,10 @@ struct DispatchArgs {
   int32_t* entry_offset;  // [R, T, K] rank of entry (t, k) among its chunk's for its expert
   int32_t* row_base;      // [R, R]: first rank-major row of source s on rank d
   int32_t* entry_base;    // [R, E]: first entry position of source s for expert e (expert-major)
+  // Put views: this rank's rows and scales, copied into its symmetric buffer (dispatch_stage)
+  // for the send's puts to read, [T, row_bytes] and [T, scale_cols].
+  char* send_x = nullptr;
+  float* send_scales = nullptr;
 
   // Per-receiver results, reached through Peers: [R, ...].
   char* recv_x;               // [R, capacity, row_bytes]
@@ -570,27 +597,41 @@ JAX_EP_HOST_DEVICE int32_t entry_position(const DispatchArgs& a, const int32_t* 
 // base + row * bytes of that receiver's copy (`per_rank` bytes apart with virtual ranks),
 // reading src once per kFanOut destinations. The candidates are the receivers (rank-major) or
 // the token's choices (expert-major).
+// A put view puts src (in this rank's symmetric buffer, dispatch_stage) to each instead.
 template <typename Peers>
 JAX_EP_HOST_DEVICE void dispatch_fan_out(const DispatchArgs& a, const Peers& peers,
                                          const int32_t* ids, int s, int t, char* base,
-                                         const void* src, int64_t bytes, int lane, int lanes) {
+                                         const char* src, int64_t bytes, int lane, int lanes) {
   const int cap = a.capacity, El = a.experts_per_rank();
   const int candidates = a.expert_major ? a.top_k : a.num_ranks;
-  const int64_t per_rank = cap * bytes;
-  Fan<char> fan(0);
-  for (int c = 0; c < candidates;) {
-    for (; c < candidates && !fan.full(); ++c) {
-      const int d = a.expert_major ? ids[c] / El : c;
-      int32_t at = -1;
-      if (!a.expert_major) {
-        at = rank_major_row(a, ids, s, t, d);
-      } else if (ids[c] >= 0) {
-        at = entry_position(a, ids, s, t, c);
-      }
-      if (at < 0 || at >= cap) continue;  // not sent, or cut by the capacity
-      fan.add(peers.at(base, per_rank, d) + at * bytes);
+  // Candidate c's receiver, and the row (entry) it keeps there or -1.
+  auto receiver = [&](int c) { return a.expert_major ? ids[c] / El : c; };
+  auto row_at = [&](int c, int d) {
+    int32_t at = -1;
+    if (!a.expert_major) {
+      at = rank_major_row(a, ids, s, t, d);
+    } else if (ids[c] >= 0) {
+      at = entry_position(a, ids, s, t, c);
     }
-    fan_out_row(fan, src, bytes, lane, lanes);
+    return at < cap ? at : -1;  // not sent, or cut by the capacity
+  };
+  if constexpr (Peers::kPuts) {
+    for (int c = 0; c < candidates; ++c) {
+      const int d = receiver(c);
+      const int32_t at = row_at(c, d);
+      if (at >= 0) peers.put(base + at * bytes, d, src, bytes, lane, lanes);
+    }
+  } else {
+    const int64_t per_rank = cap * bytes;
+    Fan<char> fan(0);
+    for (int c = 0; c < candidates;) {
+      for (; c < candidates && !fan.full(); ++c) {
+        const int d = receiver(c);
+        const int32_t at = row_at(c, d);
+        if (at >= 0) fan.add(peers.at(base, per_rank, d) + at * bytes);
+      }
+      fan_out_row(fan, src, bytes, lane, lanes);
+    }
   }
 }
 
@@ -608,23 +649,23 @@ JAX_EP_HOST_DEVICE void dispatch_send_row(const DispatchArgs& a, const Peers& pe
   const int64_t src = static_cast<int64_t>(s) * T + t;
   // Rank-major rows are capped; expert-major rows always exist and their entries are capped.
   const bool has_row = a.expert_major ? row >= 0 : row >= 0 && row < cap;
-  peers.at(a.src_row, static_cast<int64_t>(R) * T, d)[src] = has_row ? row : -1;
+  store_to(peers, a.src_row, static_cast<int64_t>(R) * T, d, src, has_row ? row : -1);
   if (!has_row) return;
-  peers.at(a.recv_src, static_cast<int64_t>(rows), d)[row] = static_cast<int32_t>(src);
+  store_to(peers, a.recv_src, static_cast<int64_t>(rows), d, row, static_cast<int32_t>(src));
+  const int64_t first = static_cast<int64_t>(row) * K;  // the row's first of K
   if (a.expert_major) {
-    int32_t* row_entries =
-        peers.at(a.row_entries, static_cast<int64_t>(rows) * K, d) + static_cast<int64_t>(row) * K;
     int num_here = 0;
     for (int k = 0; k < K; ++k) num_here += choice_rank(ids[k], E, El) == d;
-    for (int k = num_here; k < K; ++k) row_entries[k] = -1;
+    const auto row_entries = peer_array(peers, a.row_entries, static_cast<int64_t>(rows) * K, d);
+    for (int k = num_here; k < K; ++k) row_entries.set(first + k, -1);
     return;
   }
-  int32_t* idx = peers.at(a.recv_idx, static_cast<int64_t>(cap) * K, d) + row * K;
-  float* w = peers.at(a.recv_weights, static_cast<int64_t>(cap) * K, d) + row * K;
+  const auto idx = peer_array(peers, a.recv_idx, static_cast<int64_t>(cap) * K, d);
+  const auto w = peer_array(peers, a.recv_weights, static_cast<int64_t>(cap) * K, d);
   for (int k = 0; k < K; ++k) {
     const bool on_d = choice_rank(ids[k], E, El) == d;
-    idx[k] = on_d ? ids[k] - d * El : -1;
-    w[k] = on_d ? a.topk_weights[here * K + k] : 0.0f;
+    idx.set(first + k, on_d ? ids[k] - d * El : -1);
+    w.set(first + k, on_d ? a.topk_weights[here * K + k] : 0.0f);
   }
 }
 
@@ -643,18 +684,19 @@ JAX_EP_HOST_DEVICE void dispatch_send_entry(const DispatchArgs& a, const Peers& 
   const int32_t pos = entry_position(a, ids, s, t, k);
   const bool kept = pos < cap;
   if (kept) {
-    peers.at(a.recv_idx, static_cast<int64_t>(cap), d)[pos] = e - d * El;
-    peers.at(a.recv_weights, static_cast<int64_t>(cap), d)[pos] = a.topk_weights[here * K + k];
-    peers.at(a.entry_row, static_cast<int64_t>(cap), d)[pos] = row;
-    peers.at(a.entry_choice, static_cast<int64_t>(cap), d)[pos] = k;
+    store_to(peers, a.recv_idx, static_cast<int64_t>(cap), d, pos, e - d * El);
+    store_to(peers, a.recv_weights, static_cast<int64_t>(cap), d, pos,
+             a.topk_weights[here * K + k]);
+    store_to(peers, a.entry_row, static_cast<int64_t>(cap), d, pos, row);
+    store_to(peers, a.entry_choice, static_cast<int64_t>(cap), d, pos, k);
   }
   int rank = 0;
   for (int q = 0; q < K; ++q) {
     const int32_t f = ids[q];
     rank += choice_rank(f, E, El) == d && (f < e || (f == e && q < k));
   }
-  int32_t* row_entries = peers.at(a.row_entries, static_cast<int64_t>(a.rows()) * K, d);
-  row_entries[static_cast<int64_t>(row) * K + rank] = kept ? pos : -1;
+  store_to(peers, a.row_entries, static_cast<int64_t>(a.rows()) * K, d,
+           static_cast<int64_t>(row) * K + rank, kept ? pos : -1);
 }
 
 // Phase 2, items (s, t): source s writes token t into every receiver: its metadata (the lanes
@@ -674,12 +716,25 @@ JAX_EP_HOST_DEVICE void dispatch_send(const DispatchArgs& a, const Peers& peers,
       dispatch_send_entry(a, peers, ids, here, s, t, c - R);
     }
   }
-  dispatch_fan_out(a, peers, ids, s, t, a.recv_x, a.x + here * a.row_bytes, a.row_bytes,
-                   lane, lanes);
+  // A put's source is the copy in the symmetric buffer.
+  const char* x = Peers::kPuts ? a.send_x : a.x;
+  const float* scales = Peers::kPuts ? a.send_scales : a.scales;
+  dispatch_fan_out(a, peers, ids, s, t, a.recv_x, x + here * a.row_bytes, a.row_bytes, lane,
+                   lanes);
   if (a.scale_cols > 0) {
     dispatch_fan_out(a, peers, ids, s, t, reinterpret_cast<char*>(a.recv_scales),
-                     a.scales + here * a.scale_cols, a.scale_cols * 4, lane, lanes);
+                     reinterpret_cast<const char*>(scales + here * a.scale_cols),
+                     a.scale_cols * 4, lane, lanes);
   }
+}
+
+// Put views, the stage before the send, items (s, t): token t's row and scales, copied into
+// this rank's send area, where the send's puts read them (see ll_stage).
+JAX_EP_HOST_DEVICE void dispatch_stage(const DispatchArgs& a, int s, int t, int lane,
+                                       int lanes) {
+  const int64_t here = a.local(s) * a.num_tokens + t, S = a.scale_cols;
+  copy_row(a.send_x + here * a.row_bytes, a.x + here * a.row_bytes, a.row_bytes, lane, lanes);
+  if (S > 0) copy_row(a.send_scales + here * S, a.scales + here * S, S * 4, lane, lanes);
 }
 
 // Totals of receiver d from the published counts: rows (entries) needed.
@@ -719,7 +774,7 @@ JAX_EP_HOST_DEVICE void land(const Landing<T>& l, int64_t i, int64_t n, bool cou
 template <typename T, typename Peers>
 JAX_EP_HOST_DEVICE Landing<T> landing(const Peers& peers, T* sent, T* out, int64_t n, int d,
                                       int64_t local_d) {
-  T* from = peers.at(sent, n, d);
+  T* from = own_copy(peers, sent, n, d);
   return out ? Landing<T>{from, out + local_d * n, true} : Landing<T>{from, from, false};
 }
 
@@ -792,7 +847,7 @@ JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peer
         count += a.counts[static_cast<int64_t>(q) * a.num_counters() + R + d * El + i];
       }
     } else {  // choices of expert i in the kept rows
-      const int32_t* idx = peers.at(a.recv_idx, static_cast<int64_t>(cap) * K, d);
+      const int32_t* idx = own_copy(peers, a.recv_idx, static_cast<int64_t>(cap) * K, d);
       for (int64_t r = 0; r < static_cast<int64_t>(kept) * K; ++r) count += idx[r] == i;
     }
     a.tokens_per_expert[a.local(d) * El + i] = count;
@@ -920,6 +975,14 @@ struct CombineArgs {
     float* weights;   // [capacity] (rank-major, weighted)
     int32_t* src_row; // [R*T]
   } staged{};
+  // Over puts: what the receivers return to this rank, in its symmetric buffer (their puts
+  // write it): for receiver d and token t, at d*T + t, the row d holds for t (-1: none), its
+  // weight (rank-major, weighted) and its data (y's row, or the partial sum expert-major).
+  struct Returned {
+    int32_t* row;     // [R*T]
+    float* weights;   // [R*T]
+    T* rows;          // [R*T, H]
+  } returned{};
   // Rank whose data sits at index 0 of the per-rank arrays that are not reached through Peers
   // (inputs, workspace, summaries): 0 with virtual ranks (all ranks here), this rank's own
   // number between GPUs (one rank here).
@@ -965,8 +1028,33 @@ JAX_EP_HOST_DEVICE void combine_reduce_entries(const CombineArgs<T>& a, int d, i
            lane, lanes);
 }
 
+// Over puts, items (d, src) for src in [0, R*T): receiver d returns token src's row (staged y,
+// or its partial sum expert-major) with its weight to slot d*T + t of the token's home s, or
+// -1 there when it holds none (every slot written: no clearing). The rows are already in the
+// symmetric buffer (combine_stage, combine_reduce_entries), where a put reads them.
+template <typename T, typename Peers>
+JAX_EP_HOST_DEVICE void combine_return(const CombineArgs<T>& a, const Peers& peers, int d,
+                                       int64_t src, int lane, int lanes) {
+  const int Tn = a.num_tokens;
+  const int64_t rows = static_cast<int64_t>(a.num_ranks) * Tn, H = a.hidden;
+  const int s = static_cast<int>(src / Tn);
+  const int64_t slot = static_cast<int64_t>(d) * Tn + src % Tn;
+  const int64_t rows_per_rank = a.expert_major ? rows : a.capacity;
+  const int32_t row = a.src_row[a.local(d) * rows + src];
+  if (lane == 0) store_to(peers, a.returned.row, 0, s, slot, row);
+  if (row < 0) return;
+  const int64_t at = a.local(d) * rows_per_rank + row;
+  const T* from = (a.expert_major ? a.partial : a.y) + at * H;
+  peers.put(a.returned.rows + slot * H, s, from, H * static_cast<int64_t>(sizeof(T)), lane,
+            lanes);
+  if (lane == 0 && !a.expert_major && a.weights) {
+    store_to(peers, a.returned.weights, 0, s, slot, a.weights[at]);
+  }
+}
+
 // Items (s, t): home rank s sums token t's rows over the receivers in rank order. `rows` are
-// y (rank-major) or the partials (expert-major, unweighted).
+// y (rank-major) or the partials (expert-major, unweighted); over puts, what the receivers
+// returned here.
 template <typename T, typename Peers>
 JAX_EP_HOST_DEVICE void combine_token(const CombineArgs<T>& a, const Peers& peers, int s, int t,
                                       int lane, int lanes) {
@@ -980,10 +1068,17 @@ JAX_EP_HOST_DEVICE void combine_token(const CombineArgs<T>& a, const Peers& peer
   sum_rows(out, H, weights != nullptr, R,
            [&](Terms<T>& terms, int d) {
              for (; d < R && !terms.full(); ++d) {
-               const int32_t row = peers.at(a.src_row, static_cast<int64_t>(R) * Tn, d)[src];
-               if (row < 0) continue;  // adding +0.0 would change nothing
-               terms.add(peers.at(rows_base, rows_per_rank * H, d) + static_cast<int64_t>(row) * H,
-                         weights ? peers.at(weights, rows_per_rank, d)[row] : 0.0f);
+               if constexpr (Peers::kPuts) {
+                 const int64_t slot = static_cast<int64_t>(d) * Tn + t;
+                 if (a.returned.row[slot] < 0) continue;
+                 terms.add(a.returned.rows + slot * H, weights ? a.returned.weights[slot] : 0.0f);
+               } else {
+                 const int32_t row = peers.at(a.src_row, static_cast<int64_t>(R) * Tn, d)[src];
+                 if (row < 0) continue;  // adding +0.0 would change nothing
+                 terms.add(peers.at(rows_base, rows_per_rank * H, d) +
+                               static_cast<int64_t>(row) * H,
+                           weights ? peers.at(weights, rows_per_rank, d)[row] : 0.0f);
+               }
              }
              return d;
            },

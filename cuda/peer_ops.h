@@ -193,8 +193,9 @@ inline PeerError fits(int op, const char* region, size_t used, size_t reserved) 
                    "(jax_ep.runtime.BufferConfig)"};
 }
 
-// Dispatch: what peers write into this rank (the counts, the received rows and metadata).
-inline size_t carve_dispatch(char* base, DispatchArgs* a) {
+// Dispatch: what peers write into this rank (the counts, the received rows and metadata) and,
+// over puts, the send area the puts read from (this rank's rows and scales).
+inline size_t carve_dispatch(char* base, bool puts, DispatchArgs* a) {
   const int R = a->num_ranks, cap = a->capacity, K = a->top_k, rows = a->rows();
   const int cols = a->idx_cols();
   const bool em = a->expert_major;
@@ -209,21 +210,26 @@ inline size_t carve_dispatch(char* base, DispatchArgs* a) {
   a->entry_row = c.take<int32_t>(em ? cap : 0);
   a->entry_choice = c.take<int32_t>(em ? cap : 0);
   a->row_entries = c.take<int32_t>(em ? static_cast<int64_t>(rows) * K : 0);
+  if (puts) {
+    a->send_x = c.take<char>(a->num_tokens * a->row_bytes);
+    a->send_scales = c.take<float>(a->num_tokens * a->scale_cols);
+  }
   return c.used();
 }
 
 // Combine: what peers read from this rank (the rows or per-row partial sums, their weights,
-// src_row).
+// src_row; over puts, this rank's puts read them) and, over puts, what the receivers return.
 template <typename T>
 struct CombineRegions {
   T* y;
   float* weights;
   int32_t* src_row;
   T* partial;
+  typename CombineArgs<T>::Returned returned{};
 };
 
 template <typename T>
-size_t carve_combine(char* base, const CombineArgs<T>& a, CombineRegions<T>* r) {
+size_t carve_combine(char* base, const CombineArgs<T>& a, bool puts, CombineRegions<T>* r) {
   const int64_t H = a.hidden, rows = static_cast<int64_t>(a.num_ranks) * a.num_tokens;
   const bool em = a.expert_major;
   Carver c(base);
@@ -231,6 +237,11 @@ size_t carve_combine(char* base, const CombineArgs<T>& a, CombineRegions<T>* r) 
   r->weights = c.take<float>(!em && a.weights ? a.capacity : 0);
   r->src_row = c.take<int32_t>(rows);
   r->partial = c.take<T>(em ? rows * H : 0);
+  if (puts) {
+    r->returned.row = c.take<int32_t>(rows);
+    r->returned.weights = c.take<float>(!em && a.weights ? rows : 0);
+    r->returned.rows = c.take<T>(rows * H);
+  }
   return c.used();
 }
 
@@ -294,7 +305,8 @@ inline RegionBytes buffer_region_bytes(int R, int T, int K, int E, int H, int dt
     c.expert_major = em;
     c.weights = reinterpret_cast<const float*>(kAlign);  // any non-null: with weights
     CombineRegions<char> regions;
-    normal = std::max({normal, carve_dispatch(nullptr, &d), carve_combine(nullptr, c, &regions)});
+    normal = std::max({normal, carve_dispatch(nullptr, puts, &d),
+                       carve_combine(nullptr, c, puts, &regions)});
   }
   size_t low_latency = 0;
   if (ll_tokens > 0) {
@@ -326,67 +338,68 @@ PeerError with_peers(Platform& p, const F& f) {
   return f(p.peers());
 }
 
-// The error of a normal-mode op over puts: its combine reads the peers' buffers.
-inline PeerError needs_stores(int op) {
-  return PeerError{std::string(kPeerOpNames[op]) + ": normal-mode dispatch and combine need "
-                   "peers reachable with loads and stores, and this EP group reaches its peers "
-                   "with puts ($JAX_EP_PEER_ACCESS=put); over puts only the low-latency ops run "
-                   "so far. Use the low-latency ops, or unset $JAX_EP_PEER_ACCESS where the "
-                   "peers share memory"};
-}
-
 // run_op(platform, op, args): op `op` (PeerOp) for the platform's rank, one overload per
 // argument struct.
 
 template <typename Platform>
 PeerError run_op(Platform& p, int op, const DispatchArgs& out) {
-  if (uses_puts(p)) return needs_stores(op);
   DispatchArgs a = out;
   a.first_rank = p.rank();
   a.out = out.results();  // the finish phase copies them out of the symmetric buffer
-  const size_t used = carve_dispatch(p.symmetric() + kSignalBytes, &a);
+  const size_t used = carve_dispatch(p.symmetric() + kSignalBytes, uses_puts(p), &a);
   PeerError error = fits(op, "normal-mode", used, p.low_latency_offset() - kSignalBytes);
   if (!error.ok()) return error;
-  using Peers = typename Platform::Peers;
-  // The count's tail publishes the totals into the peers' buffers (the count starts once the
-  // peers are done with the last op's data) and, once every rank's are here, computes this
-  // rank's bases.
-  p.per_warp(DispatchCount{a}, a.num_chunks, Meet{Wait::kStart, true, Wait::kStart},
-             DispatchTail<Peers>{a, a.first_rank, 1, p.peers()});
-  p.per_warp(DispatchSend<Peers>{a, p.peers()}, a.num_tokens, Meet{{}, true, {}});
-  // The finish, once every row has arrived; its arrival frees this rank's buffer.
-  p.per_warp(DispatchFinish<Peers>{a, p.peers()}, a.finish_items(),
-             Meet{Wait::kInOp, true, {}});
-  return p.result(op);
+  return with_peers(p, [&](const auto& peers) {
+    using Peers = std::decay_t<decltype(peers)>;
+    // The count's tail publishes the totals into the peers' buffers (the count starts once
+    // the peers are done with the last op's data) and, once every rank's are here, computes
+    // this rank's bases. Over puts, the rows go into the send area before the send.
+    p.per_warp(DispatchCount{a}, a.num_chunks, Meet{Wait::kStart, true, Wait::kStart},
+               DispatchTail<Peers>{a, a.first_rank, 1, peers});
+    if constexpr (Peers::kPuts) p.per_warp(DispatchStage{a}, a.num_tokens, Meet{});
+    p.per_warp(DispatchSend<Peers>{a, peers}, a.num_tokens, Meet{{}, true, {}});
+    // The finish, once every row has arrived; its arrival frees this rank's buffer.
+    p.per_warp(DispatchFinish<Peers>{a, peers}, a.finish_items(), Meet{Wait::kInOp, true, {}});
+    return p.result(op);
+  });
 }
 
+// Combine. With a store view, the stage writes this rank's buffer once the peers are done
+// reading the last op's data, and the sums read the peers' buffers once every rank's rows are
+// in place. Over puts, the stage only waits (it writes what this rank's puts read), the
+// receivers return the rows to the homes' buffers, and the sums read this rank's own.
 template <typename Platform, typename T>
 PeerError run_op(Platform& p, int op, const CombineArgs<T>& in) {
-  if (uses_puts(p)) return needs_stores(op);
   const int R = in.num_ranks;
   CombineArgs<T> a = in;
   a.first_rank = p.rank();
   const int64_t rows = static_cast<int64_t>(R) * a.num_tokens;
-  const bool em = a.expert_major;
+  const bool em = a.expert_major, puts = uses_puts(p);
   CombineRegions<T> r;
-  const size_t used = carve_combine(p.symmetric() + kSignalBytes, a, &r);
+  const size_t used = carve_combine(p.symmetric() + kSignalBytes, a, puts, &r);
   PeerError error = fits(op, "normal-mode", used, p.low_latency_offset() - kSignalBytes);
   if (!error.ok()) return error;
   a.staged = {r.y, a.weights ? r.weights : nullptr, r.src_row};
   a.partial = r.partial;
-  // The stage writes this rank's buffer once the peers are done reading the last op's data;
-  // the sums read the peers' buffers once every rank's rows are in place.
-  const Meet meet{Wait::kStart, true, {}};
+  a.returned = r.returned;
+  const Meet stage_meet{Wait::kStart, !puts, {}};
   if (em) {
-    p.per_warp(CombineReduceEntries<T>{a}, rows, meet);  // the local y, row_entries, weights
+    p.per_warp(CombineReduceEntries<T>{a}, rows, stage_meet);  // the local y, row_entries, weights
   } else {
-    p.per_warp(CombineStage<T>{a}, rows, meet);
+    p.per_warp(CombineStage<T>{a}, rows, stage_meet);
     a.y = r.y;
     a.weights = a.staged.weights;
   }
   a.src_row = r.src_row;
-  p.per_warp(CombineToken<T, typename Platform::Peers>{a, p.peers()}, a.num_tokens, meet);
-  return p.result(op);
+  return with_peers(p, [&](const auto& peers) {
+    using Peers = std::decay_t<decltype(peers)>;
+    if constexpr (Peers::kPuts) {
+      p.per_warp(CombineReturn<T, Peers>{a, peers}, rows, Meet{{}, true, {}});
+    }
+    p.per_warp(CombineToken<T, Peers>{a, peers}, a.num_tokens,
+               Meet{Peers::kPuts ? Wait::kInOp : Wait::kStart, true, {}});
+    return p.result(op);
+  });
 }
 
 // The low-latency regions of one call in half `buffer` of the low-latency part, or why they

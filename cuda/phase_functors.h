@@ -79,6 +79,14 @@ struct DispatchSend {
     dispatch_send(a, peers, s, static_cast<int>(t), lane, lanes);
   }
 };
+// Put views: each token's row and scales into the send area, before the send.
+struct DispatchStage {
+  static constexpr bool kCopy = true;
+  DispatchArgs a;
+  JAX_EP_HOST_DEVICE void operator()(int s, int64_t t, int lane, int lanes) const {
+    dispatch_stage(a, s, static_cast<int>(t), lane, lanes);
+  }
+};
 template <typename Peers>
 struct DispatchFinish {
   static constexpr bool kCopy = true;
@@ -101,6 +109,16 @@ struct CombineReduceEntries {
   CombineArgs<T> a;
   JAX_EP_HOST_DEVICE void operator()(int d, int64_t i, int lane, int lanes) const {
     combine_reduce_entries(a, d, static_cast<int>(i), lane, lanes);
+  }
+};
+// Put views: the receivers return the rows to the tokens' homes.
+template <typename T, typename Peers>
+struct CombineReturn {
+  static constexpr bool kCopy = true;
+  CombineArgs<T> a;
+  Peers peers{};
+  JAX_EP_HOST_DEVICE void operator()(int d, int64_t src, int lane, int lanes) const {
+    combine_return(a, peers, d, src, lane, lanes);
   }
 };
 template <typename T, typename Peers>

@@ -18,10 +18,10 @@ symmetric buffer per rank, sized for the largest call (`BufferConfig`, `required
 
 How a rank reaches its peers' buffers, `$JAX_EP_PEER_ACCESS` (read by `initialize()`):
 `store` (the default) with loads and stores, as over NVLink; `put` with puts only, as over
-InfiniBand or RoCE between nodes (cuda/exchange.h, put views). Over puts the low-latency ops
-run, each send copying what it sends into a send area of the buffer first (sized by
-`buffer_regions`); normal-mode dispatch and combine are refused. Puts run between host peers
-so far; between GPUs they are not built yet.
+InfiniBand or RoCE between nodes (cuda/exchange.h, put views). Over puts every send copies
+what it sends into a send area of the buffer first, and the normal combine's receivers push
+the rows home (sized by `buffer_regions`). Puts run between host peers so far; between GPUs
+they are not built yet.
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ def buffer_regions(config: BufferConfig, *, access: str | None = None) -> dict[s
     scales) or combine (with weights) of the config; the low-latency region two halves, each
     holding its low-latency calls (two exchanges in flight, `buffer` 0 and 1), and no
     normal-mode call reaches into it. Over puts (`access`, default `peer_access()`) the
-    low-latency region also holds the send areas the puts read from.
+    regions also hold the send areas the puts read from, and the normal region the rows the
+    combine's receivers return.
     """
     config.check()
     access = access or peer_access()

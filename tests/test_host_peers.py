@@ -248,8 +248,9 @@ def test_normal_calls_never_reach_a_low_latency_exchange_in_flight():
 
 # Peers reached by puts only ($JAX_EP_PEER_ACCESS=put: HostPutPeers, cuda/host_peers.cc): no
 # phase gets a pointer into a peer's buffer, each send copies what it sends into a send area
-# of its own buffer and puts it from there, and a phase that read another rank's buffer, or
-# put from outside its own, would abort the process.
+# of its own buffer and puts it from there, combine returns the rows to the homes instead of
+# being read, and a phase that read another rank's buffer, or put from outside its own, would
+# abort the process.
 
 
 @pytest.fixture
@@ -299,18 +300,12 @@ def test_low_latency_over_puts_matches_portable_backend(put_peers, R, use_fp8):
     assert_trees_bitwise(got, want)
 
 
-def test_normal_mode_over_puts_is_refused(put_peers):
-    R, T, K, E, H = 2, 5, 2, 4, 128
-    rng = np.random.default_rng()
-    idx, w = routing(rng, R, T, K, E, "uniform")
-    x = rng.standard_normal((R, T, H)).astype(np.float32)
-    run = sharded(lambda x, i, w: jax_ep.dispatch(x, i, w, num_experts=E, backend="cuda")[0]
-                  .with_zero_padding().x, R)
-    with pytest.raises(Exception, match=r"jax_ep_dispatch: normal-mode dispatch and combine "
-                                        r"need peers reachable with loads and stores.*"
-                                        r"\$JAX_EP_PEER_ACCESS=put.*low-latency ops"):
-        jax.block_until_ready(run(x, idx, w))
-    forget_failed_exchange()
+@pytest.mark.parametrize("R", [2, 3, 4, 8])
+@pytest.mark.parametrize("expert_major, fp8", [(False, False), (True, False), (False, True)])
+def test_normal_ops_over_puts_match_portable_backend(put_peers, R, expert_major, fp8):
+    """Dispatch puts the rows from the send area; combine has the receivers return their rows
+    (or partial sums) to the homes, which sum them in rank order as with stores."""
+    test_normal_ops_match_portable_backend(R, expert_major, fp8)
 
 
 def test_peer_access_sizes_the_send_areas(monkeypatch):
@@ -322,7 +317,11 @@ def test_peer_access_sizes_the_send_areas(monkeypatch):
     # returned to each source (multiples of 256 bytes here, so no alignment padding).
     send = T * 2 * H + R * T * K * H * 2
     assert put["low_latency"] - store["low_latency"] == 2 * send
-    assert put["normal"] == store["normal"]
+    # Normal mode: the largest call is now combine's, whose R*T staged rows, weights and
+    # src_row come back as R*T returned rows, weights and row flags (each piece 256 bytes
+    # aligned here); with stores the dispatch was larger.
+    combine = R * 16 * (2 * H + 4 + 4)
+    assert put["normal"] == 2 * combine and store["normal"] > combine
     monkeypatch.setenv("JAX_EP_PEER_ACCESS", "put")
     assert runtime.buffer_regions(config) == put
     monkeypatch.setenv("JAX_EP_PEER_ACCESS", "loads")

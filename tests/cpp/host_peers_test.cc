@@ -4,10 +4,9 @@
 // low-latency ops also with two exchanges in flight, one in each low-latency region). The
 // results must equal the virtual-rank run of the same phases on one thread, byte for byte,
 // and TSan must see no race: the flags the launches meet at alone must order every cross-rank
-// access. Then the low-latency ops again with peers reached by puts only (HostPutPeers: no
-// pointer into a peer's buffer), where normal mode must be refused. The last cases check the
-// timeouts: a peer that starts late is waited for, one that
-// never comes is reported, to this rank only.
+// access. Then every op again with peers reached by puts only (HostPutPeers: no pointer into
+// a peer's buffer). The last cases check the timeouts: a peer that starts late is waited for,
+// one that never comes is reported, to this rank only.
 //
 // No Python, no XLA: built by tests/cpp/CMakeLists.txt, run by ctest (.ci/run).
 #include <chrono>
@@ -242,10 +241,9 @@ void fill_inputs(const Shape& s, DispatchData& d, std::mt19937& gen) {
 }
 
 // Runs every op for all ranks: virtual ranks on this thread, or one thread per rank through
-// host peers. The ops and their order are those of a training step plus a decoding step; over
-// puts, the normal-mode ops are refused instead.
+// host peers. The ops and their order are those of a training step plus a decoding step.
 void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& ll, bool peers,
-               const HostGrid& grid, bool puts = false) {
+               const HostGrid& grid) {
   if (!peers) {
     HostLauncher l{s.R, grid};
     run_virtual(l, kPeerDispatch, d.args(s, -1));
@@ -267,14 +265,8 @@ void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& 
       };
       // Each op twice in a row: the second meets the first's data in the symmetric buffer,
       // with no other op's launches in between.
-      if (puts) {
-        const PeerError e = host::run(kPeerDispatch, d.args(s, r), r, grid);
-        if (e.message.find("JAX_EP_PEER_ACCESS=put") == std::string::npos) {
-          errors[r] = "dispatch over puts: " + (e.ok() ? "not refused" : e.message);
-        }
-      }
-      for (int i = 0; i < 2 && !puts; ++i) check(host::run(kPeerDispatch, d.args(s, r), r, grid));
-      for (int i = 0; i < 2 && !puts; ++i) check(host::run(kPeerCombine, c.args(s, d, r), r, grid));
+      for (int i = 0; i < 2; ++i) check(host::run(kPeerDispatch, d.args(s, r), r, grid));
+      for (int i = 0; i < 2; ++i) check(host::run(kPeerCombine, c.args(s, d, r), r, grid));
       // Low latency: once on one region, then two exchanges in flight, one per region.
       auto ll_dispatch = [&](int buffer) {
         LowLatencyArgs a = ll.dispatch_args(s, r);
@@ -302,9 +294,21 @@ void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& 
   }
 }
 
-// The normal-mode results of the host-peer run (p) against the virtual-rank run (v).
-void check_normal(const DispatchData& dp, const DispatchData& dv, const CombineData& cp,
-                  const CombineData& cv, const std::string& at) {
+// `puts`: the host peers were initialized with puts (named in the messages).
+void check_round(const Shape& s, uint32_t seed, const HostGrid& grid, bool puts = false) {
+  DispatchData dv(s), dp(s);
+  std::mt19937 gen(seed);
+  fill_inputs(s, dv, gen);
+  dp.x = dv.x, dp.scales = dv.scales, dp.weights = dv.weights, dp.idx = dv.idx;
+  std::mt19937 gen_c(seed + 1), gen_c2(seed + 1), gen_l(seed + 2), gen_l2(seed + 2);
+  CombineData cv(s, gen_c), cp(s, gen_c2);
+  LowLatencyData lv(s, dv.idx, gen_l), lp(s, dv.idx, gen_l2);
+  run_round(s, dv, cv, lv, false, HostGrid{});
+  run_round(s, dp, cp, lp, true, grid);
+  const std::string at = " (R " + std::to_string(s.R) + ", T " + std::to_string(s.T) +
+                         ", capacity " + std::to_string(s.capacity) +
+                         (s.expert_major ? ", expert-major" : "") + (s.fp8 ? ", fp8" : "") +
+                         (puts ? ", puts" : "") + ", seed " + std::to_string(seed) + ")";
   expect_equal(dp.recv_x, dv.recv_x, "dispatch recv_x" + at);
   expect_equal(dp.recv_scales, dv.recv_scales, "dispatch recv_scales" + at);
   expect_equal(dp.recv_idx, dv.recv_idx, "dispatch recv_idx" + at);
@@ -320,23 +324,6 @@ void check_normal(const DispatchData& dp, const DispatchData& dv, const CombineD
   expect_equal(dp.num_needed, dv.num_needed, "dispatch num_needed" + at);
   expect_equal(dp.num_invalid, dv.num_invalid, "dispatch num_invalid" + at);
   expect_equal(cp.out, cv.out, "combine out" + at);
-}
-
-void check_round(const Shape& s, uint32_t seed, const HostGrid& grid, bool puts = false) {
-  DispatchData dv(s), dp(s);
-  std::mt19937 gen(seed);
-  fill_inputs(s, dv, gen);
-  dp.x = dv.x, dp.scales = dv.scales, dp.weights = dv.weights, dp.idx = dv.idx;
-  std::mt19937 gen_c(seed + 1), gen_c2(seed + 1), gen_l(seed + 2), gen_l2(seed + 2);
-  CombineData cv(s, gen_c), cp(s, gen_c2);
-  LowLatencyData lv(s, dv.idx, gen_l), lp(s, dv.idx, gen_l2);
-  run_round(s, dv, cv, lv, false, HostGrid{});
-  run_round(s, dp, cp, lp, true, grid, puts);
-  const std::string at = " (R " + std::to_string(s.R) + ", T " + std::to_string(s.T) +
-                         ", capacity " + std::to_string(s.capacity) +
-                         (s.expert_major ? ", expert-major" : "") + (s.fp8 ? ", fp8" : "") +
-                         (puts ? ", puts" : "") + ", seed " + std::to_string(seed) + ")";
-  if (!puts) check_normal(dp, dv, cp, cv, at);
   const size_t slots = size_t(s.El()) * s.R * s.T, row = s.fp8 ? s.H : 2 * s.H;
   lp.recv_x.resize(s.R * slots * row);  // the FP8 rows fill the first half
   lv.recv_x.resize(s.R * slots * row);
@@ -409,9 +396,9 @@ int main() {
     for (const HostGrid& grid : {warps, loop}) check_round(s, seed + 10 * round++, grid);
   }
   host::finalize();
-  // Peers reached by puts only: the low-latency ops (bf16 and FP8, the count in chunks).
+  // Peers reached by puts only.
   if (!host::initialize(32 << 20, 16 << 20, /*puts=*/true).empty()) return 2;
-  for (const int i : {0, 1, 3, 4}) check_round(shapes[i], seed + 10 * round++, warps, true);
+  for (const Shape& s : shapes) check_round(s, seed + 10 * round++, warps, true);
   host::finalize();
   setenv("JAX_EP_START_TIMEOUT_S", "2", 1);
   setenv("JAX_EP_TIMEOUT_S", "0.2", 1);
