@@ -699,12 +699,11 @@ JAX_EP_HOST_DEVICE void dispatch_send_entry(const DispatchArgs& a, const Peers& 
            static_cast<int64_t>(row) * K + rank, kept ? pos : -1);
 }
 
-// Phase 2, items (s, t): source s writes token t into every receiver: its metadata (the lanes
-// share the receivers and, expert-major, the choices), and its row (and FP8 scales) to each
-// row or entry it keeps, read once.
+// Phase 2's metadata of token t of source s in every receiver (the lanes share the receivers
+// and, expert-major, the choices).
 template <typename Peers>
-JAX_EP_HOST_DEVICE void dispatch_send(const DispatchArgs& a, const Peers& peers, int s, int t,
-                                      int lane, int lanes) {
+JAX_EP_HOST_DEVICE void dispatch_send_metadata(const DispatchArgs& a, const Peers& peers, int s,
+                                               int t, int lane, int lanes) {
   const int R = a.num_ranks;
   const int64_t here = a.local(s) * a.num_tokens + t;  // the token's index in this rank's inputs
   const int32_t* ids = a.route(s, t);
@@ -716,6 +715,17 @@ JAX_EP_HOST_DEVICE void dispatch_send(const DispatchArgs& a, const Peers& peers,
       dispatch_send_entry(a, peers, ids, here, s, t, c - R);
     }
   }
+}
+
+// Phase 2, items (s, t): source s writes token t into every receiver: its metadata (over
+// puts, dispatch_stage has put it), and its row (and FP8 scales) to each row or entry it
+// keeps, read once.
+template <typename Peers>
+JAX_EP_HOST_DEVICE void dispatch_send(const DispatchArgs& a, const Peers& peers, int s, int t,
+                                      int lane, int lanes) {
+  if constexpr (!Peers::kPuts) dispatch_send_metadata(a, peers, s, t, lane, lanes);
+  const int64_t here = a.local(s) * a.num_tokens + t;
+  const int32_t* ids = a.route(s, t);
   // A put's source is the copy in the symmetric buffer.
   const char* x = Peers::kPuts ? a.send_x : a.x;
   const float* scales = Peers::kPuts ? a.send_scales : a.scales;
@@ -729,12 +739,16 @@ JAX_EP_HOST_DEVICE void dispatch_send(const DispatchArgs& a, const Peers& peers,
 }
 
 // Put views, the stage before the send, items (s, t): token t's row and scales, copied into
-// this rank's send area, where the send's puts read them (see ll_stage).
-JAX_EP_HOST_DEVICE void dispatch_stage(const DispatchArgs& a, int s, int t, int lane,
-                                       int lanes) {
+// this rank's send area, where the send's puts read them (see ll_stage), and its metadata put
+// into the receivers (here, so that the NVSHMEM code of the small puts and that of the rows'
+// puts do not share one kernel's registers).
+template <typename Peers>
+JAX_EP_HOST_DEVICE void dispatch_stage(const DispatchArgs& a, const Peers& peers, int s, int t,
+                                       int lane, int lanes) {
   const int64_t here = a.local(s) * a.num_tokens + t, S = a.scale_cols;
   copy_row(a.send_x + here * a.row_bytes, a.x + here * a.row_bytes, a.row_bytes, lane, lanes);
   if (S > 0) copy_row(a.send_scales + here * S, a.scales + here * S, S * 4, lane, lanes);
+  dispatch_send_metadata(a, peers, s, t, lane, lanes);
 }
 
 // Totals of receiver d from the published counts: rows (entries) needed.

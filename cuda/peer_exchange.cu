@@ -7,6 +7,11 @@
 // reads are plain stores and loads over NVLink/P2P. Phases are kernels on XLA's stream, and they
 // meet the peers inside (cuda/peer_ops.h, Meet; DeviceMeet below): no barrier kernels.
 //
+// Peers reached by puts (another node, or $JAX_EP_PEER_ACCESS=put): `NvshmemPutPeers` puts
+// with NVSHMEM, which takes whatever transport reaches the peer (P2P on one node, IBGDA or IBRC
+// over InfiniBand or RoCE); the launch's arrival quiets them first (DeviceMeet::tell_peers).
+// The group chooses its view once, at jax_ep.initialize() (SymmetricBuffer::puts).
+//
 // Rank: the kernels use this process's NVSHMEM PE. The op also receives its EP axis index;
 // every launch compares the two on the device and a mismatch (a mesh whose EP order differs
 // from the process order) is recorded and reported by the next call, like a timeout.
@@ -22,6 +27,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "cuda/api.h"
 #include "cuda/kernels.h"
@@ -41,6 +47,39 @@ struct NvshmemPeers {
     (void)base, (void)rank;
     return nullptr;  // phases run on the device only
 #endif
+  }
+};
+
+// The put view (cuda/exchange.h): sources in this rank's symmetric buffer, nonblocking puts
+// completed by the launch's arrival (nvshmem_quiet before the signals).
+struct NvshmemPutPeers {
+  static constexpr bool kPuts = true;
+  // Every lane of a warp calls put with the same arguments (the bodies put a row with the
+  // lanes of one item): one warp-wide put.
+  template <typename T>
+  __host__ __device__ void put(T* dst, int rank, const T* src, int64_t bytes, int /*lane*/,
+                               int /*lanes*/) const {
+#if defined(__CUDA_ARCH__)
+    nvshmemx_putmem_nbi_warp(dst, src, static_cast<size_t>(bytes), rank);
+#else
+    (void)dst, (void)rank, (void)src, (void)bytes;  // phases run on the device only
+#endif
+  }
+  // One lane's value (lanes may put different values).
+  template <typename T>
+  __host__ __device__ void put_value(T* dst, int rank, T value) const {
+    static_assert(sizeof(T) == sizeof(int32_t), "put_value: 32-bit values");
+#if defined(__CUDA_ARCH__)
+    int32_t bits;
+    memcpy(&bits, &value, sizeof(bits));
+    nvshmem_int32_p(reinterpret_cast<int32_t*>(dst), bits, rank);
+#else
+    (void)dst, (void)rank, (void)value;
+#endif
+  }
+  template <typename T>
+  __host__ __device__ T* own(T* base, int /*rank*/) const {
+    return base;  // the rank a phase reads as is always this one
   }
 };
 
@@ -198,12 +237,13 @@ PeerError prepare(int op, int num_ranks, const SymmetricBuffer** out) {
     *st.status = PeerStatus{0, 0, 0};
     st.arrivals = 0;
     st.low_latency[0] = st.low_latency[1] = RegionUse{};
-    // Every peer must be reachable by loads and stores (NVLink / P2P).
-    for (int p = 0; p < num_ranks; ++p) {
+    // With stores, every peer must be reachable by loads and stores (NVLink / P2P).
+    for (int p = 0; p < num_ranks && !buffer->puts; ++p) {
       if (nvshmem_ptr(buffer->ptr, p) == nullptr) {
         return PeerError{std::string(kPeerOpNames[op]) + ": peer " + std::to_string(p) +
-                         " is not reachable by loads and stores (NVLink/P2P); this version "
-                         "exchanges only between such GPUs"};
+                         " is not reachable by loads and stores (another node, or no "
+                         "NVLink/P2P); set JAX_EP_PEER_ACCESS=put before jax_ep.initialize() "
+                         "to reach the peers with puts"};
       }
     }
     st.generation = buffer->generation;
@@ -231,7 +271,8 @@ PeerError prepare(int op, int num_ranks, const SymmetricBuffer** out) {
 class DevicePlatform {
  public:
   using Peers = NvshmemPeers;
-  static constexpr bool kPutPeers = false;  // puts between GPUs: not built yet
+  using PutPeers = NvshmemPutPeers;
+  static constexpr bool kPutPeers = true;
 
   // Checks the preconditions of `op`; rank() etc. are valid when the result is ok.
   PeerError open(int op, int num_ranks, const int32_t* axis_index, int num_sms,
@@ -244,6 +285,8 @@ class DevicePlatform {
   }
 
   Peers peers() const { return Peers{}; }
+  bool puts() const { return buffer_->puts; }
+  PutPeers put_peers() const { return PutPeers{}; }
   int rank() const { return buffer_->rank; }
   char* symmetric() const { return static_cast<char*>(buffer_->ptr); }
   size_t bytes() const { return buffer_->bytes; }

@@ -353,10 +353,13 @@ PeerError run_op(Platform& p, int op, const DispatchArgs& out) {
     using Peers = std::decay_t<decltype(peers)>;
     // The count's tail publishes the totals into the peers' buffers (the count starts once
     // the peers are done with the last op's data) and, once every rank's are here, computes
-    // this rank's bases. Over puts, the rows go into the send area before the send.
+    // this rank's bases. Over puts, the rows go into the send area, and the metadata to the
+    // receivers, before the send.
     p.per_warp(DispatchCount{a}, a.num_chunks, Meet{Wait::kStart, true, Wait::kStart},
                DispatchTail<Peers>{a, a.first_rank, 1, peers});
-    if constexpr (Peers::kPuts) p.per_warp(DispatchStage{a}, a.num_tokens, Meet{});
+    if constexpr (Peers::kPuts) {
+      p.per_warp(DispatchStage<Peers>{a, peers}, a.num_tokens, Meet{});
+    }
     p.per_warp(DispatchSend<Peers>{a, peers}, a.num_tokens, Meet{{}, true, {}});
     // The finish, once every row has arrived; its arrival frees this rank's buffer.
     p.per_warp(DispatchFinish<Peers>{a, peers}, a.finish_items(), Meet{Wait::kInOp, true, {}});

@@ -79,12 +79,15 @@ struct DispatchSend {
     dispatch_send(a, peers, s, static_cast<int>(t), lane, lanes);
   }
 };
-// Put views: each token's row and scales into the send area, before the send.
+// Put views: each token's row and scales into the send area, and its metadata to the
+// receivers, before the send. Not a copy phase: NVSHMEM's code for the metadata's puts needs
+// more than a copy phase's 64 registers.
+template <typename Peers>
 struct DispatchStage {
-  static constexpr bool kCopy = true;
   DispatchArgs a;
+  Peers peers{};
   JAX_EP_HOST_DEVICE void operator()(int s, int64_t t, int lane, int lanes) const {
-    dispatch_stage(a, s, static_cast<int>(t), lane, lanes);
+    dispatch_stage(a, peers, s, static_cast<int>(t), lane, lanes);
   }
 };
 template <typename Peers>

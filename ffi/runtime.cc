@@ -26,7 +26,7 @@ namespace {
 }
 
 void Initialize(nb::bytes unique_id, int rank, int num_ranks, int device, size_t buffer_bytes,
-                size_t low_latency_bytes) {
+                size_t low_latency_bytes, bool puts) {
 #ifdef JAX_EP_WITH_CUDA
   if (unique_id.size() != static_cast<size_t>(cuda::kNvshmemUniqueIdBytes)) {
     throw std::invalid_argument("runtime_initialize: unique_id must be " +
@@ -36,12 +36,13 @@ void Initialize(nb::bytes unique_id, int rank, int num_ranks, int device, size_t
   {
     nb::gil_scoped_release release;  // the bootstrap waits for every other process
     error = cuda::runtime_initialize(reinterpret_cast<const uint8_t*>(unique_id.c_str()), rank,
-                                     num_ranks, device, buffer_bytes, low_latency_bytes);
+                                     num_ranks, device, buffer_bytes, low_latency_bytes,
+                                     puts);
   }
   if (!error.empty()) throw std::runtime_error("jax_ep.initialize: " + error);
 #else
   (void)unique_id, (void)rank, (void)num_ranks, (void)device, (void)buffer_bytes;
-  (void)low_latency_bytes;
+  (void)low_latency_bytes, (void)puts;
   NoCuda();
 #endif
 }
@@ -67,6 +68,7 @@ nb::object State() {
   state["rank"] = buffer->rank;
   state["num_ranks"] = buffer->num_ranks;
   state["buffer_bytes"] = buffer->bytes;
+  state["puts"] = buffer->puts;
   return state;
 #else
   return nb::none();
@@ -96,10 +98,10 @@ nb::dict BufferRegions(int num_ranks, int num_tokens, int top_k, int num_experts
 void BindRuntime(nb::module_& m) {
   m.def("runtime_initialize", &Initialize, nb::arg("unique_id"), nb::arg("rank"),
         nb::arg("num_ranks"), nb::arg("device"), nb::arg("buffer_bytes"),
-        nb::arg("low_latency_bytes"),
+        nb::arg("low_latency_bytes"), nb::arg("puts") = false,
         "Initializes NVSHMEM with rank 0's unique id and allocates the symmetric buffer, its "
-        "last low_latency_bytes for low-latency regions (collective). Raises RuntimeError on "
-        "failure or without CUDA.");
+        "last low_latency_bytes for low-latency regions (collective), the peers reached with "
+        "stores or, with `puts`, with puts. Raises RuntimeError on failure or without CUDA.");
   m.def("runtime_finalize", &Finalize, "Frees the symmetric buffer and finalizes NVSHMEM.");
   m.def("host_peers_initialize", &HostPeersInitialize, nb::arg("buffer_bytes"),
         nb::arg("low_latency_bytes"), nb::arg("puts") = false,

@@ -20,8 +20,8 @@ How a rank reaches its peers' buffers, `$JAX_EP_PEER_ACCESS` (read by `initializ
 `store` (the default) with loads and stores, as over NVLink; `put` with puts only, as over
 InfiniBand or RoCE between nodes (cuda/exchange.h, put views). Over puts every send copies
 what it sends into a send area of the buffer first, and the normal combine's receivers push
-the rows home (sized by `buffer_regions`). Puts run between host peers so far; between GPUs
-they are not built yet.
+the rows home (sized by `buffer_regions`). Between GPUs the puts are NVSHMEM's (compiled, not
+yet run on a GPU: docs/cuda.md).
 """
 
 from __future__ import annotations
@@ -156,8 +156,8 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
 
     Raises:
       RuntimeError: more than one local GPU, several processes without GPUs, an extension
-        without CUDA (GPUs) or without a build, already initialized, puts between GPUs
-        ($JAX_EP_PEER_ACCESS=put), or NVSHMEM failed (the message says which step).
+        without CUDA (GPUs) or without a build, already initialized, or NVSHMEM failed (the
+        message says which step).
       ValueError: a bad config, both config and buffer_bytes, low_latency_bytes without
         buffer_bytes, or a bad $JAX_EP_PEER_ACCESS.
     """
@@ -175,12 +175,6 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
     _ffi.require_extension(op)
     access = peer_access()
     gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
-    if gpus and access == "put":
-        raise RuntimeError(
-            f"{op}: $JAX_EP_PEER_ACCESS=put: puts between GPUs are not built yet (they run "
-            f"between host peers, the CPU devices of one process); unset it to reach the peers "
-            f"with loads and stores (GPUs of one node, NVLink)."
-        )
     if len(gpus) > 1:
         raise RuntimeError(
             f"{op}: this process sees {len(gpus)} GPUs; NVSHMEM allows one GPU per process. "
@@ -210,7 +204,7 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
     if gpus:
         unique_id = _share_unique_id(op, rank, num_ranks, _ffi.EXT)
         _ffi.EXT.runtime_initialize(unique_id, rank, num_ranks, gpus[0].local_hardware_id,
-                                    buffer_bytes, low_latency_bytes)
+                                    buffer_bytes, low_latency_bytes, access == "put")
         _state.update(platform="gpu", rank=rank, num_ranks=num_ranks)
     else:
         _ffi.EXT.host_peers_initialize(buffer_bytes, low_latency_bytes, access == "put")

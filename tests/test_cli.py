@@ -29,6 +29,8 @@ COMMANDS = [
     (["examples/train_dualpipe.py"], "train_dualpipe.py", ["--tokens", "6"], "--tokens 6"),
     (["examples/checkpoint.py"], "checkpoint.py", ["restore", "--dir", "missing"],
      "holds no checkpoint"),
+    (["examples/across_nodes.py"], "across_nodes.py", ["--num-processes", "2"],
+     "--coordinator"),
 ]
 
 

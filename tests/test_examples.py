@@ -10,11 +10,12 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run_example(name: str, *args: str) -> str:
+def _run_example(name: str, *args: str, **env_vars: str) -> str:
     # The examples run as a user runs them: their own flags, the default backend (no
     # JAX_EP_BACKEND=cuda, which between CPU devices would need jax_ep.initialize()).
     env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "PYTHONPATH", "JAX_EP_BACKEND")}
+           if k not in ("XLA_FLAGS", "PYTHONPATH", "JAX_EP_BACKEND", "JAX_EP_PEER_ACCESS")}
+    env.update(env_vars)
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", name), *args],
         env=env, capture_output=True, text=True, timeout=300,
@@ -74,3 +75,13 @@ def test_checkpoint_resumes_on_another_data_parallel_size(tmp_path):
     assert len(losses) == 2, restored  # the first and the last step report
     assert abs(losses[0] - next_loss) < 1e-5, (next_loss, restored)
     assert losses[-1] < losses[0], restored
+
+
+def test_across_nodes_rehearses_on_cpu_devices_over_puts():
+    """The multi-node example in one process: host peers reached by puts only, as GPUs of
+    different nodes reach each other; the first step equals the reference bit for bit."""
+    out = _run_example("across_nodes.py", "--cpu-devices", "6", "--tokens", "13", "--steps",
+                       "2", JAX_EP_PEER_ACCESS="put")
+    assert "6 ranks in 1 processes (cpu), peers reached with puts" in out, out
+    assert "first step equals jax_ep.reference bit for bit: True" in out, out
+    assert "median step" in out, out

@@ -17,7 +17,8 @@ from jax_ep import _ffi, runtime
 
 
 @pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
-def test_buffer_bytes_by_hand():
+def test_buffer_bytes_by_hand(monkeypatch):
+    monkeypatch.delenv("JAX_EP_PEER_ACCESS", raising=False)  # stores: no send areas
     # R=2, T=4, K=2, E=4, H=128, bf16, T_ll=2; every piece starts on a 256-byte boundary.
     config = runtime.BufferConfig(num_tokens=4, hidden=128, top_k=2, num_experts=4, num_ranks=2,
                                   low_latency_tokens=2)

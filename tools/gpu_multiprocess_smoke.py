@@ -1,7 +1,9 @@
 """Smoke test of the exchange between GPUs through real NVSHMEM: N processes on one GPU.
 
-Run: python tools/gpu_multiprocess_smoke.py --processes 2
-Each process joins jax.distributed (127.0.0.1), calls jax_ep.initialize(), runs dispatch and
+Run: python tools/gpu_multiprocess_smoke.py --processes 2 [--peer-access put]
+Each process joins jax.distributed (127.0.0.1), calls jax_ep.initialize() (with
+$JAX_EP_PEER_ACCESS set to --peer-access: `put` reaches the peers with NVSHMEM's puts, as
+between nodes, which NVSHMEM's P2P transport serves on one GPU too), runs dispatch and
 combine (both layouts) and the low-latency round trip with backend="cuda" inside shard_map
 over the N processes, and compares its shard with jax_ep.reference bit for bit. Several
 processes on one GPU run NVSHMEM's "limited MPG" mode: functional only (no NVLink, slow
@@ -78,14 +80,17 @@ def worker(rank: int, num_processes: int, port: int) -> None:
     ll = reference.low_latency_dispatch(ll_x, ll_idx, num_experts=E)
     want = reference.low_latency_combine(ll["x"], ll_idx, ll_w, num_experts=E)[rank:rank + 1]
     assert got.tobytes() == want.tobytes(), "low-latency round trip differs"
+    access = jax_ep.runtime.state()["peer_access"]
     jax_ep.finalize()
-    print(f"process {rank}/{R}: ok", flush=True)
+    print(f"process {rank}/{R} ({access}): ok", flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=240)
+    parser.add_argument("--peer-access", choices=("store", "put"), default="store",
+                        help="how the ranks reach each other's buffers ($JAX_EP_PEER_ACCESS)")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -97,7 +102,7 @@ def main() -> int:
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     env.update(XLA_PYTHON_CLIENT_PREALLOCATE="false", NVSHMEM_DISABLE_NCCL="1",
-               XLA_PYTHON_CLIENT_MEM_FRACTION="0.1")
+               XLA_PYTHON_CLIENT_MEM_FRACTION="0.1", JAX_EP_PEER_ACCESS=args.peer_access)
     procs = [subprocess.Popen([sys.executable, __file__, "--processes", str(args.processes),
                                "--worker", str(i), "--port", str(port)], env=env)
              for i in range(args.processes)]
@@ -114,7 +119,8 @@ def main() -> int:
             how = f"signal {-code}" if code < 0 else f"exit {code}"
             print(f"process {i}: {how}", flush=True)
         status |= code != 0
-    print(f"smoke with {args.processes} processes: {'ok' if status == 0 else 'FAILED'}")
+    print(f"smoke with {args.processes} processes ({args.peer_access}): "
+          f"{'ok' if status == 0 else 'FAILED'}")
     return 1 if status else 0
 
 
