@@ -16,6 +16,11 @@ For a routing and the op's shapes, an `Account` gives:
   through the symmetric buffer (one more write and read), because a peer cannot write or
   read the buffers XLA owns.
 
+Between devices the peers are reached with stores or, with `puts` ($JAX_EP_PEER_ACCESS=put,
+as between nodes), with puts only: each send first copies what it sends into the symmetric
+buffer (a put's source must lie there), one more launch, and the normal combine's receivers
+put their rows into the homes' buffers instead of the homes reading them.
+
 The plan is the sequence of cuda/peer_ops.h (between devices) and cuda/virtual_ops.h (virtual
 ranks) with the byte counts of the phase bodies in cuda/exchange.h. The same code runs on the
 CPU, where it counts what it does (cuda/meter.h, `jax_ep._ext.meter`); tests/test_account.py
@@ -127,6 +132,12 @@ def _fan_out_reads(destinations: np.ndarray) -> int:
     return int((-(-np.asarray(destinations) // FAN_OUT)).sum())
 
 
+def _check_puts(puts: bool, between: bool) -> None:
+    if puts and not between:
+        raise ValueError("puts=True describes ranks on separate devices: pass between=True "
+                         "as well (virtual ranks reach each other in one memory).")
+
+
 def _launch(*items: int) -> int:
     """Launches of phases with these item counts (an empty phase launches nothing)."""
     return sum(1 for n in items if n > 0)
@@ -138,7 +149,7 @@ def _launch(*items: int) -> int:
 
 def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_bytes: int = 0,
              capacity: int | None = None, expert_major: bool = False, between: bool = False,
-             zero_padding: bool = False) -> Account:
+             zero_padding: bool = False, puts: bool = False) -> Account:
     """Normal dispatch of every rank's rows.
 
     Args:
@@ -150,7 +161,9 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
       expert_major: the expert-major layout.
       between: one rank per device (else virtual ranks, all in one call).
       zero_padding: rows past the count are zeroed (the backward of combine).
+      puts: between devices, peers reached with puts only.
     """
+    _check_puts(puts, between)
     R, T, K = np.shape(topk_idx)
     E = num_experts
     if capacity is None:
@@ -171,18 +184,26 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
     # The finish phase copies the delivered rows (and the metadata) out of the symmetric buffer.
     # Waits: the count's for the peers' last op and for their counts, the finish's for the rows.
     landing = delivered * row
+    if puts:
+        # The stage copies every token's row into the send area; the send puts one copy per
+        # destination from there.
+        staged = R * T * row
+        read, written = staged + delivered * row, staged + written
+        return Account("dispatch", 4, 3, read + landing, written + landing,
+                       minimum + 2 * landing)
     return Account("dispatch", 3, 3, read + landing, written + landing, minimum + 2 * landing)
 
 
 def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
             capacity: int | None = None, expert_major: bool = False,
-            between: bool = False) -> Account:
+            between: bool = False, puts: bool = False) -> Account:
     """Normal combine of the rows a dispatch with this routing delivered.
 
     Args:
-      topk_idx, num_experts, capacity, expert_major, between: as for `dispatch`.
+      topk_idx, num_experts, capacity, expert_major, between, puts: as for `dispatch`.
       row_bytes: bytes of one row of y (H x the element size).
     """
+    _check_puts(puts, between)
     R, T, K = np.shape(topk_idx)
     E = num_experts
     if capacity is None:
@@ -209,12 +230,19 @@ def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
         # their phase stages src_row).
         read += carried * row_bytes
         written += carried * row_bytes
+    if puts:
+        # Each receiver puts every row it holds (staged, or partial) into its home's buffer,
+        # where the sums read them: a launch between the stage and the sums.
+        returned = int(rows.sum()) * row_bytes
+        return Account("combine", 3, 2, read + returned, written + returned,
+                       minimum + 2 * carried * row_bytes)
     # The stage (or the partial sums) and the sums, each waiting for the peers.
     return Account("combine", 2, 2, read, written, minimum + 2 * carried * row_bytes)
 
 
 def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
-                         use_fp8: bool = False, between: bool = False) -> tuple[Account, Account]:
+                         use_fp8: bool = False, between: bool = False,
+                         puts: bool = False) -> tuple[Account, Account]:
     """Low-latency dispatch of bfloat16 tokens: (the send, the receive).
 
     Args:
@@ -223,7 +251,9 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
       hidden: H.
       use_fp8: the send casts to FP8 (H bytes and H / 128 scales per message).
       between: one rank per device (else virtual ranks).
+      puts: between devices, peers reached with puts only.
     """
+    _check_puts(puts, between)
     R, T, K = np.shape(topk_idx)
     E, H = num_experts, hidden
     sent = messages(topk_idx, E)
@@ -241,14 +271,20 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     # The send's count waits only for its peers to be done with the last op's data, the
     # receive for every message.
     send = dataclasses.replace(send, launches=2, barriers=1)
+    if puts:
+        # The stage writes every token once into the send area (cast to FP8 there); the send
+        # puts each message from there.
+        send = dataclasses.replace(send, launches=3, read=R * T * 2 * H + m * message,
+                                   written=R * T * message + m * message)
     recv = Account("ll_dispatch_recv", 1, 1, landing, landing, 2 * landing)
     return send, recv
 
 
 def low_latency_combine(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
-                        between: bool = False) -> tuple[Account, Account]:
+                        between: bool = False, puts: bool = False) -> tuple[Account, Account]:
     """Low-latency combine of the bfloat16 slots of a dispatch with this routing: (the send,
     the receive). Arguments as for `low_latency_dispatch`."""
+    _check_puts(puts, between)
     R, T, K = np.shape(topk_idx)
     row = 2 * hidden
     choices = int((_clean(topk_idx, num_experts) >= 0).sum())
@@ -261,6 +297,9 @@ def low_latency_combine(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     # The send returns one row per choice to the home's symmetric buffer, where the receive
     # reads and sums them: the bytes that must move pass through it.
     send = Account("ll_combine_send", 1, 1, choices * row, choices * row, 2 * m * row)
+    if puts:  # the stage copies each returned row into the send area, the puts read it there
+        send = Account("ll_combine_send", 2, 1, 2 * choices * row, 2 * choices * row,
+                       2 * m * row)
     recv = Account("ll_combine_recv", 1, 1, choices * row, out, m * row + out)
     return send, recv
 
@@ -278,7 +317,8 @@ LAUNCH_TARGETS = {"dispatch": 3, "combine": 2, "ll_dispatch_send": 2, "ll_dispat
 
 def deepseek_accounts(num_ranks: int = 8, between: bool = False, seed: int = 0,
                       tokens: int = 4096, ll_tokens: int = 128, hidden: int = 7168,
-                      top_k: int = 8, num_experts: int = 256) -> list[Account]:
+                      top_k: int = 8, num_experts: int = 256,
+                      puts: bool = False) -> list[Account]:
     """Every op's account at DeepSeek's shapes with a uniform random routing."""
     rng = np.random.default_rng(seed)
 
@@ -288,18 +328,18 @@ def deepseek_accounts(num_ranks: int = 8, between: bool = False, seed: int = 0,
 
     idx, ll_idx = routing(tokens), routing(ll_tokens)
     fp8_row = dict(row_bytes=hidden, scale_bytes=hidden // BLOCK * SCALE_BYTES)
+    where = dict(between=between, puts=puts)
     accounts = [
-        dispatch(idx, num_experts=num_experts, row_bytes=2 * hidden, between=between),
-        dataclasses.replace(dispatch(idx, num_experts=num_experts, between=between, **fp8_row),
+        dispatch(idx, num_experts=num_experts, row_bytes=2 * hidden, **where),
+        dataclasses.replace(dispatch(idx, num_experts=num_experts, **where, **fp8_row),
                             op="dispatch (fp8)"),
-        combine(idx, num_experts=num_experts, row_bytes=2 * hidden, between=between),
+        combine(idx, num_experts=num_experts, row_bytes=2 * hidden, **where),
     ]
     for use_fp8 in (False, True):
         for a in low_latency_dispatch(ll_idx, num_experts=num_experts, hidden=hidden,
-                                      use_fp8=use_fp8, between=between):
+                                      use_fp8=use_fp8, **where):
             accounts.append(dataclasses.replace(a, op=a.op + (" (fp8)" if use_fp8 else "")))
-    accounts += low_latency_combine(ll_idx, num_experts=num_experts, hidden=hidden,
-                                    between=between)
+    accounts += low_latency_combine(ll_idx, num_experts=num_experts, hidden=hidden, **where)
     return accounts
 
 
@@ -336,12 +376,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.ranks < 1 or 256 % args.ranks:
         p.error(f"--ranks {args.ranks}: the ranks must divide the 256 experts; "
                 "pick one of 1, 2, 4, ..., 256.")
-    for between, title in ((False, "virtual ranks (one GPU)"),
-                           (True, "one rank per GPU (between GPUs)")):
+    for between, puts, title in ((False, False, "virtual ranks (one GPU)"),
+                                 (True, False, "one rank per GPU (between GPUs)"),
+                                 (True, True, "one rank per GPU, peers reached by puts "
+                                  "(JAX_EP_PEER_ACCESS=put, between nodes)")):
         print(f"R = {args.ranks}, {title}; targets: launches dispatch <= 3, combine <= 2, "
               f"low latency <= 2 per half; moved <= {BYTES_TARGET} x minimum; (over) marks a "
               "miss\n")
-        print(table(deepseek_accounts(args.ranks, between, args.seed)))
+        print(table(deepseek_accounts(args.ranks, between, args.seed, puts=puts)))
         print()
 
 

@@ -14,11 +14,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 from harness import sharded
-from test_host_peers import host_peers  # noqa: F401  (the fixture: host peers initialized)
+from test_host_peers import (
+    host_peers,  # noqa: F401  (the fixture: host peers initialized)
+    put_peers,  # noqa: F401  (host peers reached by puts, one test)
+)
 from test_virtual import routing
 
 import jax_ep
-from jax_ep import _exchange_ffi, _ffi, account, fp8
+from jax_ep import _exchange_ffi, _ffi, account, fp8, runtime
 
 pytestmark = pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
 KINDS = ["uniform", "hot_expert", "empty_ranks", "duplicates"]
@@ -117,6 +120,11 @@ def test_virtual_low_latency(R, use_fp8):
 # One rank per device: host peers, the GPU's code between devices
 
 
+def over_puts() -> bool:
+    """Whether the host peers are reached by puts ($JAX_EP_PEER_ACCESS=put)."""
+    return runtime.state()["peer_access"] == "put"
+
+
 @pytest.mark.parametrize("R", [2, 3])
 @pytest.mark.parametrize("expert_major", [False, True])
 def test_between_devices_round_trip(R, expert_major):
@@ -132,10 +140,11 @@ def test_between_devices_round_trip(R, expert_major):
     run = sharded(program, R)
     jax.block_until_ready(run(x, idx, w))  # compiles
     counted, _ = metered(run, x, idx, w)
+    puts = over_puts()
     want = (account.dispatch(idx, num_experts=E, row_bytes=2 * H, expert_major=expert_major,
-                             between=True)
+                             between=True, puts=puts)
             + account.combine(idx, num_experts=E, row_bytes=2 * H, expert_major=expert_major,
-                              between=True))
+                              between=True, puts=puts))
     assert_counts(counted, want, ranks_running=R)
 
 
@@ -155,10 +164,31 @@ def test_between_devices_low_latency(R):
     run = sharded(program, R)
     jax.block_until_ready(run(x, idx, w))
     counted, _ = metered(run, x, idx, w)
+    puts = over_puts()
     parts = [*account.low_latency_dispatch(idx, num_experts=E, hidden=H, use_fp8=use_fp8,
-                                           between=True),
-             *account.low_latency_combine(idx, num_experts=E, hidden=H, between=True)]
+                                           between=True, puts=puts),
+             *account.low_latency_combine(idx, num_experts=E, hidden=H, between=True,
+                                          puts=puts)]
     assert_counts(counted, functools.reduce(operator.add, parts), ranks_running=R)
+
+
+@pytest.mark.parametrize("R", [2, 3])
+@pytest.mark.parametrize("expert_major", [False, True])
+def test_between_devices_round_trip_over_puts(put_peers, R, expert_major):  # noqa: F811
+    """Over puts: a stage launch per send, the rows copied into the send areas, and combine's
+    rows put into the homes' buffers."""
+    test_between_devices_round_trip(R, expert_major)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_between_devices_low_latency_over_puts(put_peers, R):  # noqa: F811
+    test_between_devices_low_latency(R)
+
+
+def test_puts_need_ranks_on_devices():
+    idx = np.zeros((2, 3, 1), np.int32)
+    with pytest.raises(ValueError, match="between=True"):
+        account.dispatch(idx, num_experts=2, row_bytes=256, puts=True)
 
 
 def test_deepseek_table_runs():
