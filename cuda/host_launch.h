@@ -74,7 +74,7 @@ void for_units(int64_t units, int threads, const Unit& unit) {
 // One launch (cuda/phases.cuh per_warp): phase(rank, item, lane, lanes) with one item per
 // warp, then, in the unit that finishes last (found with a ticket, as on the GPU), the tail's
 // early items, meet.last() and the tail's items, each from the last. Every unit runs
-// meet.first() before its items. A launch with no items still runs when it has a tail or meets
+// meet.first() before its items and meet.done() after them. A launch with no items still runs when it has a tail or meets
 // its peers.
 template <typename Phase, typename Tail = NoTail, typename Meeting = NoMeet>
 void host_per_warp(const Phase& phase, int first_rank, int ranks, int64_t items,
@@ -91,6 +91,7 @@ void host_per_warp(const Phase& phase, int first_rank, int ranks, int64_t items,
         phase(first_rank + static_cast<int>(i / items), i % items, lane, grid.lanes);
       }
     }
+    meet.done();
     if (!after || ticket.fetch_add(1, std::memory_order_acq_rel) != units - 1) return;
     for (int64_t i = tail.early_items() - 1; i >= 0; --i) tail.early(i);
     meet.last();

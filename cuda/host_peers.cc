@@ -229,6 +229,7 @@ class HostPlatform {
     void first() const {
       if (meet.before) p->wait_for_peers(*meet.before, meet.before_arrivals);
     }
+    void done() const {}  // a host put is complete when it returns
     void last() const {
       if (meet.arrive) p->arrive();
       if (meet.after) p->wait_for_peers(*meet.after, kAllEarlier);

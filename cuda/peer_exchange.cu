@@ -9,7 +9,8 @@
 //
 // Peers reached by puts (another node, or $JAX_EP_PEER_ACCESS=put): `NvshmemPutPeers` puts
 // with NVSHMEM, which takes whatever transport reaches the peer (P2P on one node, IBGDA or IBRC
-// over InfiniBand or RoCE); the launch's arrival quiets them first (DeviceMeet::tell_peers).
+// over InfiniBand or RoCE); every thread quiets its puts before its block counts itself
+// finished, and the arrival quiets again before it signals (DeviceMeet::done, tell_peers).
 // The group chooses its view once, at jax_ep.initialize() (SymmetricBuffer::puts).
 //
 // Rank: the kernels use this process's NVSHMEM PE. The op also receives its EP axis index;
@@ -51,7 +52,7 @@ struct NvshmemPeers {
 };
 
 // The put view (cuda/exchange.h): sources in this rank's symmetric buffer, nonblocking puts
-// completed by the launch's arrival (nvshmem_quiet before the signals).
+// completed before the launch's arrival (DeviceMeet::done).
 struct NvshmemPutPeers {
   static constexpr bool kPuts = true;
   // Every lane of a warp calls put with the same arguments (the bodies put a row with the
@@ -127,6 +128,7 @@ struct DeviceMeet {
   int before_code = 0, after_code = 0;   // PeerStatus codes of their timeouts
   uint64_t before_arrivals = kAllEarlier;  // Meet::before_arrivals
   bool arrive = false;
+  bool quiet = false;  // an arriving launch over puts: done() completes the thread's puts
 
   __host__ __device__ bool waits_first() const { return before_ns != 0; }
   __host__ __device__ bool has_last() const { return arrive || after_ns != 0; }
@@ -134,6 +136,12 @@ struct DeviceMeet {
   __device__ void first() const {
     if (blockIdx.x == 0 && threadIdx.x == 0) check_rank();
     if (before_ns != 0) wait_for_peers(before_ns, before_code, before_arrivals);
+  }
+  // Every thread after its items. NVSHMEM specifies nvshmem_quiet per PE; each thread quiets
+  // its own puts anyway, so that the arrival's signal follows every put of the launch however
+  // an implementation scopes it.
+  __device__ void done() const {
+    if (quiet) nvshmem_quiet();
   }
   __device__ void last() const {
     if (arrive) tell_peers();
@@ -309,6 +317,7 @@ class DevicePlatform {
     bound(meet.after, &m.after_ns, &m.after_code);
     m.before_arrivals = meet.before_arrivals;
     m.arrive = meet.arrive;
+    m.quiet = meet.arrive && puts();
     status_ = cuda::per_warp(phase, rank(), 1, items, stream_, num_sms_, tail, m);
     if (status_ == cudaSuccess && meet.arrive) ++st.arrivals;
   }

@@ -23,12 +23,15 @@ struct NoTail {
 };
 
 // A launch that meets no other rank (virtual ranks). Between devices a Meet (cuda/peer_ops.h)
-// has first(), run by every block before its items, and last(), by the block that finishes
-// last after every block's items; waits_first() and has_last() say whether they do anything.
+// has first(), run by every block before its items, done(), by every thread after its items
+// (over NVSHMEM's puts: each completes its own before its block counts itself finished), and
+// last(), by the block that finishes last after every block's items; waits_first() and
+// has_last() say whether first() and last() do anything.
 struct NoMeet {
   JAX_EP_HOST_DEVICE bool waits_first() const { return false; }
   JAX_EP_HOST_DEVICE bool has_last() const { return false; }
   JAX_EP_HOST_DEVICE void first() const {}
+  JAX_EP_HOST_DEVICE void done() const {}
   JAX_EP_HOST_DEVICE void last() const {}
 };
 

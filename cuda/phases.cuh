@@ -68,6 +68,7 @@ __global__ void __launch_bounds__(kPhaseThreads, MinBlocksPerSm<Phase>::value)
        i < total; i += static_cast<int64_t>(gridDim.x) * kPhaseWarps) {
     phase(first_rank + static_cast<int>(i / items), i % items, lane, kWarpSize);
   }
+  meet.done();
   if (ticket == nullptr || !is_last_block(ticket)) return;  // no ticket: nothing comes after
   for (int64_t i = threadIdx.x; i < tail.early_items(); i += kPhaseThreads) tail.early(i);
   __syncthreads();  // the early items' writes before the meet and the other items
