@@ -51,17 +51,20 @@ struct SymmetricBuffer {
   int num_ranks;
   int generation;  // counts initializations: per-buffer state elsewhere starts over on a change
   bool puts;       // the peers are reached with puts (cuda/peer_exchange.cu, NvshmemPutPeers)
+  int ranks_per_node;  // with puts: node-aware, stores within nodes of this many; 0: one node
 };
 const SymmetricBuffer* symmetric_buffer();
 
 // Initializes NVSHMEM on CUDA device `device` as PE `rank` of `num_ranks` with the unique id of
 // rank 0, checks the host and device views of the PE numbering, and allocates a zeroed
 // symmetric buffer of `buffer_bytes` whose last `low_latency_bytes` hold the low-latency
-// regions, laid out for peers reached with puts where `puts` says. Collective: every rank
-// calls it. Returns an empty string on success, else what failed. NVSHMEM ends the process
-// when its bootstrap fails, so the caller checks every precondition first.
+// regions, laid out for peers reached with puts where `puts` says (node-aware with
+// ranks_per_node > 0). Collective: every rank calls it. Returns an empty string on success,
+// else what failed. NVSHMEM ends the process when its bootstrap fails, so the caller checks
+// every precondition first.
 std::string runtime_initialize(const uint8_t* unique_id, int rank, int num_ranks, int device,
-                               size_t buffer_bytes, size_t low_latency_bytes, bool puts);
+                               size_t buffer_bytes, size_t low_latency_bytes, bool puts,
+                               int ranks_per_node);
 
 // Frees the symmetric buffer and finalizes NVSHMEM (collective). Empty string on success.
 std::string runtime_finalize();

@@ -431,6 +431,16 @@ struct DispatchArgs {
   // for the send's puts to read, [T, row_bytes] and [T, scale_cols].
   char* send_x = nullptr;
   float* send_scales = nullptr;
+  // Node-aware (put views, the ranks split into nodes of ranks_per_node; 0: one node): a
+  // token crosses to another node once, to its relay there (relay_of), which stores it into
+  // the receivers of its node. The relay's slot s*T + t holds source s's token t: the row, its
+  // scales and its targets there, targets() (receiver, row) pairs up to one with receiver -1.
+  // send_targets, [nodes, T, targets(), 2], are this rank's, staged for the puts.
+  int ranks_per_node = 0;
+  char* relay_x = nullptr;           // [R*T, row_bytes]
+  float* relay_scales = nullptr;     // [R*T, scale_cols]
+  int32_t* relay_targets = nullptr;  // [R*T, targets(), 2]
+  int32_t* send_targets = nullptr;
 
   // Per-receiver results, reached through Peers: [R, ...].
   char* recv_x;               // [R, capacity, row_bytes]
@@ -492,6 +502,22 @@ struct DispatchArgs {
   JAX_EP_HOST_DEVICE const int32_t* route(int s, int t) const {
     return clean_idx + (local(s) * num_tokens + t) * top_k;
   }
+  // Node-aware: nodes of ranks_per_node consecutive ranks (the last one may be smaller).
+  JAX_EP_HOST_DEVICE int nodes() const {
+    return ranks_per_node > 0 ? (num_ranks + ranks_per_node - 1) / ranks_per_node : 1;
+  }
+  JAX_EP_HOST_DEVICE int node_of(int rank) const {
+    return ranks_per_node > 0 ? rank / ranks_per_node : 0;
+  }
+  // The rank of node m that relays source s's tokens: the one with s's index in its node
+  // (wrapped around a smaller last node).
+  JAX_EP_HOST_DEVICE int relay_of(int s, int m) const {
+    const int first = m * ranks_per_node;
+    const int size = num_ranks - first < ranks_per_node ? num_ranks - first : ranks_per_node;
+    return first + (s % ranks_per_node) % size;
+  }
+  // (receiver, row) pairs of a relay slot: at most one per choice, K.
+  JAX_EP_HOST_DEVICE int targets() const { return top_k; }
 };
 
 // The dispatch's workspace, one int32 array: the counts, then the arrays of the V ranks of
@@ -593,6 +619,26 @@ JAX_EP_HOST_DEVICE int32_t entry_position(const DispatchArgs& a, const int32_t* 
          a.chunks_before(s, t)[a.num_ranks + ids[k]] + a.entry_offset[here * a.top_k + k];
 }
 
+// The candidates of a token's rows: the receivers (rank-major) or its choices (expert-major);
+// candidate c's receiver, and the row (entry) it keeps there, or -1 (not sent, or cut by the
+// capacity).
+JAX_EP_HOST_DEVICE int dispatch_candidates(const DispatchArgs& a) {
+  return a.expert_major ? a.top_k : a.num_ranks;
+}
+JAX_EP_HOST_DEVICE int dispatch_receiver(const DispatchArgs& a, const int32_t* ids, int c) {
+  return a.expert_major ? ids[c] / a.experts_per_rank() : c;
+}
+JAX_EP_HOST_DEVICE int32_t dispatch_row_at(const DispatchArgs& a, const int32_t* ids, int s,
+                                           int t, int c, int d) {
+  int32_t at = -1;
+  if (!a.expert_major) {
+    at = rank_major_row(a, ids, s, t, d);
+  } else if (ids[c] >= 0) {
+    at = entry_position(a, ids, s, t, c);
+  }
+  return at < a.capacity ? at : -1;
+}
+
 // Copies a token's `bytes` at `src` to each row (entry) it keeps on a receiver, at
 // base + row * bytes of that receiver's copy (`per_rank` bytes apart with virtual ranks),
 // reading src once per kFanOut destinations. The candidates are the receivers (rank-major) or
@@ -602,22 +648,16 @@ template <typename Peers>
 JAX_EP_HOST_DEVICE void dispatch_fan_out(const DispatchArgs& a, const Peers& peers,
                                          const int32_t* ids, int s, int t, char* base,
                                          const char* src, int64_t bytes, int lane, int lanes) {
-  const int cap = a.capacity, El = a.experts_per_rank();
-  const int candidates = a.expert_major ? a.top_k : a.num_ranks;
-  // Candidate c's receiver, and the row (entry) it keeps there or -1.
-  auto receiver = [&](int c) { return a.expert_major ? ids[c] / El : c; };
-  auto row_at = [&](int c, int d) {
-    int32_t at = -1;
-    if (!a.expert_major) {
-      at = rank_major_row(a, ids, s, t, d);
-    } else if (ids[c] >= 0) {
-      at = entry_position(a, ids, s, t, c);
-    }
-    return at < cap ? at : -1;  // not sent, or cut by the capacity
-  };
+  const int cap = a.capacity;
+  const int candidates = dispatch_candidates(a);
+  auto receiver = [&](int c) { return dispatch_receiver(a, ids, c); };
+  auto row_at = [&](int c, int d) { return dispatch_row_at(a, ids, s, t, c, d); };
   if constexpr (Peers::kPuts) {
+    // Node-aware: the receivers of this node; a relay serves the others (dispatch_relay).
+    const int node = a.node_of(s);
     for (int c = 0; c < candidates; ++c) {
       const int d = receiver(c);
+      if (a.node_of(d) != node) continue;
       const int32_t at = row_at(c, d);
       if (at >= 0) peers.put(base + at * bytes, d, src, bytes, lane, lanes);
     }
@@ -717,9 +757,33 @@ JAX_EP_HOST_DEVICE void dispatch_send_metadata(const DispatchArgs& a, const Peer
   }
 }
 
+// Node-aware, in the send: token t of source s once to its relay in each other node (its
+// targets always, the row and scales where it has one there).
+template <typename Peers>
+JAX_EP_HOST_DEVICE void dispatch_send_relays(const DispatchArgs& a, const Peers& peers, int s,
+                                             int t, int lane, int lanes) {
+  const int64_t here = a.local(s) * a.num_tokens + t;
+  const int64_t slot = static_cast<int64_t>(s) * a.num_tokens + t;
+  const int64_t pairs = 2 * a.targets(), S = a.scale_cols;
+  for (int m = 0; m < a.nodes(); ++m) {
+    if (m == a.node_of(s)) continue;
+    const int relay = a.relay_of(s, m);
+    const int32_t* targets =
+        a.send_targets + (static_cast<int64_t>(m) * a.num_tokens + t) * pairs;
+    peers.put(a.relay_targets + slot * pairs, relay, targets, pairs * 4, lane, lanes);
+    if (targets[0] < 0) continue;  // no row of the token lives there
+    peers.put(a.relay_x + slot * a.row_bytes, relay, a.send_x + here * a.row_bytes, a.row_bytes,
+              lane, lanes);
+    if (S > 0) {
+      peers.put(a.relay_scales + slot * S, relay, a.send_scales + here * S, S * 4, lane, lanes);
+    }
+  }
+}
+
 // Phase 2, items (s, t): source s writes token t into every receiver: its metadata (over
 // puts, dispatch_stage has put it), and its row (and FP8 scales) to each row or entry it
-// keeps, read once.
+// keeps, read once; node-aware, to the receivers of its node, and once to each other node's
+// relay.
 template <typename Peers>
 JAX_EP_HOST_DEVICE void dispatch_send(const DispatchArgs& a, const Peers& peers, int s, int t,
                                       int lane, int lanes) {
@@ -736,6 +800,59 @@ JAX_EP_HOST_DEVICE void dispatch_send(const DispatchArgs& a, const Peers& peers,
                      reinterpret_cast<const char*>(scales + here * a.scale_cols),
                      a.scale_cols * 4, lane, lanes);
   }
+  if constexpr (Peers::kPuts) {
+    if (a.nodes() > 1) dispatch_send_relays(a, peers, s, t, lane, lanes);
+  }
+}
+
+// Node-aware, in the stage: token t's targets in each other node (lanes share the nodes), for
+// dispatch_send_relays to put.
+JAX_EP_HOST_DEVICE void dispatch_stage_targets(const DispatchArgs& a, int s, int t, int lane,
+                                               int lanes) {
+  const int32_t* ids = a.route(s, t);
+  const int P = a.targets();
+  for (int m = lane; m < a.nodes(); m += lanes) {
+    if (m == a.node_of(s)) continue;
+    int32_t* pairs = a.send_targets + (static_cast<int64_t>(m) * a.num_tokens + t) * 2 * P;
+    int n = 0;
+    for (int c = 0; c < dispatch_candidates(a) && n < P; ++c) {
+      const int d = dispatch_receiver(a, ids, c);
+      if (a.node_of(d) != m) continue;
+      const int32_t at = dispatch_row_at(a, ids, s, t, c, d);
+      if (at < 0) continue;
+      pairs[2 * n] = d;
+      pairs[2 * n + 1] = at;
+      ++n;
+    }
+    for (; n < P; ++n) pairs[2 * n] = pairs[2 * n + 1] = -1;
+  }
+}
+
+// Node-aware, items (s, t) of the relay (this rank): source s's token t, if this rank relays
+// it (s in another node, relay_of), from the slot into each target of this node, read once
+// per kFanOut targets; a store view (the receivers are in this rank's node).
+template <typename Peers>
+JAX_EP_HOST_DEVICE void dispatch_relay(const DispatchArgs& a, const Peers& peers, int me,
+                                       int64_t slot, int lane, int lanes) {
+  const int s = static_cast<int>(slot / a.num_tokens), node = a.node_of(me);
+  if (a.node_of(s) == node || a.relay_of(s, node) != me) return;
+  const int P = a.targets();
+  const int32_t* pairs = a.relay_targets + slot * 2 * P;
+  const int64_t S = a.scale_cols;
+  Fan<char> rows(0);
+  Fan<char> scales(1);
+  for (int n = 0; n < P && pairs[2 * n] >= 0;) {
+    for (; n < P && pairs[2 * n] >= 0 && !rows.full(); ++n) {
+      const int d = pairs[2 * n];
+      const int64_t at = pairs[2 * n + 1];
+      rows.add(peers.at(a.recv_x, a.capacity * a.row_bytes, d) + at * a.row_bytes);
+      if (S > 0) {
+        scales.add(reinterpret_cast<char*>(peers.at(a.recv_scales, a.capacity * S, d) + at * S));
+      }
+    }
+    fan_out_row(rows, a.relay_x + slot * a.row_bytes, a.row_bytes, lane, lanes);
+    if (S > 0) fan_out_row(scales, a.relay_scales + slot * S, S * 4, lane, lanes);
+  }
 }
 
 // Put views, the stage before the send, items (s, t): token t's row and scales, copied into
@@ -749,6 +866,7 @@ JAX_EP_HOST_DEVICE void dispatch_stage(const DispatchArgs& a, const Peers& peers
   copy_row(a.send_x + here * a.row_bytes, a.x + here * a.row_bytes, a.row_bytes, lane, lanes);
   if (S > 0) copy_row(a.send_scales + here * S, a.scales + here * S, S * 4, lane, lanes);
   dispatch_send_metadata(a, peers, s, t, lane, lanes);
+  if (a.nodes() > 1) dispatch_stage_targets(a, s, t, lane, lanes);
 }
 
 // Totals of receiver d from the published counts: rows (entries) needed.

@@ -38,11 +38,12 @@ struct RankState {
 // R symmetric buffers in anonymous memory (zero until written, pages on first touch).
 class Group {
  public:
-  Group(int num_ranks, size_t bytes, size_t low_latency_offset, bool puts,
+  Group(int num_ranks, size_t bytes, size_t low_latency_offset, bool puts, int ranks_per_node,
         const Timeouts& timeouts)
       : bytes_(bytes),
         low_latency_offset_(low_latency_offset),
         puts_(puts),
+        ranks_per_node_(ranks_per_node),
         timeouts_(timeouts),
         regions_(num_ranks),
         ranks_(num_ranks) {
@@ -64,6 +65,7 @@ class Group {
   size_t bytes() const { return bytes_; }
   size_t low_latency_offset() const { return low_latency_offset_; }
   bool puts() const { return puts_; }
+  int ranks_per_node() const { return ranks_per_node_; }
   const Timeouts& timeouts() const { return timeouts_; }
   char* const* regions() const { return regions_.data(); }
   RankState& rank(int r) { return ranks_[r]; }
@@ -75,6 +77,7 @@ class Group {
  private:
   size_t bytes_, low_latency_offset_;
   bool puts_;
+  int ranks_per_node_;
   Timeouts timeouts_;
   std::vector<char*> regions_;
   std::vector<RankState> ranks_;
@@ -88,6 +91,7 @@ struct Registry {
   size_t bytes = 0;  // 0: not initialized
   size_t low_latency_offset = 0;
   bool puts = false;
+  int ranks_per_node = 0;
   Timeouts timeouts;
   std::atomic<Group*> groups[kMaxPeers + 1] = {};
   std::vector<std::unique_ptr<Group>> owned;
@@ -99,8 +103,8 @@ struct Registry {
     std::lock_guard<std::mutex> lock(mutex);
     g = groups[num_ranks].load(std::memory_order_acquire);
     if (g == nullptr && bytes != 0) {
-      owned.push_back(
-          std::make_unique<Group>(num_ranks, bytes, low_latency_offset, puts, timeouts));
+      owned.push_back(std::make_unique<Group>(num_ranks, bytes, low_latency_offset, puts,
+                                              ranks_per_node, timeouts));
       g = owned.back().get();
       groups[num_ranks].store(g, std::memory_order_release);
     }
@@ -113,13 +117,21 @@ Registry& registry() {
   return r;
 }
 
-// Peers in host memory: the same offset in rank `rank`'s buffer.
+// Peers in host memory: the same offset in rank `rank`'s buffer. Node-aware, the ranks of this
+// rank's node only, [node_first, node_end): reaching another aborts, as between the GPUs of
+// two nodes nvshmem_ptr has no address.
 struct HostPeers {
   static constexpr bool kPuts = false;
   char* const* regions;
   int me;
+  int node_first = 0, node_end = kMaxPeers;
   template <typename T>
   T* at(T* base, int64_t /*stride*/, int rank) const {
+    if (rank < node_first || rank >= node_end) {
+      std::fprintf(stderr, "jax_ep: host peers, rank %d: a store into rank %d of another node "
+                           "(a bug in jax_ep)\n", me, rank);
+      std::abort();
+    }
     const uintptr_t offset =
         reinterpret_cast<uintptr_t>(base) - reinterpret_cast<uintptr_t>(regions[me]);
     return reinterpret_cast<T*>(reinterpret_cast<uintptr_t>(regions[rank]) + offset);
@@ -198,8 +210,13 @@ class HostPlatform {
     return PeerError{};
   }
 
-  Peers peers() const { return Peers{group_->regions(), me_}; }
+  Peers peers() const {
+    const int node = jax_ep::ranks_per_node(*this, group_->num_ranks());
+    if (node == 0) return Peers{group_->regions(), me_};
+    return Peers{group_->regions(), me_, me_ / node * node, (me_ / node + 1) * node};
+  }
   bool puts() const { return group_->puts(); }
+  int ranks_per_node() const { return group_->ranks_per_node(); }
   PutPeers put_peers() const { return PutPeers{group_->regions(), me_, group_->bytes()}; }
   int rank() const { return me_; }
   char* symmetric() const { return group_->regions()[me_]; }
@@ -287,7 +304,8 @@ class HostPlatform {
 
 }  // namespace
 
-std::string initialize(size_t bytes_per_rank, size_t low_latency_bytes, bool puts) {
+std::string initialize(size_t bytes_per_rank, size_t low_latency_bytes, bool puts,
+                       int ranks_per_node) {
   Registry& reg = registry();
   std::lock_guard<std::mutex> lock(reg.mutex);
   if (reg.bytes != 0) return "host peers are already initialized";
@@ -297,6 +315,7 @@ std::string initialize(size_t bytes_per_rank, size_t low_latency_bytes, bool put
   reg.bytes = bytes_per_rank;
   reg.low_latency_offset = low_latency_offset(bytes_per_rank, low_latency_bytes);
   reg.puts = puts;
+  reg.ranks_per_node = ranks_per_node;
   return "";
 }
 

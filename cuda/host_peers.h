@@ -6,8 +6,9 @@
 // A group of R ranks has one symmetric buffer per rank in host memory, all the same size
 // (jax_ep.initialize() on CPU sets it). HostPeers turns an address in this rank's buffer into
 // the same offset in a peer's buffer, as nvshmem_ptr does; with puts ($JAX_EP_PEER_ACCESS=put)
-// HostPutPeers copies into it only as an NVSHMEM put does, from this rank's buffer. Each rank runs its ops on its own
-// thread (XLA:CPU runs the devices of a program concurrently), so the ranks of a group meet
+// HostPutPeers copies into it only as an NVSHMEM put does, from this rank's buffer; split
+// into nodes ($JAX_EP_RANKS_PER_NODE), HostPeers reaches only the ranks of this rank's node,
+// as between GPUs of several nodes. Each rank runs its ops on its own thread (XLA:CPU runs the devices of a program concurrently), so the ranks of a group meet
 // as the GPUs do (cuda/peer_ops.h, Meet): per-peer signals at the start of each buffer, set
 // with release by the unit of a launch that finishes last and awaited with acquire, every
 // wait bounded (Wait: peers starting an op get $JAX_EP_START_TIMEOUT_S, peers inside it
@@ -28,9 +29,11 @@ namespace jax_ep::host {
 
 // Sets up host peers with `bytes_per_rank` of symmetric buffer per rank, the last
 // `low_latency_bytes` of it for the low-latency regions (groups are created on first use),
-// reached with stores or, with `puts`, with puts only (HostPutPeers); an error message, or
-// empty on success.
-std::string initialize(size_t bytes_per_rank, size_t low_latency_bytes, bool puts = false);
+// reached with stores or, with `puts`, with puts only (HostPutPeers) and, with
+// ranks_per_node > 0, split into nodes of that many consecutive ranks, node-aware (stores
+// within a node); an error message, or empty on success.
+std::string initialize(size_t bytes_per_rank, size_t low_latency_bytes, bool puts = false,
+                       int ranks_per_node = 0);
 // Frees every group; no op of any group may be running.
 void finalize();
 // The buffer size of initialize(), or 0 when not initialized.

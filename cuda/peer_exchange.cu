@@ -245,9 +245,12 @@ PeerError prepare(int op, int num_ranks, const SymmetricBuffer** out) {
     *st.status = PeerStatus{0, 0, 0};
     st.arrivals = 0;
     st.low_latency[0] = st.low_latency[1] = RegionUse{};
-    // With stores, every peer must be reachable by loads and stores (NVLink / P2P).
-    for (int p = 0; p < num_ranks && !buffer->puts; ++p) {
-      if (nvshmem_ptr(buffer->ptr, p) == nullptr) {
+    // With stores, every peer must be reachable by loads and stores (NVLink / P2P); node-aware,
+    // those of this rank's node.
+    const int node = buffer->ranks_per_node;
+    for (int p = 0; p < num_ranks; ++p) {
+      const bool stores = !buffer->puts || (node > 0 && p / node == buffer->rank / node);
+      if (stores && nvshmem_ptr(buffer->ptr, p) == nullptr) {
         return PeerError{std::string(kPeerOpNames[op]) + ": peer " + std::to_string(p) +
                          " is not reachable by loads and stores (another node, or no "
                          "NVLink/P2P); set JAX_EP_PEER_ACCESS=put before jax_ep.initialize() "
@@ -294,6 +297,7 @@ class DevicePlatform {
 
   Peers peers() const { return Peers{}; }
   bool puts() const { return buffer_->puts; }
+  int ranks_per_node() const { return buffer_->ranks_per_node; }
   PutPeers put_peers() const { return PutPeers{}; }
   int rank() const { return buffer_->rank; }
   char* symmetric() const { return static_cast<char*>(buffer_->ptr); }

@@ -21,6 +21,8 @@
 //   static constexpr bool kPutPeers;          whether it also has a put view; if so:
 //     bool puts() const;                      whether this group reaches its peers by puts
 //     PutPeers put_peers() const;             the put view
+//     int ranks_per_node() const;             with puts, the ranks of a node (consecutive),
+//                                             which peers() reaches; 0: one node
 //   int rank() const;                         this rank
 //   char* symmetric() const; size_t bytes() const;   this rank's symmetric buffer
 //   size_t low_latency_offset() const;        where its low-latency regions start
@@ -194,7 +196,8 @@ inline PeerError fits(int op, const char* region, size_t used, size_t reserved) 
 }
 
 // Dispatch: what peers write into this rank (the counts, the received rows and metadata) and,
-// over puts, the send area the puts read from (this rank's rows and scales).
+// over puts, the send area the puts read from (this rank's rows and scales); node-aware
+// (a->ranks_per_node set), the relay's slots and this rank's staged targets too.
 inline size_t carve_dispatch(char* base, bool puts, DispatchArgs* a) {
   const int R = a->num_ranks, cap = a->capacity, K = a->top_k, rows = a->rows();
   const int cols = a->idx_cols();
@@ -213,6 +216,13 @@ inline size_t carve_dispatch(char* base, bool puts, DispatchArgs* a) {
   if (puts) {
     a->send_x = c.take<char>(a->num_tokens * a->row_bytes);
     a->send_scales = c.take<float>(a->num_tokens * a->scale_cols);
+  }
+  if (puts && a->nodes() > 1) {  // node-aware: the relay's slots and the staged targets
+    const int64_t slots = static_cast<int64_t>(R) * a->num_tokens, pairs = 2 * a->targets();
+    a->relay_x = c.take<char>(slots * a->row_bytes);
+    a->relay_scales = c.take<float>(slots * a->scale_cols);
+    a->relay_targets = c.take<int32_t>(slots * pairs);
+    a->send_targets = c.take<int32_t>(static_cast<int64_t>(a->nodes()) * a->num_tokens * pairs);
   }
   return c.used();
 }
@@ -279,14 +289,14 @@ inline size_t carve_low_latency(char* base, int R, int T, int K, int E, int H, b
 // The regions a configuration needs: its largest normal-mode call (dispatch with FP8 scales
 // and combine with weights, rank-major and, with expert_major, expert-major; capacity 0 is
 // the ops' default) and its low-latency calls (FP8 or not) with ll_tokens tokens, over puts
-// (with their send areas) or not.
+// (with their send areas; node-aware with ranks_per_node, 0: one node) or not.
 struct RegionBytes {
   size_t signals, normal, low_latency;
 };
 
 inline RegionBytes buffer_region_bytes(int R, int T, int K, int E, int H, int dtype_bytes,
                                        int64_t capacity, bool expert_major, int ll_tokens,
-                                       bool puts) {
+                                       bool puts, int ranks_per_node = 0) {
   size_t normal = 0;
   for (const bool em : {false, true}) {
     if (em && !expert_major) continue;
@@ -298,6 +308,7 @@ inline RegionBytes buffer_region_bytes(int R, int T, int K, int E, int H, int dt
     d.expert_major = em;
     d.row_bytes = static_cast<int64_t>(H) * dtype_bytes;
     d.scale_cols = H / kFp8Block;
+    d.ranks_per_node = puts && ranks_per_node > 0 && ranks_per_node < R ? ranks_per_node : 0;
     CombineArgs<char> c{};
     c.num_ranks = R, c.num_tokens = T, c.top_k = K;
     c.hidden = H * dtype_bytes;  // rows of dtype_bytes-wide elements, counted in bytes
@@ -329,6 +340,18 @@ bool uses_puts(const Platform& p) {
   }
 }
 
+// Node-aware: ranks per node when the platform reaches its peers by puts and splits them into
+// nodes (its store view reaches the ranks of this rank's node), else 0 (one node).
+template <typename Platform>
+int ranks_per_node(const Platform& p, int num_ranks) {
+  if constexpr (Platform::kPutPeers) {
+    const int n = p.puts() ? p.ranks_per_node() : 0;
+    return n > 0 && n < num_ranks ? n : 0;
+  } else {
+    return 0;
+  }
+}
+
 // f(peers) with the view the platform reaches its peers with.
 template <typename Platform, typename F>
 PeerError with_peers(Platform& p, const F& f) {
@@ -346,6 +369,7 @@ PeerError run_op(Platform& p, int op, const DispatchArgs& out) {
   DispatchArgs a = out;
   a.first_rank = p.rank();
   a.out = out.results();  // the finish phase copies them out of the symmetric buffer
+  a.ranks_per_node = ranks_per_node(p, a.num_ranks);
   const size_t used = carve_dispatch(p.symmetric() + kSignalBytes, uses_puts(p), &a);
   PeerError error = fits(op, "normal-mode", used, p.low_latency_offset() - kSignalBytes);
   if (!error.ok()) return error;
@@ -361,6 +385,12 @@ PeerError run_op(Platform& p, int op, const DispatchArgs& out) {
       p.per_warp(DispatchStage<Peers>{a, peers}, a.num_tokens, Meet{});
     }
     p.per_warp(DispatchSend<Peers>{a, peers}, a.num_tokens, Meet{{}, true, {}});
+    if (a.nodes() > 1) {
+      // Node-aware: once every token has reached its relays, they store them into the
+      // receivers of their nodes.
+      p.per_warp(DispatchRelay<typename Platform::Peers>{a, p.peers()},
+                 int64_t{a.num_ranks} * a.num_tokens, Meet{Wait::kInOp, true, {}});
+    }
     // The finish, once every row has arrived; its arrival frees this rank's buffer.
     p.per_warp(DispatchFinish<Peers>{a, peers}, a.finish_items(), Meet{Wait::kInOp, true, {}});
     return p.result(op);

@@ -93,6 +93,17 @@ struct DispatchStage {
     dispatch_stage(a, peers, s, static_cast<int>(t), lane, lanes);
   }
 };
+// Node-aware: each relay stores the tokens it received into the receivers of its node (a store
+// view of them).
+template <typename Peers>
+struct DispatchRelay {
+  static constexpr bool kCopy = true;
+  DispatchArgs a;
+  Peers peers{};
+  JAX_EP_HOST_DEVICE void operator()(int me, int64_t slot, int lane, int lanes) const {
+    dispatch_relay(a, peers, me, slot, lane, lanes);
+  }
+};
 template <typename Peers>
 struct DispatchFinish {
   static constexpr bool kCopy = true;

@@ -43,7 +43,8 @@ std::string cuda_failure(const char* what, cudaError_t status) {
 const SymmetricBuffer* symmetric_buffer() { return g_initialized ? &g_buffer : nullptr; }
 
 std::string runtime_initialize(const uint8_t* unique_id, int rank, int num_ranks, int device,
-                               size_t buffer_bytes, size_t low_latency_bytes, bool puts) {
+                               size_t buffer_bytes, size_t low_latency_bytes, bool puts,
+                               int ranks_per_node) {
   if (g_initialized) return "NVSHMEM is already initialized by jax_ep";
   const std::string layout = check_layout(buffer_bytes, low_latency_bytes);
   if (!layout.empty()) return layout;
@@ -87,7 +88,7 @@ std::string runtime_initialize(const uint8_t* unique_id, int rank, int num_ranks
   nvshmem_barrier_all();  // every rank's buffer is clear before anyone signals into it
   g_buffer = SymmetricBuffer{buffer, buffer_bytes,
                              low_latency_offset(buffer_bytes, low_latency_bytes), rank,
-                             num_ranks, ++g_generation, puts};
+                             num_ranks, ++g_generation, puts, ranks_per_node};
   g_initialized = true;
   return "";
 }

@@ -1,13 +1,15 @@
 """Expert parallelism across nodes: every GPU of every node in one EP group.
 
-One process per GPU, all joined by `jax.distributed`; `jax_ep.initialize()` bootstraps
-NVSHMEM through jax.distributed's key-value store and allocates the symmetric buffer. GPUs of
-different nodes cannot load or store each other's memory, so the ranks reach each other with
-puts: set JAX_EP_PEER_ACCESS=put on every process (docs/cuda.md, "Across nodes", has the
-NVSHMEM settings for InfiniBand and RoCE). Two nodes of 8 GPUs, on node n (0 or 1):
+One process per GPU, all joined by `jax.distributed`, the processes of a node with
+consecutive ids; `jax_ep.initialize()` bootstraps NVSHMEM through jax.distributed's key-value
+store and allocates the symmetric buffer. GPUs of different nodes cannot load or store each
+other's memory: initialize() sees from the processes' hosts that they span several nodes, and
+the ranks reach the other nodes with puts, the normal dispatch crossing to each node once
+(docs/cuda.md, "Across nodes", has the NVSHMEM settings for InfiniBand and RoCE). Two nodes
+of 8 GPUs, on node n (0 or 1):
 
     for i in $(seq 0 7); do
-      CUDA_VISIBLE_DEVICES=$i JAX_EP_PEER_ACCESS=put python examples/across_nodes.py \\
+      CUDA_VISIBLE_DEVICES=$i python examples/across_nodes.py \\
           --coordinator node0:12345 --num-processes 16 --process-id $((8 * n + i)) &
     done; wait
 
@@ -15,9 +17,10 @@ Each step dispatches every rank's tokens to their experts (expert-major), applie
 (a scale per expert stands in for the MLPs) and combines. The first step is checked bit for
 bit against jax_ep.reference, then the steps are timed. Without --coordinator the script runs
 in one process on CPU devices (host peers: the same ops, buffer carving and flags), a
-rehearsal on any machine:
+rehearsal on any machine, here as two nodes of 4:
 
-    JAX_EP_PEER_ACCESS=put python examples/across_nodes.py [--cpu-devices 8] [--tokens 64]
+    JAX_EP_PEER_ACCESS=put JAX_EP_RANKS_PER_NODE=4 python examples/across_nodes.py \\
+        [--cpu-devices 8] [--tokens 64]
 """
 
 import argparse
@@ -79,8 +82,10 @@ def main() -> None:
     state = jax_ep.runtime.state()
     me = jax.process_index()
     say = print if me == 0 else (lambda *a, **k: None)
+    nodes = (f", nodes of {state['ranks_per_node']} (node-aware dispatch)"
+             if state["ranks_per_node"] else "")
     say(f"{R} ranks in {jax.process_count()} processes ({state['platform']}), peers reached "
-        f"with {state['peer_access']}s; T={T} H={H} K={K} E={E}")
+        f"with {state['peer_access']}s{nodes}; T={T} H={H} K={K} E={E}")
 
     # The same inputs in every process; each process places the rows of its own devices.
     rng = np.random.default_rng(0)

@@ -26,7 +26,7 @@ namespace {
 }
 
 void Initialize(nb::bytes unique_id, int rank, int num_ranks, int device, size_t buffer_bytes,
-                size_t low_latency_bytes, bool puts) {
+                size_t low_latency_bytes, bool puts, int ranks_per_node) {
 #ifdef JAX_EP_WITH_CUDA
   if (unique_id.size() != static_cast<size_t>(cuda::kNvshmemUniqueIdBytes)) {
     throw std::invalid_argument("runtime_initialize: unique_id must be " +
@@ -37,12 +37,12 @@ void Initialize(nb::bytes unique_id, int rank, int num_ranks, int device, size_t
     nb::gil_scoped_release release;  // the bootstrap waits for every other process
     error = cuda::runtime_initialize(reinterpret_cast<const uint8_t*>(unique_id.c_str()), rank,
                                      num_ranks, device, buffer_bytes, low_latency_bytes,
-                                     puts);
+                                     puts, ranks_per_node);
   }
   if (!error.empty()) throw std::runtime_error("jax_ep.initialize: " + error);
 #else
   (void)unique_id, (void)rank, (void)num_ranks, (void)device, (void)buffer_bytes;
-  (void)low_latency_bytes, (void)puts;
+  (void)low_latency_bytes, (void)puts, (void)ranks_per_node;
   NoCuda();
 #endif
 }
@@ -69,23 +69,26 @@ nb::object State() {
   state["num_ranks"] = buffer->num_ranks;
   state["buffer_bytes"] = buffer->bytes;
   state["puts"] = buffer->puts;
+  state["ranks_per_node"] = buffer->ranks_per_node;
   return state;
 #else
   return nb::none();
 #endif
 }
 
-void HostPeersInitialize(size_t buffer_bytes, size_t low_latency_bytes, bool puts) {
-  const std::string error = host::initialize(buffer_bytes, low_latency_bytes, puts);
+void HostPeersInitialize(size_t buffer_bytes, size_t low_latency_bytes, bool puts,
+                         int ranks_per_node) {
+  const std::string error =
+      host::initialize(buffer_bytes, low_latency_bytes, puts, ranks_per_node);
   if (!error.empty()) throw std::runtime_error("jax_ep.initialize: " + error);
 }
 
 nb::dict BufferRegions(int num_ranks, int num_tokens, int top_k, int num_experts, int hidden,
                        int dtype_bytes, int64_t capacity, bool expert_major,
-                       int low_latency_tokens, bool puts) {
+                       int low_latency_tokens, bool puts, int ranks_per_node) {
   const RegionBytes r = buffer_region_bytes(num_ranks, num_tokens, top_k, num_experts, hidden,
                                             dtype_bytes, capacity, expert_major,
-                                            low_latency_tokens, puts);
+                                            low_latency_tokens, puts, ranks_per_node);
   nb::dict out;
   out["signals"] = r.signals;
   out["normal"] = r.normal;
@@ -98,23 +101,26 @@ nb::dict BufferRegions(int num_ranks, int num_tokens, int top_k, int num_experts
 void BindRuntime(nb::module_& m) {
   m.def("runtime_initialize", &Initialize, nb::arg("unique_id"), nb::arg("rank"),
         nb::arg("num_ranks"), nb::arg("device"), nb::arg("buffer_bytes"),
-        nb::arg("low_latency_bytes"), nb::arg("puts") = false,
+        nb::arg("low_latency_bytes"), nb::arg("puts") = false, nb::arg("ranks_per_node") = 0,
         "Initializes NVSHMEM with rank 0's unique id and allocates the symmetric buffer, its "
         "last low_latency_bytes for low-latency regions (collective), the peers reached with "
-        "stores or, with `puts`, with puts. Raises RuntimeError on failure or without CUDA.");
+        "stores or, with `puts`, with puts (node-aware with ranks_per_node: stores within a "
+        "node). Raises RuntimeError on failure or without CUDA.");
   m.def("runtime_finalize", &Finalize, "Frees the symmetric buffer and finalizes NVSHMEM.");
   m.def("host_peers_initialize", &HostPeersInitialize, nb::arg("buffer_bytes"),
-        nb::arg("low_latency_bytes"), nb::arg("puts") = false,
+        nb::arg("low_latency_bytes"), nb::arg("puts") = false, nb::arg("ranks_per_node") = 0,
         "Sets up host peers (the exchange between the CPU devices of this process) with a "
         "buffer of `buffer_bytes` per rank, its last low_latency_bytes for low-latency "
-        "regions, reached with stores or, with `puts`, with puts only.");
+        "regions, reached with stores or, with `puts`, with puts only; with ranks_per_node, "
+        "split into nodes of that many ranks (stores within a node, puts between nodes).");
   m.def("buffer_regions", &BufferRegions, nb::arg("num_ranks"), nb::arg("num_tokens"),
         nb::arg("top_k"), nb::arg("num_experts"), nb::arg("hidden"), nb::arg("dtype_bytes"),
         nb::arg("capacity"), nb::arg("expert_major"), nb::arg("low_latency_tokens"),
-        nb::arg("puts") = false,
+        nb::arg("puts") = false, nb::arg("ranks_per_node") = 0,
         "Bytes of each region of the symmetric buffer for the largest calls of a "
         "configuration, as the ops carve them (cuda/peer_ops.h); capacity 0: the default; "
-        "puts: with the send areas of peers reached by puts.");
+        "puts: with the send areas of peers reached by puts; ranks_per_node: node-aware, "
+        "with the relays' slots (0: one node).");
   m.def("host_peers_finalize", &host::finalize,
         "Frees the host peers' buffers (no exchange may be running).");
   m.def("host_peers_buffer_bytes", &host::buffer_bytes,

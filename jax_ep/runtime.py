@@ -22,6 +22,12 @@ InfiniBand or RoCE between nodes (cuda/exchange.h, put views). Over puts every s
 what it sends into a send area of the buffer first, and the normal combine's receivers push
 the rows home (sized by `buffer_regions`). Between GPUs the puts are NVSHMEM's (compiled, not
 yet run on a GPU: docs/cuda.md).
+
+Nodes, `$JAX_EP_RANKS_PER_NODE` (or, between GPUs, the processes' hosts, shared through the
+key-value store): with ranks split into nodes of consecutive ranks, the peers of a node are
+reached with stores and the other nodes with puts, and the normal dispatch is node-aware: a
+token crosses to another node once, to the rank there with its index in the node, which
+stores it into the receivers of its node. On CPU devices the variable simulates the split.
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ import atexit
 import dataclasses
 import itertools
 import os
+import socket
 import sys
 import threading
+from collections.abc import Sequence
 
 import jax
 
@@ -101,7 +109,38 @@ def peer_access() -> str:
     return value
 
 
-def buffer_regions(config: BufferConfig, *, access: str | None = None) -> dict[str, int]:
+def ranks_per_node() -> int:
+    """`$JAX_EP_RANKS_PER_NODE`: the ranks of one node (consecutive ranks), which makes the
+    normal dispatch node-aware over puts; 0 (unset): one node, or what `initialize()` finds
+    between GPUs."""
+    text = os.environ.get("JAX_EP_RANKS_PER_NODE", "").strip()
+    if not text:
+        return 0
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"$JAX_EP_RANKS_PER_NODE={text!r} is not a positive number of ranks "
+                         f"(the ranks of one node, e.g. 8).")
+    return int(text)
+
+
+def nodes_of_hosts(hosts: Sequence[str]) -> int:
+    """Ranks per node of a group whose rank r runs on host hosts[r]: 0 when every rank is on
+    one host, else the ranks of each host, which must be consecutive and as many on every host
+    (the last may hold fewer)."""
+    firsts = [r for r, host in enumerate(hosts) if r == 0 or host != hosts[r - 1]]
+    if len(firsts) == 1:
+        return 0
+    size = firsts[1]
+    if (len(set(hosts)) != len(firsts) or any(f != i * size for i, f in enumerate(firsts))
+            or len(hosts) - firsts[-1] > size):
+        raise RuntimeError(
+            f"the processes' hosts are not in node order ({', '.join(hosts)}): give each "
+            f"node consecutive process ids, the same number per node (jax.distributed's "
+            f"process_id), or set $JAX_EP_RANKS_PER_NODE.")
+    return size
+
+
+def buffer_regions(config: BufferConfig, *, access: str | None = None,
+                   nodes: int | None = None) -> dict[str, int]:
     """Bytes of each region of the symmetric buffer: {'signals', 'normal', 'low_latency'}.
 
     Computed by the extension from the carving the ops use (cuda/peer_ops.h), so the sizes
@@ -110,10 +149,12 @@ def buffer_regions(config: BufferConfig, *, access: str | None = None) -> dict[s
     holding its low-latency calls (two exchanges in flight, `buffer` 0 and 1), and no
     normal-mode call reaches into it. Over puts (`access`, default `peer_access()`) the
     regions also hold the send areas the puts read from, and the normal region the rows the
-    combine's receivers return.
+    combine's receivers return; node-aware (`nodes`: ranks per node, default
+    `ranks_per_node()`), the relays' slots.
     """
     config.check()
     access = access or peer_access()
+    nodes = ranks_per_node() if nodes is None else nodes
     if access not in PEER_ACCESS:
         raise ValueError(f"buffer_regions: access must be one of {PEER_ACCESS}; got {access!r}.")
     from jax_ep import _ffi
@@ -122,7 +163,7 @@ def buffer_regions(config: BufferConfig, *, access: str | None = None) -> dict[s
     return dict(_ffi.EXT.buffer_regions(
         config.ranks(), config.num_tokens, config.top_k, config.num_experts, config.hidden,
         config.dtype_bytes, config.capacity or 0, config.expert_major,
-        config.low_latency_tokens, access == "put"))
+        config.low_latency_tokens, access == "put", nodes))
 
 
 def required_bytes(config: BufferConfig) -> int:
@@ -137,7 +178,8 @@ def is_initialized() -> bool:
 
 def state() -> dict | None:
     """{'platform', 'rank', 'num_ranks', 'buffer_bytes', 'low_latency_bytes',
-    'peer_access'} while initialized, else None."""
+    'peer_access', 'ranks_per_node'} while initialized (ranks_per_node 0: one node), else
+    None."""
     return dict(_state) if _state else None
 
 
@@ -156,10 +198,11 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
 
     Raises:
       RuntimeError: more than one local GPU, several processes without GPUs, an extension
-        without CUDA (GPUs) or without a build, already initialized, or NVSHMEM failed (the
-        message says which step).
+        without CUDA (GPUs) or without a build, already initialized, nodes without puts
+        ($JAX_EP_RANKS_PER_NODE or several hosts, with $JAX_EP_PEER_ACCESS=store), hosts
+        not in node order, or NVSHMEM failed (the message says which step).
       ValueError: a bad config, both config and buffer_bytes, low_latency_bytes without
-        buffer_bytes, or a bad $JAX_EP_PEER_ACCESS.
+        buffer_bytes, or a bad $JAX_EP_PEER_ACCESS or $JAX_EP_RANKS_PER_NODE.
     """
     op = "jax_ep.initialize"
     if config is not None and buffer_bytes is not None:
@@ -192,43 +235,69 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
             f"devices runs inside one process (host peers); use one process with several CPU "
             f"devices (--xla_force_host_platform_device_count), or backend='xla'."
         )
+    rank, num_ranks = jax.process_index(), jax.process_count()
+    nodes = ranks_per_node()
+    if gpus and num_ranks > 1 and not nodes:
+        # More than one node: node-aware, puts between the nodes (stores within each).
+        nodes = nodes_of_hosts(_share(op, "host", socket.gethostname().encode(), rank,
+                                      num_ranks))
+        if nodes and "JAX_EP_PEER_ACCESS" not in os.environ:
+            access = "put"
+    if nodes and access != "put":
+        raise RuntimeError(
+            f"{op}: the ranks form nodes of {nodes} ($JAX_EP_RANKS_PER_NODE, or the processes' "
+            f"hosts), which reach each other with puts: set $JAX_EP_PEER_ACCESS=put (it is "
+            f"{access!r}).")
     if buffer_bytes is None:
-        regions = buffer_regions(config or BufferConfig(), access=access)
+        regions = buffer_regions(config or BufferConfig(), access=access, nodes=nodes)
         buffer_bytes, low_latency_bytes = sum(regions.values()), regions["low_latency"]
     if not isinstance(buffer_bytes, int) or not isinstance(low_latency_bytes, int) or \
             low_latency_bytes < 0 or buffer_bytes - low_latency_bytes <= SIGNAL_BYTES:
         raise ValueError(f"{op}: buffer_bytes must be an int above {SIGNAL_BYTES} + "
                          f"low_latency_bytes (an int >= 0); got {buffer_bytes!r} and "
                          f"{low_latency_bytes!r}.")
-    rank, num_ranks = jax.process_index(), jax.process_count()
     if gpus:
         unique_id = _share_unique_id(op, rank, num_ranks, _ffi.EXT)
         _ffi.EXT.runtime_initialize(unique_id, rank, num_ranks, gpus[0].local_hardware_id,
-                                    buffer_bytes, low_latency_bytes, access == "put")
+                                    buffer_bytes, low_latency_bytes, access == "put", nodes)
         _state.update(platform="gpu", rank=rank, num_ranks=num_ranks)
     else:
-        _ffi.EXT.host_peers_initialize(buffer_bytes, low_latency_bytes, access == "put")
+        _ffi.EXT.host_peers_initialize(buffer_bytes, low_latency_bytes, access == "put", nodes)
         _state.update(platform="cpu", rank=rank, num_ranks=jax.local_device_count())
     _state.update(buffer_bytes=buffer_bytes, low_latency_bytes=low_latency_bytes,
-                  peer_access=access)
+                  peer_access=access, ranks_per_node=nodes)
 
 
 def _share_unique_id(op: str, rank: int, num_ranks: int, ext) -> bytes:
     """Process 0's NVSHMEM unique id, through the jax.distributed key-value store."""
     if num_ranks == 1:
         return ext.nvshmem_unique_id()
+    key = f"jax_ep/nvshmem_unique_id/{next(_generation)}"
+    client = _client(op, num_ranks)
+    if rank == 0:
+        unique_id = ext.nvshmem_unique_id()
+        client.key_value_set_bytes(key, unique_id)
+        return unique_id
+    return client.blocking_key_value_get_bytes(key, KEY_TIMEOUT_MS)
+
+
+def _share(op: str, name: str, value: bytes, rank: int, num_ranks: int) -> list[str]:
+    """Every process's `value`, in process order, through the jax.distributed key-value store."""
+    client = _client(op, num_ranks)
+    prefix = f"jax_ep/{name}/{next(_generation)}"
+    client.key_value_set_bytes(f"{prefix}/{rank}", value)
+    return [client.blocking_key_value_get_bytes(f"{prefix}/{r}", KEY_TIMEOUT_MS).decode()
+            for r in range(num_ranks)]
+
+
+def _client(op: str, num_ranks: int):
     from jax._src import distributed
 
     client = distributed.global_state.client
     if client is None:
         raise RuntimeError(f"{op}: {num_ranks} processes but no jax.distributed client; call "
                            f"jax.distributed.initialize() first.")
-    key = f"jax_ep/nvshmem_unique_id/{next(_generation)}"
-    if rank == 0:
-        unique_id = ext.nvshmem_unique_id()
-        client.key_value_set_bytes(key, unique_id)
-        return unique_id
-    return client.blocking_key_value_get_bytes(key, KEY_TIMEOUT_MS)
+    return client
 
 
 def finalize() -> None:

@@ -14,7 +14,8 @@ def _run_example(name: str, *args: str, **env_vars: str) -> str:
     # The examples run as a user runs them: their own flags, the default backend (no
     # JAX_EP_BACKEND=cuda, which between CPU devices would need jax_ep.initialize()).
     env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "PYTHONPATH", "JAX_EP_BACKEND", "JAX_EP_PEER_ACCESS")}
+           if k not in ("XLA_FLAGS", "PYTHONPATH", "JAX_EP_BACKEND", "JAX_EP_PEER_ACCESS",
+                        "JAX_EP_RANKS_PER_NODE")}
     env.update(env_vars)
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", name), *args],
@@ -77,11 +78,12 @@ def test_checkpoint_resumes_on_another_data_parallel_size(tmp_path):
     assert losses[-1] < losses[0], restored
 
 
-def test_across_nodes_rehearses_on_cpu_devices_over_puts():
-    """The multi-node example in one process: host peers reached by puts only, as GPUs of
-    different nodes reach each other; the first step equals the reference bit for bit."""
+def test_across_nodes_rehearses_on_cpu_devices_in_nodes():
+    """The multi-node example in one process: host peers as two nodes of 3, reached by puts
+    between the nodes; the first step equals the reference bit for bit."""
     out = _run_example("across_nodes.py", "--cpu-devices", "6", "--tokens", "13", "--steps",
-                       "2", JAX_EP_PEER_ACCESS="put")
-    assert "6 ranks in 1 processes (cpu), peers reached with puts" in out, out
+                       "2", JAX_EP_PEER_ACCESS="put", JAX_EP_RANKS_PER_NODE="3")
+    assert ("6 ranks in 1 processes (cpu), peers reached with puts, nodes of 3 (node-aware "
+            "dispatch)") in out, out
     assert "first step equals jax_ep.reference bit for bit: True" in out, out
     assert "median step" in out, out

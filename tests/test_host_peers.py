@@ -9,6 +9,7 @@ peer addresses. Every op must give results bitwise equal to backend="xla" at R i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -253,19 +254,28 @@ def test_normal_calls_never_reach_a_low_latency_exchange_in_flight():
 # abort the process.
 
 
-@pytest.fixture
-def put_peers(monkeypatch):
-    """Host peers reached by puts for one test, then the module's again."""
+@contextlib.contextmanager
+def host_peers_with(monkeypatch, **env: str):
+    """Host peers initialized with these environment variables for one test (their state),
+    then the module's again."""
     jax_ep.finalize()
-    monkeypatch.setenv("JAX_EP_PEER_ACCESS", "put")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     jax_ep.initialize(buffer_bytes=HOST_PEER_BYTES, low_latency_bytes=HOST_PEER_LOW_LATENCY_BYTES)
     try:
-        assert runtime.state()["peer_access"] == "put"
-        yield
+        yield runtime.state()
     finally:
         jax_ep.finalize()
         monkeypatch.undo()
         initialize_for_tests()
+
+
+@pytest.fixture
+def put_peers(monkeypatch):
+    """Host peers reached by puts for one test."""
+    with host_peers_with(monkeypatch, JAX_EP_PEER_ACCESS="put") as state:
+        assert state["peer_access"] == "put"
+        yield
 
 
 @pytest.mark.parametrize("R", [2, 3, 4, 8])
@@ -309,6 +319,7 @@ def test_normal_ops_over_puts_match_portable_backend(put_peers, R, expert_major,
 
 
 def test_peer_access_sizes_the_send_areas(monkeypatch):
+    monkeypatch.delenv("JAX_EP_RANKS_PER_NODE", raising=False)
     R, T, K, H = 4, 24, 4, 256
     config = jax_ep.BufferConfig(num_tokens=16, hidden=H, top_k=K, num_experts=8, num_ranks=R,
                                  low_latency_tokens=T)
@@ -328,3 +339,77 @@ def test_peer_access_sizes_the_send_areas(monkeypatch):
     with pytest.raises(ValueError, match=r"\$JAX_EP_PEER_ACCESS='loads' is not one of "
                                          r"\('store', 'put'\)"):
         runtime.buffer_regions(config)
+
+
+# Node-aware ($JAX_EP_RANKS_PER_NODE with puts): stores within a node, puts between nodes, and
+# the normal dispatch through relays: a token crosses to another node once, to the rank there
+# with its index in the node, which stores it into the receivers of its node. A store into
+# another node's rank, or a read of another rank's buffer, aborts the process.
+
+
+@pytest.fixture(params=[2, 3], ids=lambda n: f"nodes of {n}")
+def node_peers(request, monkeypatch):
+    """Host peers in nodes of 2 or 3 ranks (3: the last node of 4 or 8 ranks is smaller), for
+    one test."""
+    with host_peers_with(monkeypatch, JAX_EP_PEER_ACCESS="put",
+                         JAX_EP_RANKS_PER_NODE=str(request.param)) as state:
+        assert state["ranks_per_node"] == request.param
+        yield
+
+
+@pytest.mark.parametrize("R", [2, 4, 5, 8])
+@pytest.mark.parametrize("expert_major, fp8", [(False, False), (True, False), (False, True)])
+def test_node_aware_normal_ops_match_portable_backend(node_peers, R, expert_major, fp8):
+    test_normal_ops_match_portable_backend(R, expert_major, fp8)
+
+
+@pytest.mark.parametrize("R", [4, 8])
+def test_node_aware_low_latency_matches_portable_backend(node_peers, R):
+    """The low-latency ops put straight to each expert's rank, within a node too."""
+    test_low_latency_over_puts_matches_portable_backend(None, R, False)
+
+
+def test_nodes_size_the_relays(monkeypatch):
+    monkeypatch.delenv("JAX_EP_RANKS_PER_NODE", raising=False)
+    R, T, K, H = 8, 16, 4, 256
+    config = jax_ep.BufferConfig(num_tokens=T, hidden=H, top_k=K, num_experts=8, num_ranks=R,
+                                 low_latency_tokens=24)
+    put, nodes = (runtime.buffer_regions(config, access="put", nodes=n) for n in (0, 4))
+    # The relays' slots: R*T rows, FP8 scales and K (receiver, row) pairs; and the targets
+    # staged for 2 nodes, 2*T*K pairs (each piece a multiple of 256 bytes here). The normal
+    # region holds the larger of dispatch and combine, and the dispatch over puts is at most
+    # the region without nodes.
+    relays = R * T * (2 * H + H // 128 * 4 + 8 * K) + 2 * T * K * 8
+    assert relays < nodes["normal"] <= put["normal"] + relays
+    assert nodes["low_latency"] == put["low_latency"]
+    assert runtime.buffer_regions(config, access="put", nodes=8) == put  # one node
+    monkeypatch.setenv("JAX_EP_RANKS_PER_NODE", "4")
+    assert runtime.buffer_regions(config, access="put") == nodes
+    monkeypatch.setenv("JAX_EP_RANKS_PER_NODE", "four")
+    with pytest.raises(ValueError, match=r"\$JAX_EP_RANKS_PER_NODE='four' is not a positive"):
+        runtime.buffer_regions(config)
+
+
+def test_nodes_need_puts(monkeypatch):
+    jax_ep.finalize()
+    monkeypatch.setenv("JAX_EP_RANKS_PER_NODE", "4")
+    try:
+        with pytest.raises(RuntimeError, match=r"nodes of 4 .* set \$JAX_EP_PEER_ACCESS=put"):
+            jax_ep.initialize(buffer_bytes=HOST_PEER_BYTES,
+                              low_latency_bytes=HOST_PEER_LOW_LATENCY_BYTES)
+        assert not runtime.is_initialized()
+    finally:
+        monkeypatch.undo()
+        initialize_for_tests()
+
+
+@pytest.mark.parametrize("hosts, nodes", [
+    ("aaaa", 0), ("aabb", 2), ("aaabbbcc", 3), ("abcd", 1), ("aaab", 3)])
+def test_nodes_of_hosts(hosts, nodes):
+    assert runtime.nodes_of_hosts(list(hosts)) == nodes
+
+
+@pytest.mark.parametrize("hosts", ["abab", "aabbb", "abbca"])
+def test_hosts_out_of_node_order_are_refused(hosts):
+    with pytest.raises(RuntimeError, match="not in node order"):
+        runtime.nodes_of_hosts(list(hosts))

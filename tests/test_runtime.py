@@ -68,7 +68,7 @@ def test_initialize_on_cpu_sets_up_host_peers():
             "platform": "cpu", "rank": 0, "num_ranks": 8,
             "buffer_bytes": runtime.required_bytes(config),
             "low_latency_bytes": runtime.buffer_regions(config)["low_latency"],
-            "peer_access": "store"}
+            "peer_access": "store", "ranks_per_node": 0}
         assert _ffi.EXT.host_peers_buffer_bytes() == runtime.required_bytes(config)
         with pytest.raises(RuntimeError, match="already initialized"):
             jax_ep.initialize(config)

@@ -8,13 +8,13 @@
 # source tree: the kernel cases, the large case (DeepEP's shapes, GPU against the CPU handlers,
 # per-kernel profile), the xla backend's ragged transport (XLA's ragged_all_to_all),
 # compute-sanitizer (memcheck, synccheck, initcheck, racecheck on jax_ep's
-# kernels), 2 and 4 processes through real NVSHMEM (with stores, then with puts), the
+# kernels), 2 and 4 processes through real NVSHMEM (with stores, with puts, node-aware), the
 # benchmarks (which fail unless their cuda rows ran) and the CPU test suite. Writes one report
 # (markdown + JSON) under docs/gpu/ (or $JAX_EP_GPU_REPORT_DIR) and OUT_DIR. A failing step is
 # recorded and the next one runs; the exit status is non-zero when any step failed. Name STEPs
 # to run only those: env build installed ptxas kernels large ragged memcheck synccheck
-# initcheck racecheck smoke2 smoke4 smoke2_put smoke4_put bench_ep1 bench_virtual tests. See
-# docs/gpu/README.md.
+# initcheck racecheck smoke2 smoke4 smoke2_put smoke4_put smoke4_nodes bench_ep1 bench_virtual
+# tests. See docs/gpu/README.md.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -101,6 +101,8 @@ step smoke2 python3 "$ROOT/tools/gpu_multiprocess_smoke.py" --processes 2
 step smoke4 python3 "$ROOT/tools/gpu_multiprocess_smoke.py" --processes 4
 step smoke2_put python3 "$ROOT/tools/gpu_multiprocess_smoke.py" --processes 2 --peer-access put
 step smoke4_put python3 "$ROOT/tools/gpu_multiprocess_smoke.py" --processes 4 --peer-access put
+step smoke4_nodes python3 "$ROOT/tools/gpu_multiprocess_smoke.py" --processes 4 --peer-access put \
+  --ranks-per-node 2
 step bench_ep1 bench --json "$OUT_DIR/bench_ep1.json"
 step bench_virtual bench --virtual --ranks 8 --json "$OUT_DIR/bench_virtual.json"
 step tests python3 -m pytest -q "$ROOT/tests" --ignore="$ROOT/tests/gpu" -p no:cacheprovider \

@@ -1,9 +1,11 @@
 """Smoke test of the exchange between GPUs through real NVSHMEM: N processes on one GPU.
 
 Run: python tools/gpu_multiprocess_smoke.py --processes 2 [--peer-access put]
+    [--ranks-per-node N]
 Each process joins jax.distributed (127.0.0.1), calls jax_ep.initialize() (with
 $JAX_EP_PEER_ACCESS set to --peer-access: `put` reaches the peers with NVSHMEM's puts, as
-between nodes, which NVSHMEM's P2P transport serves on one GPU too), runs dispatch and
+between nodes, which NVSHMEM's P2P transport serves on one GPU too; --ranks-per-node sets
+$JAX_EP_RANKS_PER_NODE, node-aware: stores within each simulated node), runs dispatch and
 combine (both layouts) and the low-latency round trip with backend="cuda" inside shard_map
 over the N processes, and compares its shard with jax_ep.reference bit for bit. Several
 processes on one GPU run NVSHMEM's "limited MPG" mode: functional only (no NVLink, slow
@@ -80,7 +82,9 @@ def worker(rank: int, num_processes: int, port: int) -> None:
     ll = reference.low_latency_dispatch(ll_x, ll_idx, num_experts=E)
     want = reference.low_latency_combine(ll["x"], ll_idx, ll_w, num_experts=E)[rank:rank + 1]
     assert got.tobytes() == want.tobytes(), "low-latency round trip differs"
-    access = jax_ep.runtime.state()["peer_access"]
+    state = jax_ep.runtime.state()
+    access = state["peer_access"] + (f", nodes of {state['ranks_per_node']}"
+                                     if state["ranks_per_node"] else "")
     jax_ep.finalize()
     print(f"process {rank}/{R} ({access}): ok", flush=True)
 
@@ -91,9 +95,15 @@ def main() -> int:
     parser.add_argument("--timeout", type=int, default=240)
     parser.add_argument("--peer-access", choices=("store", "put"), default="store",
                         help="how the ranks reach each other's buffers ($JAX_EP_PEER_ACCESS)")
+    parser.add_argument("--ranks-per-node", type=int, default=0,
+                        help="simulated nodes of this many ranks ($JAX_EP_RANKS_PER_NODE; "
+                        "needs --peer-access put)")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.ranks_per_node and args.peer_access != "put":
+        parser.error("--ranks-per-node needs --peer-access put (the nodes reach each other "
+                     "with puts)")
     if args.worker is not None:
         worker(args.worker, args.processes, args.port)
         return 0
@@ -103,6 +113,8 @@ def main() -> int:
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     env.update(XLA_PYTHON_CLIENT_PREALLOCATE="false", NVSHMEM_DISABLE_NCCL="1",
                XLA_PYTHON_CLIENT_MEM_FRACTION="0.1", JAX_EP_PEER_ACCESS=args.peer_access)
+    if args.ranks_per_node:
+        env["JAX_EP_RANKS_PER_NODE"] = str(args.ranks_per_node)
     procs = [subprocess.Popen([sys.executable, __file__, "--processes", str(args.processes),
                                "--worker", str(i), "--port", str(port)], env=env)
              for i in range(args.processes)]
@@ -119,7 +131,8 @@ def main() -> int:
             how = f"signal {-code}" if code < 0 else f"exit {code}"
             print(f"process {i}: {how}", flush=True)
         status |= code != 0
-    print(f"smoke with {args.processes} processes ({args.peer_access}): "
+    nodes = f", nodes of {args.ranks_per_node}" if args.ranks_per_node else ""
+    print(f"smoke with {args.processes} processes ({args.peer_access}{nodes}): "
           f"{'ok' if status == 0 else 'FAILED'}")
     return 1 if status else 0
 

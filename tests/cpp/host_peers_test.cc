@@ -5,7 +5,8 @@
 // results must equal the virtual-rank run of the same phases on one thread, byte for byte,
 // and TSan must see no race: the flags the launches meet at alone must order every cross-rank
 // access. Then every op again with peers reached by puts only (HostPutPeers: no pointer into
-// a peer's buffer). The last cases check the timeouts: a peer that starts late is waited for,
+// a peer's buffer), and node-aware, in nodes of 2 ranks (stores only within a node, the
+// normal dispatch through relays). The last cases check the timeouts: a peer that starts late is waited for,
 // one that never comes is reported, to this rank only.
 //
 // No Python, no XLA: built by tests/cpp/CMakeLists.txt, run by ctest (.ci/run).
@@ -294,8 +295,8 @@ void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& 
   }
 }
 
-// `puts`: the host peers were initialized with puts (named in the messages).
-void check_round(const Shape& s, uint32_t seed, const HostGrid& grid, bool puts = false) {
+// `how`: how the host peers were initialized, if not with stores (named in the messages).
+void check_round(const Shape& s, uint32_t seed, const HostGrid& grid, const char* how = "") {
   DispatchData dv(s), dp(s);
   std::mt19937 gen(seed);
   fill_inputs(s, dv, gen);
@@ -308,7 +309,7 @@ void check_round(const Shape& s, uint32_t seed, const HostGrid& grid, bool puts 
   const std::string at = " (R " + std::to_string(s.R) + ", T " + std::to_string(s.T) +
                          ", capacity " + std::to_string(s.capacity) +
                          (s.expert_major ? ", expert-major" : "") + (s.fp8 ? ", fp8" : "") +
-                         (puts ? ", puts" : "") + ", seed " + std::to_string(seed) + ")";
+                         how + ", seed " + std::to_string(seed) + ")";
   expect_equal(dp.recv_x, dv.recv_x, "dispatch recv_x" + at);
   expect_equal(dp.recv_scales, dv.recv_scales, "dispatch recv_scales" + at);
   expect_equal(dp.recv_idx, dv.recv_idx, "dispatch recv_idx" + at);
@@ -398,7 +399,13 @@ int main() {
   host::finalize();
   // Peers reached by puts only.
   if (!host::initialize(32 << 20, 16 << 20, /*puts=*/true).empty()) return 2;
-  for (const Shape& s : shapes) check_round(s, seed + 10 * round++, warps, true);
+  for (const Shape& s : shapes) check_round(s, seed + 10 * round++, warps, ", puts");
+  host::finalize();
+  // Node-aware: two nodes of two ranks.
+  if (!host::initialize(48 << 20, 16 << 20, /*puts=*/true, /*ranks_per_node=*/2).empty()) {
+    return 2;
+  }
+  for (const Shape& s : shapes) check_round(s, seed + 10 * round++, warps, ", nodes of 2");
   host::finalize();
   setenv("JAX_EP_START_TIMEOUT_S", "2", 1);
   setenv("JAX_EP_TIMEOUT_S", "0.2", 1);
