@@ -149,7 +149,7 @@ def _launch(*items: int) -> int:
 
 def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_bytes: int = 0,
              capacity: int | None = None, expert_major: bool = False, between: bool = False,
-             zero_padding: bool = False, puts: bool = False) -> Account:
+             zero_padding: bool = False, puts: bool = False, ranks_per_node: int = 0) -> Account:
     """Normal dispatch of every rank's rows.
 
     Args:
@@ -162,12 +162,15 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
       between: one rank per device (else virtual ranks, all in one call).
       zero_padding: rows past the count are zeroed (the backward of combine).
       puts: between devices, peers reached with puts only.
+      ranks_per_node: with puts, node-aware in nodes of this many ranks (0: one node).
     """
     _check_puts(puts, between)
     R, T, K = np.shape(topk_idx)
     E = num_experts
     if capacity is None:
         capacity = default_capacity(R, T, K, E, expert_major)
+    if ranks_per_node and not puts:
+        raise ValueError("ranks_per_node describes nodes reached with puts: pass puts=True.")
     row = row_bytes + scale_bytes
     # [R, T, K] kept entries or [R, T, R] kept rows: each a destination of a source row.
     kept = (kept_entries if expert_major else kept_rows)(topk_idx, E, capacity)
@@ -184,6 +187,9 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
     # The finish phase copies the delivered rows (and the metadata) out of the symmetric buffer.
     # Waits: the count's for the peers' last op and for their counts, the finish's for the rows.
     landing = delivered * row
+    if puts and 0 < ranks_per_node < R:
+        return _node_aware_dispatch(kept, topk_idx, E, expert_major, ranks_per_node, row,
+                                    padding, minimum, landing)
     if puts:
         # The stage copies every token's row into the send area; the send puts one copy per
         # destination from there.
@@ -192,6 +198,36 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
         return Account("dispatch", 4, 3, read + landing, written + landing,
                        minimum + 2 * landing)
     return Account("dispatch", 3, 3, read + landing, written + landing, minimum + 2 * landing)
+
+
+def _node_aware_dispatch(kept, topk_idx, num_experts, expert_major, ranks_per_node, row,
+                         padding, minimum, landing) -> Account:
+    """Dispatch over puts in nodes: the stage copies every token, the send puts it to each
+    receiver of its own node and once to its relay in each other node it reaches, and the
+    relay stores it into its targets there (reading it once per FAN_OUT). The targets, K
+    (receiver, row) pairs per token and other node, travel as a put of their own and are
+    counted with the rows."""
+    R, T, K = np.shape(topk_idx)
+    if expert_major:  # deliveries of each token to each rank
+        ids = _clean(topk_idx, num_experts)
+        rank = np.where(kept, ids // (num_experts // R), -1)
+        per_rank = (rank[..., None] == np.arange(R)).sum(axis=2)
+    else:
+        per_rank = kept.astype(np.int64)
+    node = np.arange(R) // ranks_per_node
+    nodes = int(node[-1]) + 1
+    per_node = np.stack([per_rank[..., node == m].sum(axis=-1) for m in range(nodes)], -1)
+    own = per_node[np.arange(R), :, node]  # [R, T]: to the source's own node
+    other = per_node.copy()
+    other[np.arange(R), :, node] = 0
+    relayed = int((other > 0).sum())
+    staged, direct, stored = R * T * row, int(own.sum()) * row, int(other.sum()) * row
+    targets = R * T * (nodes - 1) * K * 2 * 4
+    read = staged + direct + relayed * row + _fan_out_reads(other[other > 0]) * row + targets
+    written = staged + direct + relayed * row + stored + padding * row + targets
+    # Launches: count, stage, send, relay, finish; waits: the count's two, the relay's, the
+    # finish's.
+    return Account("dispatch", 5, 4, read + landing, written + landing, minimum + 2 * landing)
 
 
 def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
@@ -317,8 +353,8 @@ LAUNCH_TARGETS = {"dispatch": 3, "combine": 2, "ll_dispatch_send": 2, "ll_dispat
 
 def deepseek_accounts(num_ranks: int = 8, between: bool = False, seed: int = 0,
                       tokens: int = 4096, ll_tokens: int = 128, hidden: int = 7168,
-                      top_k: int = 8, num_experts: int = 256,
-                      puts: bool = False) -> list[Account]:
+                      top_k: int = 8, num_experts: int = 256, puts: bool = False,
+                      ranks_per_node: int = 0) -> list[Account]:
     """Every op's account at DeepSeek's shapes with a uniform random routing."""
     rng = np.random.default_rng(seed)
 
@@ -329,9 +365,10 @@ def deepseek_accounts(num_ranks: int = 8, between: bool = False, seed: int = 0,
     idx, ll_idx = routing(tokens), routing(ll_tokens)
     fp8_row = dict(row_bytes=hidden, scale_bytes=hidden // BLOCK * SCALE_BYTES)
     where = dict(between=between, puts=puts)
+    nodes = dict(ranks_per_node=ranks_per_node if puts else 0)
     accounts = [
-        dispatch(idx, num_experts=num_experts, row_bytes=2 * hidden, **where),
-        dataclasses.replace(dispatch(idx, num_experts=num_experts, **where, **fp8_row),
+        dispatch(idx, num_experts=num_experts, row_bytes=2 * hidden, **where, **nodes),
+        dataclasses.replace(dispatch(idx, num_experts=num_experts, **where, **nodes, **fp8_row),
                             op="dispatch (fp8)"),
         combine(idx, num_experts=num_experts, row_bytes=2 * hidden, **where),
     ]
@@ -372,18 +409,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     p.add_argument("--ranks", type=int, default=8, help="EP ranks (default 8)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ranks-per-node", type=int, default=0,
+                   help="the table over puts node-aware, in nodes of this many ranks")
     args = p.parse_args(argv)
+    if args.ranks_per_node < 0:
+        p.error(f"--ranks-per-node {args.ranks_per_node}: a number of ranks, or 0 for one node.")
     if args.ranks < 1 or 256 % args.ranks:
         p.error(f"--ranks {args.ranks}: the ranks must divide the 256 experts; "
                 "pick one of 1, 2, 4, ..., 256.")
     for between, puts, title in ((False, False, "virtual ranks (one GPU)"),
                                  (True, False, "one rank per GPU (between GPUs)"),
                                  (True, True, "one rank per GPU, peers reached by puts "
-                                  "(JAX_EP_PEER_ACCESS=put, between nodes)")):
+                                  "(JAX_EP_PEER_ACCESS=put, between nodes)" + (
+                                      f", node-aware in nodes of {args.ranks_per_node}"
+                                      if 0 < args.ranks_per_node < args.ranks else ""))):
         print(f"R = {args.ranks}, {title}; targets: launches dispatch <= 3, combine <= 2, "
               f"low latency <= 2 per half; moved <= {BYTES_TARGET} x minimum; (over) marks a "
               "miss\n")
-        print(table(deepseek_accounts(args.ranks, between, args.seed, puts=puts)))
+        print(table(deepseek_accounts(args.ranks, between, args.seed, puts=puts,
+                                      ranks_per_node=args.ranks_per_node)))
         print()
 
 

@@ -16,6 +16,7 @@ import pytest
 from harness import sharded
 from test_host_peers import (
     host_peers,  # noqa: F401  (the fixture: host peers initialized)
+    node_peers,  # noqa: F401  (host peers in nodes, one test)
     put_peers,  # noqa: F401  (host peers reached by puts, one test)
 )
 from test_virtual import routing
@@ -142,7 +143,8 @@ def test_between_devices_round_trip(R, expert_major):
     counted, _ = metered(run, x, idx, w)
     puts = over_puts()
     want = (account.dispatch(idx, num_experts=E, row_bytes=2 * H, expert_major=expert_major,
-                             between=True, puts=puts)
+                             between=True, puts=puts,
+                             ranks_per_node=runtime.state()["ranks_per_node"])
             + account.combine(idx, num_experts=E, row_bytes=2 * H, expert_major=expert_major,
                               between=True, puts=puts))
     assert_counts(counted, want, ranks_running=R)
@@ -183,6 +185,14 @@ def test_between_devices_round_trip_over_puts(put_peers, R, expert_major):  # no
 @pytest.mark.parametrize("R", [2, 4])
 def test_between_devices_low_latency_over_puts(put_peers, R):  # noqa: F811
     test_between_devices_low_latency(R)
+
+
+@pytest.mark.parametrize("R", [4, 5])
+@pytest.mark.parametrize("expert_major", [False, True])
+def test_between_devices_round_trip_in_nodes(node_peers, R, expert_major):  # noqa: F811
+    """Node-aware: the send puts to the receivers of its node and once to each other node's
+    relay, which stores the row into its targets there."""
+    test_between_devices_round_trip(R, expert_major)
 
 
 def test_puts_need_ranks_on_devices():
