@@ -57,7 +57,9 @@ std::string runtime_initialize(const uint8_t* unique_id, int rank, int num_ranks
     return "nvshmemx_set_attr_uniqueid_args failed";
   }
   if (nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) != 0) {
-    return "nvshmemx_init_attr failed";
+    return "nvshmemx_init_attr failed (NVSHMEM_DEBUG=INFO prints why; between nodes NVSHMEM "
+           "needs a remote transport that works there, IBGDA or IBRC over InfiniBand or RoCE: "
+           "docs/cuda.md, \"Across nodes\")";
   }
   if (nvshmem_my_pe() != rank || nvshmem_n_pes() != num_ranks) {
     return "NVSHMEM numbers this process PE " + std::to_string(nvshmem_my_pe()) + " of " +
