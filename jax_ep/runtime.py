@@ -24,10 +24,9 @@ the rows home (sized by `buffer_regions`). Between GPUs the puts are NVSHMEM's (
 yet run on a GPU: docs/cuda.md).
 
 Nodes, `$JAX_EP_RANKS_PER_NODE` (or, between GPUs, the processes' hosts, shared through the
-key-value store): with ranks split into nodes of consecutive ranks, the peers of a node are
-reached with stores and the other nodes with puts, and the normal dispatch is node-aware: a
-token crosses to another node once, to the rank there with its index in the node, which
-stores it into the receivers of its node. On CPU devices the variable simulates the split.
+key-value store): with ranks split into nodes of consecutive ranks, the peers are reached with
+puts and the normal dispatch is node-aware: a token crosses to another node once, to the rank
+there with its index in the node, which stores it into the receivers of its node. On CPU devices the variable simulates the split.
 """
 
 from __future__ import annotations
