@@ -286,6 +286,12 @@ inline size_t carve_low_latency(char* base, int R, int T, int K, int E, int H, b
   return c.used();
 }
 
+// Ranks per node of a group of num_ranks split into nodes of n (0: unsplit): n where the split
+// applies (over puts, more than one node), else 0 (one node).
+inline int node_split(bool puts, int n, int num_ranks) {
+  return puts && n > 0 && n < num_ranks ? n : 0;
+}
+
 // The regions a configuration needs: its largest normal-mode call (dispatch with FP8 scales
 // and combine with weights, rank-major and, with expert_major, expert-major; capacity 0 is
 // the ops' default) and its low-latency calls (FP8 or not) with ll_tokens tokens, over puts
@@ -308,7 +314,7 @@ inline RegionBytes buffer_region_bytes(int R, int T, int K, int E, int H, int dt
     d.expert_major = em;
     d.row_bytes = static_cast<int64_t>(H) * dtype_bytes;
     d.scale_cols = H / kFp8Block;
-    d.ranks_per_node = puts && ranks_per_node > 0 && ranks_per_node < R ? ranks_per_node : 0;
+    d.ranks_per_node = node_split(puts, ranks_per_node, R);
     CombineArgs<char> c{};
     c.num_ranks = R, c.num_tokens = T, c.top_k = K;
     c.hidden = H * dtype_bytes;  // rows of dtype_bytes-wide elements, counted in bytes
@@ -345,8 +351,7 @@ bool uses_puts(const Platform& p) {
 template <typename Platform>
 int ranks_per_node(const Platform& p, int num_ranks) {
   if constexpr (Platform::kPutPeers) {
-    const int n = p.puts() ? p.ranks_per_node() : 0;
-    return n > 0 && n < num_ranks ? n : 0;
+    return node_split(p.puts(), p.ranks_per_node(), num_ranks);
   } else {
     return 0;
   }
