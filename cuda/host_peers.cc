@@ -28,11 +28,12 @@ struct RankStatus {
   Wait wait = Wait::kInOp;
 };
 
-// Per-rank state that only the rank's own launches touch.
+// Per-rank state that only the rank's own launches touch, one exchange at a time (`busy`).
 struct RankState {
   uint64_t epoch = 0;  // launches of this rank that arrived (Meet)
   RegionUse low_latency[2];  // the two low-latency regions (cuda/peer_ops.h)
   RankStatus status;
+  std::atomic<bool> busy{false};  // an exchange of this rank is running
 };
 
 // R symmetric buffers in anonymous memory (zero until written, pages on first touch).
@@ -202,12 +203,24 @@ class HostPlatform {
     }
     me_ = rank;
     op_ = op;
-    const RankStatus& status = group_->rank(me_).status;
-    if (status.timed_out) {
-      return after_timeout(op, status.op, status.peer, status.wait, group_->timeouts(),
+    RankState& state = group_->rank(me_);
+    if (state.busy.exchange(true, std::memory_order_acquire)) {
+      group_ = nullptr;  // the running exchange keeps the rank
+      return PeerError{name + ": rank " + std::to_string(rank) + " of this EP group is already "
+                       "running another exchange. The exchanges of a program run one at a "
+                       "time, in one order on every rank (jax_ep orders them with a token); "
+                       "two at once would share the rank's buffer and flags"};
+    }
+    if (state.status.timed_out) {
+      return after_timeout(op, state.status.op, state.status.peer, state.status.wait,
+                           group_->timeouts(),
                            "call jax_ep.finalize() and jax_ep.initialize() again");
     }
     return PeerError{};
+  }
+  // Ends the exchange open() began: the rank may run the next one.
+  void close() {
+    if (group_ != nullptr) group_->rank(me_).busy.store(false, std::memory_order_release);
   }
 
   Peers peers() const {
@@ -337,7 +350,9 @@ template <typename Args>
 PeerError run(int op, const Args& args, int rank, const HostGrid& grid) {
   HostPlatform platform(grid);
   PeerError error = platform.open(op, args.num_ranks, rank);
-  return error.ok() ? run_op(platform, op, args) : error;
+  if (error.ok()) error = run_op(platform, op, args);
+  platform.close();
+  return error;
 }
 
 #define JAX_EP_INSTANTIATE(Args) \

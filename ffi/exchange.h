@@ -3,7 +3,8 @@
 // group in one call), V = 1 between devices (one rank per device, peers through NVSHMEM on GPUs, through host
 // peers on CPU devices). Shapes below write R for that leading axis. Every target takes the attribute
 // num_ranks (R) and, before the operands listed below, `ranks` s32 [R]: the EP rank of each
-// stacked rank (0..R-1 with virtual ranks; the EP axis index between devices).
+// stacked rank (0..R-1 with virtual ranks; the EP axis index between devices), then a token;
+// its first result is the next token (the one order of exchanges, jax_ep/_exchange_order.py).
 //
 // The targets are named by kPeerOpNames (cuda/peer_ops.h). Each takes its operands and
 // results as variadic lists (the order is documented at the parser below and mirrored by
@@ -104,8 +105,8 @@ struct Call {
 
 // Parses a call of target `op` (PeerOp, cuda/peer_ops.h): its attributes, its ranks operand
 // and the operands and results of its parser above. Every target binds the same way on each
-// platform (exchange_cpu.cc, exchange_cuda.cc): the ranks operand, the remaining operands and
-// results, and the attributes as a dictionary.
+// platform (exchange_cpu.cc, exchange_cuda.cc): the ranks operand, the order token in and out,
+// the remaining operands and results, and the attributes as a dictionary.
 xffi::Error ParseCall(int op, const xffi::AnyBuffer& ranks, xffi::RemainingArgs args,
                       xffi::RemainingRets rets, const xffi::Dictionary& attrs, Call* call);
 

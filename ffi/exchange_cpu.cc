@@ -57,8 +57,8 @@ void PoisonPadding(int, const Args&, int64_t) {}
 // Every target: parse, then run the op with virtual ranks (cuda/virtual_ops.h) or, between
 // devices, for this device's rank through host peers.
 template <int Op>
-xffi::Error ExchangeCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingArgs args,
-                            xffi::RemainingRets rets, xffi::Dictionary attrs) {
+xffi::Error ExchangeCpuImpl(xffi::AnyBuffer ranks, xffi::Token, xffi::RemainingArgs args,
+                            xffi::Result<xffi::Token>, xffi::RemainingRets rets, xffi::Dictionary attrs) {
   Call call;
   JAX_EP_RETURN_IF_ERROR(ParseCall(Op, ranks, args, rets, attrs, &call));
   HostGrid grid;
@@ -79,7 +79,9 @@ xffi::Error ExchangeCpuImpl(xffi::AnyBuffer ranks, xffi::RemainingArgs args,
 auto Binding() {
   return xffi::Ffi::Bind()
       .Arg<xffi::AnyBuffer>()
+      .Arg<xffi::Token>()
       .RemainingArgs()
+      .Ret<xffi::Token>()
       .RemainingRets()
       .Attrs<xffi::Dictionary>();
 }

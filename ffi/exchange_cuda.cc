@@ -14,8 +14,9 @@ namespace {
 using Stream = xffi::PlatformStream<cudaStream_t>;
 
 template <int Op>
-xffi::Error ExchangeCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks,
-                             xffi::RemainingArgs args, xffi::RemainingRets rets,
+xffi::Error ExchangeCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks, xffi::Token,
+                             xffi::RemainingArgs args, xffi::Result<xffi::Token>,
+                             xffi::RemainingRets rets,
                              xffi::Dictionary attrs) {
   Call call;
   JAX_EP_RETURN_IF_ERROR(ParseCall(Op, ranks, args, rets, attrs, &call));
@@ -32,7 +33,9 @@ auto Binding() {
   return xffi::Ffi::Bind()
       .Ctx<Stream>()
       .Arg<xffi::AnyBuffer>()
+      .Arg<xffi::Token>()
       .RemainingArgs()
+      .Ret<xffi::Token>()
       .RemainingRets()
       .Attrs<xffi::Dictionary>();
 }

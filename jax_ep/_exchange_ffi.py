@@ -24,28 +24,9 @@ import numpy as np
 from jax import lax
 from jax.experimental.compute_on import compute_on2
 
-from jax_ep import _ffi, fp8
+from jax_ep import _exchange_order, _ffi, fp8
 from jax_ep.backends import ANYWHERE, Placement
 from jax_ep.structs import DispatchHandle, Received
-
-
-def _allow_remat() -> None:
-    """Lets jax.checkpoint (nnx.remat) recompute a forward pass that holds exchanges.
-
-    The exchanges are side-effecting custom calls, and JAX refuses effects in a recomputed
-    forward pass unless their type is declared safe for it. It is safe here: every rank runs
-    the same program, so a recomputation repeats the same exchanges on every rank in the same
-    order, and they meet their peers again. JAX gives side-effecting FFI calls one effect type
-    (not public): where this JAX has none, recomputation stays refused by JAX's own error.
-    """
-    from jax._src import effects, ffi
-
-    effect = getattr(ffi, "FfiEffect", None)
-    if effect is not None:
-        effects.remat_allowed_effects.add_type(effect)
-
-
-_allow_remat()
 
 
 def _types(like: jax.Array, shapes) -> list:
@@ -53,16 +34,21 @@ def _types(like: jax.Array, shapes) -> list:
     return [base.update(shape=tuple(s), dtype=jnp.dtype(d)) for s, d in shapes]
 
 
-def _exchange_call(target: str, result_types, operands, attrs: dict, placement: Placement,
-                   **kwargs):
-    """An exchange custom call, marked side-effecting: between devices it meets its peers, so
-    XLA must run it exactly once on every rank, in program order (never drop, duplicate or
-    reorder it on one rank only). Placed on `placement.stream` when it names one."""
-    call = jax.ffi.ffi_call(target, result_types, has_side_effect=True, **kwargs)
+def _exchange_call(target: str, result_types, operands, attrs: dict, placement: Placement, *,
+                   axis_name: str | None, stacked: int, aliases: dict[int, int] | None = None):
+    """An exchange custom call: the ranks operand (`_ranks(axis_name, stacked)`), then
+    `operands`. Side-effecting (XLA runs it exactly once per rank) and, between devices, in
+    the program's one order of exchanges (jax_ep/_exchange_order.py). Placed on
+    `placement.stream` when it names one. `aliases` maps operand indices (the ranks are 0)
+    to result indices."""
     attrs = _attrs(**attrs, num_sms=placement.num_sms)
+    ordered = axis_name is not None and attrs["num_ranks"] > 1
+    single = not isinstance(result_types, (list, tuple))
+    types = [result_types] if single else list(result_types)
 
     def run(*args):
-        return call(*args, **attrs)
+        outs = _exchange_order.call(target, types, args, attrs, aliases, ordered=ordered)
+        return outs[0] if single else outs
 
     if placement.stream is not None:
         device = jax.tree.map(lambda _: jax.memory.Space.Device, result_types)
@@ -70,7 +56,7 @@ def _exchange_call(target: str, result_types, operands, attrs: dict, placement: 
                           out_memory_spaces=device)
     run = jax.custom_batching.custom_vmap(run)
     run.def_vmap(_refuse_vmap)
-    return run(*operands)
+    return run(_ranks(axis_name, stacked), *operands)
 
 
 def _refuse_vmap(axis_size, in_batched, *args):
@@ -124,9 +110,9 @@ def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, ca
     }
     outs = _exchange_call(
         "jax_ep_dispatch", _types(topk_idx, names_shapes.values()),
-        (_ranks(axis_name, V), data, scales, topk_idx, topk_weights),
+        (data, scales, topk_idx, topk_weights),
         dict(num_ranks=R, num_experts=E, capacity=cap, expert_major=expert_major,
-             zero_padding=zero_padding), placement)
+             zero_padding=zero_padding), placement, axis_name=axis_name, stacked=V)
     result = dict(zip(names_shapes, outs, strict=True))
     if not S:
         result["scales"] = None
@@ -177,8 +163,9 @@ def combine(y, weights, src_row, row_entries, *, num_ranks, top_k, expert_major,
     partial_rows = num_ranks * T if expert_major else 0
     out, _ = _exchange_call(
         "jax_ep_combine", _types(y, [((V, T, H), y.dtype), ((V, partial_rows, H), y.dtype)]),
-        (_ranks(axis_name, V), y, weights, src_row, row_entries),
-        dict(num_ranks=num_ranks, expert_major=expert_major), placement)
+        (y, weights, src_row, row_entries),
+        dict(num_ranks=num_ranks, expert_major=expert_major), placement, axis_name=axis_name,
+        stacked=V)
     return out
 
 
@@ -197,8 +184,9 @@ def ll_dispatch_send(x, topk_idx, *, num_ranks, num_experts, use_fp8, axis_name=
         ((_ffi.EXT.workspace("jax_ep_ll_dispatch_send", R, T, K, E, V),), i32),
     ]
     recv_x, recv_scales, src_row, clean_idx, num_invalid, counts, _ = _exchange_call(
-        "jax_ep_ll_dispatch_send", _types(topk_idx, shapes), (_ranks(axis_name, V), x, topk_idx),
-        dict(num_ranks=R, num_experts=E, use_fp8=use_fp8, buffer=placement.buffer), placement)
+        "jax_ep_ll_dispatch_send", _types(topk_idx, shapes), (x, topk_idx),
+        dict(num_ranks=R, num_experts=E, use_fp8=use_fp8, buffer=placement.buffer), placement,
+        axis_name=axis_name, stacked=V)
     return {"recv_x": recv_x, "recv_scales": recv_scales, "src_row": src_row,
             "clean_idx": clean_idx, "num_invalid": num_invalid, "counts": counts}
 
@@ -211,9 +199,9 @@ def ll_dispatch_recv(data, *, num_ranks, num_experts, axis_name=None, placement=
         "jax_ep_ll_dispatch_recv",
         _types(src_row, [(a.shape, a.dtype) for a in (recv_x, recv_scales, src_row)]
                + [((V, num_experts // num_ranks), jnp.int32)]),
-        (_ranks(axis_name, V), recv_x, recv_scales, src_row, data["counts"]),
+        (recv_x, recv_scales, src_row, data["counts"]),
         dict(num_ranks=num_ranks, num_experts=num_experts, buffer=placement.buffer), placement,
-        input_output_aliases={1: 0, 2: 1, 3: 2})
+        axis_name=axis_name, stacked=V, aliases={1: 0, 2: 1, 3: 2})
     return recv_x, recv_scales if recv_scales.shape[3] else None, src_row, count
 
 
@@ -225,8 +213,9 @@ def ll_combine_send(y, src_row, *, num_ranks, num_experts, axis_name=None,
     V, _, T, K = src_row.shape
     return _exchange_call(
         "jax_ep_ll_combine_send", _types(y, [((V, T, K, y.shape[3]), jnp.bfloat16)])[0],
-        (_ranks(axis_name, V), y, src_row),
-        dict(num_ranks=num_ranks, num_experts=num_experts, buffer=placement.buffer), placement)
+        (y, src_row),
+        dict(num_ranks=num_ranks, num_experts=num_experts, buffer=placement.buffer), placement,
+        axis_name=axis_name, stacked=V)
 
 
 def ll_combine_recv(rows, src_row, clean_idx, topk_weights, *, num_ranks, num_experts,
@@ -238,5 +227,6 @@ def ll_combine_recv(rows, src_row, clean_idx, topk_weights, *, num_ranks, num_ex
     V, T, _ = clean_idx.shape
     return _exchange_call(
         "jax_ep_ll_combine_recv", _types(rows, [((V, T, rows.shape[3]), jnp.bfloat16)])[0],
-        (_ranks(axis_name, V), rows, src_row, clean_idx, topk_weights),
-        dict(num_ranks=num_ranks, num_experts=num_experts, buffer=placement.buffer), placement)
+        (rows, src_row, clean_idx, topk_weights),
+        dict(num_ranks=num_ranks, num_experts=num_experts, buffer=placement.buffer), placement,
+        axis_name=axis_name, stacked=V)

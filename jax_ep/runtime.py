@@ -26,7 +26,8 @@ yet run on a GPU: docs/cuda.md).
 Nodes, `$JAX_EP_RANKS_PER_NODE` (or, between GPUs, the processes' hosts, shared through the
 key-value store): with ranks split into nodes of consecutive ranks, the peers are reached with
 puts and the normal dispatch is node-aware: a token crosses to another node once, to the rank
-there with its index in the node, which stores it into the receivers of its node. On CPU devices the variable simulates the split.
+there with its index in the node, which stores it into the receivers of its node. On CPU
+devices the variable simulates the split.
 """
 
 from __future__ import annotations
@@ -212,9 +213,10 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
     if _state:
         raise RuntimeError(f"{op}: already initialized ({_state}); call jax_ep.finalize() "
                            f"first to change the buffer.")
-    from jax_ep import _ffi
+    from jax_ep import _exchange_order, _ffi
 
     _ffi.require_extension(op)
+    _exchange_order.wait_and_forget()
     access = peer_access()
     gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
     if len(gpus) > 1:
@@ -304,8 +306,10 @@ def finalize() -> None:
     executables that reference the buffer). A no-op when not initialized."""
     if not _state:
         return
+    from jax_ep import _exchange_order, _ffi
+
+    _exchange_order.wait_and_forget()
     jax.clear_caches()
-    from jax_ep import _ffi
 
     platform = _state.get("platform")
     _state.clear()

@@ -139,8 +139,10 @@ def test_two_low_latency_exchanges_in_flight_on_the_two_regions(R):
 
 def test_a_second_dispatch_sent_on_a_buffer_in_flight_is_refused():
     """Two dispatches sent on one low-latency buffer before either is received: the second
-    would overwrite the first's messages, so it fails and names the fix. The failed step
-    frees the buffer: the same dispatches on the two buffers then run."""
+    would overwrite the first's messages, so it fails and names the fix. A failed exchange
+    leaves the order of exchanges in error (later programs with exchanges fail with its
+    error) until jax_ep is initialized again; then the same dispatches on the two buffers
+    run."""
     R, T, K, E, H = 2, 4, 2, 4, 128
     rng = np.random.default_rng()
     idx, _ = routing(rng, R, T, K, E, "uniform")
@@ -155,11 +157,17 @@ def test_a_second_dispatch_sent_on_a_buffer_in_flight_is_refused():
 
         return per_shard
 
-    with pytest.raises(Exception, match=r"jax_ep_ll_dispatch_send: low-latency buffer 0 still "
-                                        r"holds an exchange that was sent and not yet received; "
-                                        r"call low_latency_dispatch_recv on it .* or send this "
-                                        r"one on buffer 1"):
+    refused = (r"jax_ep_ll_dispatch_send: low-latency buffer 0 still holds an exchange that "
+               r"was sent and not yet received; call low_latency_dispatch_recv on it .* or "
+               r"send this one on buffer 1")
+    with pytest.raises(Exception, match=refused):
         jax.block_until_ready(sharded(program((0, 0)), R)(x, idx))
+    with pytest.raises(Exception, match=refused):
+        jax.block_until_ready(sharded(program((0, 1)), R)(x, idx))
+    state = jax_ep.runtime.state()
+    jax_ep.finalize()
+    jax_ep.initialize(buffer_bytes=state["buffer_bytes"],
+                      low_latency_bytes=state["low_latency_bytes"])
     counts = [np.asarray(c) for c in sharded(program((0, 1)), R)(x, idx)]
     np.testing.assert_array_equal(counts[0], counts[1])
 

@@ -6,10 +6,12 @@
 // and TSan must see no race: the flags the launches meet at alone must order every cross-rank
 // access. Then every op again with peers reached by puts only (HostPutPeers: no pointer into
 // a peer's buffer), and node-aware, in nodes of 2 ranks (stores only within a node, the
-// normal dispatch through relays). The last cases check the timeouts: a peer that starts late is waited for,
-// one that never comes is reported, to this rank only.
+// normal dispatch through relays). The last cases check that two exchanges issued at once on
+// one rank are refused, and the timeouts: a peer that starts late is waited for, one that
+// never comes is reported, to this rank only.
 //
 // No Python, no XLA: built by tests/cpp/CMakeLists.txt, run by ctest (.ci/run).
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -371,6 +373,35 @@ void check_timeout() {
          "the timeout is remembered: got '" + again.message + "'");
 }
 
+// Two exchanges issued at once on one rank (as two streams, or a program whose exchanges
+// are not ordered, would): whichever comes second is refused at once, naming the cause, and
+// the other meets its peer as usual. Rank 1 starts only after the refusal.
+void check_two_at_once() {
+  Shape s{2, 3, 2, 4, 128, 6, false, false};
+  DispatchData first(s), second(s), peer(s);
+  std::mt19937 gen(11);
+  fill_inputs(s, first, gen);
+  second.x = peer.x = first.x, second.idx = peer.idx = first.idx;
+  second.weights = peer.weights = first.weights;
+  PeerError errors[2];
+  std::atomic<int> returned{0};
+  auto issue = [&](DispatchData* d, PeerError* error) {
+    *error = host::run(kPeerDispatch, d->args(s, 0), 0, HostGrid{});
+    returned.fetch_add(1);
+  };
+  std::thread a(issue, &first, &errors[0]), b(issue, &second, &errors[1]);
+  while (returned.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const PeerError at_peer = host::run(kPeerDispatch, peer.args(s, 1), 1, HostGrid{});
+  a.join();
+  b.join();
+  const std::string refused = "rank 0 of this EP group is already running another exchange";
+  const int refusals = (errors[0].message.find(refused) != std::string::npos) +
+                       (errors[1].message.find(refused) != std::string::npos);
+  expect(refusals == 1 && (errors[0].ok() || errors[1].ok()) && at_peer.ok(),
+         "two exchanges at once on a rank: one refused, the other done; got '" +
+             errors[0].message + "', '" + errors[1].message + "', '" + at_peer.message + "'");
+}
+
 }  // namespace
 }  // namespace jax_ep
 
@@ -411,6 +442,7 @@ int main() {
   setenv("JAX_EP_TIMEOUT_S", "0.2", 1);
   if (!host::initialize(1 << 20, 0).empty()) return 2;
   check_late_peer();
+  check_two_at_once();
   check_timeout();
   host::finalize();
   std::printf("host peers test: %s\n", failures ? "FAILED" : "passed");
