@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace jax_ep::cuda {
 
@@ -47,11 +48,13 @@ struct SymmetricBuffer {
   void* ptr;
   size_t bytes;
   size_t low_latency_offset;  // where the low-latency regions start (cuda/peer_ops.h)
-  int rank;
-  int num_ranks;
+  int rank;        // this process's PE
+  int num_ranks;   // PEs
   int generation;  // counts initializations: per-buffer state elsewhere starts over on a change
   bool puts;       // the peers are reached with puts (cuda/peer_exchange.cu, NvshmemPutPeers)
   int ranks_per_node;  // with puts: node-aware, stores within nodes of this many; 0: one node
+  std::vector<int64_t> device_of_pe;  // the JAX id of each PE's GPU (the EP groups list ids)
+  std::vector<int> node_of_pe;        // the node each PE runs on
 };
 const SymmetricBuffer* symmetric_buffer();
 
@@ -59,15 +62,42 @@ const SymmetricBuffer* symmetric_buffer();
 // rank 0, checks the host and device views of the PE numbering, and allocates a zeroed
 // symmetric buffer of `buffer_bytes` whose last `low_latency_bytes` hold the low-latency
 // regions, laid out for peers reached with puts where `puts` says (node-aware with
-// ranks_per_node > 0). Collective: every rank calls it. Returns an empty string on success,
-// else what failed. NVSHMEM ends the process when its bootstrap fails, so the caller checks
-// every precondition first.
+// ranks_per_node > 0). device_of_pe and node_of_pe (num_ranks each) give every PE's GPU (its
+// JAX device id) and node, for the EP groups of a mesh (cuda/ep_group.h). Collective: every
+// rank calls it. Returns an empty string on success, else what failed. NVSHMEM ends the
+// process when its bootstrap fails, so the caller checks every precondition first.
 std::string runtime_initialize(const uint8_t* unique_id, int rank, int num_ranks, int device,
                                size_t buffer_bytes, size_t low_latency_bytes, bool puts,
-                               int ranks_per_node);
+                               int ranks_per_node, const std::vector<int64_t>& device_of_pe,
+                               const std::vector<int>& node_of_pe);
 
 // Frees the symmetric buffer and finalizes NVSHMEM (collective). Empty string on success.
 std::string runtime_finalize();
+
+// The GPUs of one process (cuda/local_exchange.cu): a buffer of the same size and layout on
+// each, reached by the others through CUDA peer access; nullptr from local_buffers() when not
+// initialized.
+constexpr int kMaxLocalGpus = 64;
+struct LocalBuffers {
+  std::vector<int> ordinals;          // the CUDA device of each GPU
+  std::vector<int64_t> device_ids;    // its JAX device id (the EP groups list ids)
+  std::vector<char*> ptrs;            // its buffer, on that GPU
+  size_t bytes;
+  size_t low_latency_offset;          // where the low-latency regions start (cuda/peer_ops.h)
+  int generation;  // counts initializations: per-buffer state elsewhere starts over on a change
+};
+const LocalBuffers* local_buffers();
+
+// Allocates a zeroed buffer of `buffer_bytes` (its last `low_latency_bytes` the low-latency
+// regions) on each of the CUDA devices `ordinals` (JAX ids `device_ids`) and enables peer
+// access between every pair. Empty string on success, else what failed (a pair of GPUs
+// without peer access among them).
+std::string local_initialize(const std::vector<int>& ordinals,
+                             const std::vector<int64_t>& device_ids, size_t buffer_bytes,
+                             size_t low_latency_bytes);
+
+// Frees the buffers of local_initialize. Empty string on success.
+std::string local_finalize();
 
 // Version of the NVSHMEM headers and device library compiled in.
 int nvshmem_version_major();

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <new>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace jax_ep::host {
@@ -36,12 +37,14 @@ struct RankState {
   std::atomic<bool> busy{false};  // an exchange of this rank is running
 };
 
-// R symmetric buffers in anonymous memory (zero until written, pages on first touch).
+// R symmetric buffers in anonymous memory (zero until written, pages on first touch), for
+// the group of devices `key` (cuda/ep_group.h; {-R}: the group of R ranks without a table).
 class Group {
  public:
-  Group(int num_ranks, size_t bytes, size_t low_latency_offset, bool puts, int ranks_per_node,
-        const Timeouts& timeouts)
-      : bytes_(bytes),
+  Group(std::vector<int64_t> key, int num_ranks, size_t bytes, size_t low_latency_offset,
+        bool puts, int ranks_per_node, const Timeouts& timeouts)
+      : key_(std::move(key)),
+        bytes_(bytes),
         low_latency_offset_(low_latency_offset),
         puts_(puts),
         ranks_per_node_(ranks_per_node),
@@ -62,6 +65,7 @@ class Group {
   Group(const Group&) = delete;
   Group& operator=(const Group&) = delete;
 
+  const std::vector<int64_t>& key() const { return key_; }
   int num_ranks() const { return static_cast<int>(regions_.size()); }
   size_t bytes() const { return bytes_; }
   size_t low_latency_offset() const { return low_latency_offset_; }
@@ -76,6 +80,7 @@ class Group {
   }
 
  private:
+  std::vector<int64_t> key_;
   size_t bytes_, low_latency_offset_;
   bool puts_;
   int ranks_per_node_;
@@ -84,32 +89,50 @@ class Group {
   std::vector<RankState> ranks_;
 };
 
-// The groups, one per number of ranks. An op finds its group with an atomic load, not under
-// the mutex: a lock taken by every rank on every op would order the ranks' ops as a barrier
-// does, and hide a missing barrier from ThreadSanitizer.
+// The groups, created on first use and kept until finalize, in a list that an op searches
+// without the mutex: a lock taken by every rank on every op would order the ranks' ops as a
+// barrier does, and hide a missing barrier from ThreadSanitizer.
 struct Registry {
+  struct Node {
+    std::unique_ptr<Group> group;
+    Node* next;
+  };
   std::mutex mutex;  // initialize, finalize, creating a group
   size_t bytes = 0;  // 0: not initialized
   size_t low_latency_offset = 0;
   bool puts = false;
   int ranks_per_node = 0;
   Timeouts timeouts;
-  std::atomic<Group*> groups[kMaxPeers + 1] = {};
-  std::vector<std::unique_ptr<Group>> owned;
+  std::atomic<Node*> groups{nullptr};
 
-  // The group of `num_ranks` ranks, created on first use; nullptr when not initialized.
-  Group* group(int num_ranks) {
-    Group* g = groups[num_ranks].load(std::memory_order_acquire);
-    if (g != nullptr) return g;
-    std::lock_guard<std::mutex> lock(mutex);
-    g = groups[num_ranks].load(std::memory_order_acquire);
-    if (g == nullptr && bytes != 0) {
-      owned.push_back(std::make_unique<Group>(num_ranks, bytes, low_latency_offset, puts,
-                                              ranks_per_node, timeouts));
-      g = owned.back().get();
-      groups[num_ranks].store(g, std::memory_order_release);
+  static Group* find(Node* node, const std::vector<int64_t>& key) {
+    for (; node != nullptr; node = node->next) {
+      if (node->group->key() == key) return node->group.get();
     }
-    return g;
+    return nullptr;
+  }
+  // The group of `key` with `num_ranks` ranks, created on first use; nullptr when not
+  // initialized.
+  Group* group(const std::vector<int64_t>& key, int num_ranks) {
+    if (Group* g = find(groups.load(std::memory_order_acquire), key)) return g;
+    std::lock_guard<std::mutex> lock(mutex);
+    Node* head = groups.load(std::memory_order_acquire);
+    if (Group* g = find(head, key)) return g;
+    if (bytes == 0) return nullptr;
+    auto* node = new Node{std::make_unique<Group>(key, num_ranks, bytes, low_latency_offset,
+                                                  puts, ranks_per_node, timeouts),
+                          head};
+    groups.store(node, std::memory_order_release);
+    return node->group.get();
+  }
+  // Frees every group (under the mutex).
+  void clear() {
+    Node* node = groups.exchange(nullptr, std::memory_order_acq_rel);
+    while (node != nullptr) {
+      Node* next = node->next;
+      delete node;
+      node = next;
+    }
   }
 };
 
@@ -187,7 +210,7 @@ class HostPlatform {
 
   explicit HostPlatform(const HostGrid& grid) : grid_(grid) {}
 
-  PeerError open(int op, int num_ranks, int rank) {
+  PeerError open(int op, int num_ranks, int rank, const GroupTable& groups) {
     const std::string name = kPeerOpNames[op];
     if (num_ranks > kMaxPeers) {
       return PeerError{name + ": at most " + std::to_string(kMaxPeers) + " ranks are supported"};
@@ -196,7 +219,13 @@ class HostPlatform {
       return PeerError{name + ": EP rank " + std::to_string(rank) + " is outside [0, " +
                        std::to_string(num_ranks) + ")"};
     }
-    group_ = registry().group(num_ranks);
+    std::vector<int64_t> key{-num_ranks};  // no table: one group of num_ranks ranks
+    if (groups.size > 0) {
+      int found = 0;
+      const std::string error = find_group(groups, num_ranks, rank, &key, &found);
+      if (!error.empty()) return PeerError{name + ": " + error};
+    }
+    group_ = registry().group(key, num_ranks);
     if (group_ == nullptr) {
       return PeerError{name + ": the exchange between devices needs jax_ep.initialize() first "
                               "(on CPU it sets up host buffers standing in for NVSHMEM's)"};
@@ -335,8 +364,7 @@ std::string initialize(size_t bytes_per_rank, size_t low_latency_bytes, bool put
 void finalize() {
   Registry& reg = registry();
   std::lock_guard<std::mutex> lock(reg.mutex);
-  for (std::atomic<Group*>& group : reg.groups) group.store(nullptr, std::memory_order_release);
-  reg.owned.clear();
+  reg.clear();
   reg.bytes = 0;
 }
 
@@ -347,16 +375,17 @@ size_t buffer_bytes() {
 }
 
 template <typename Args>
-PeerError run(int op, const Args& args, int rank, const HostGrid& grid) {
+PeerError run(int op, const Args& args, int rank, const HostGrid& grid,
+              const GroupTable& groups) {
   HostPlatform platform(grid);
-  PeerError error = platform.open(op, args.num_ranks, rank);
+  PeerError error = platform.open(op, args.num_ranks, rank, groups);
   if (error.ok()) error = run_op(platform, op, args);
   platform.close();
   return error;
 }
 
 #define JAX_EP_INSTANTIATE(Args) \
-  template PeerError run<Args>(int, const Args&, int, const HostGrid&);
+  template PeerError run<Args>(int, const Args&, int, const HostGrid&, const GroupTable&);
 JAX_EP_FOR_EACH_OP_ARGS(JAX_EP_INSTANTIATE)
 #undef JAX_EP_INSTANTIATE
 

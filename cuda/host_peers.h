@@ -14,14 +14,16 @@
 // wait bounded (Wait: peers starting an op get $JAX_EP_START_TIMEOUT_S, peers inside it
 // $JAX_EP_TIMEOUT_S). A timeout is remembered, and every later op of that rank reports it.
 //
-// Groups are keyed by R: the programs that exchange through host peers with the same number
-// of ranks must not run at the same time on different devices.
+// A group is keyed by its devices (cuda/ep_group.h), so the EP groups of a mesh (data x ep)
+// and programs on other devices never share buffers or flags; calls without a group table
+// (a 1-D EP mesh traced without a concrete mesh) share one group per R.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <string>
 
+#include "cuda/ep_group.h"
 #include "cuda/host_launch.h"
 #include "cuda/peer_ops.h"
 
@@ -39,9 +41,11 @@ void finalize();
 // The buffer size of initialize(), or 0 when not initialized.
 size_t buffer_bytes();
 
-// Op `op` (PeerOp) of cuda/peer_ops.h for `rank` of args.num_ranks, with the phases run on
-// `grid`. Args is one of JAX_EP_FOR_EACH_OP_ARGS.
+// Op `op` (PeerOp) of cuda/peer_ops.h for EP rank `rank` of args.num_ranks in its group of
+// `groups` (none: the ranks of one group per R), with the phases run on `grid`. Args is one of
+// JAX_EP_FOR_EACH_OP_ARGS.
 template <typename Args>
-PeerError run(int op, const Args& args, int rank, const HostGrid& grid);
+PeerError run(int op, const Args& args, int rank, const HostGrid& grid,
+              const GroupTable& groups = {});
 
 }  // namespace jax_ep::host

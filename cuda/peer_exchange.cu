@@ -5,7 +5,8 @@
 // rank writes for another lives in the NVSHMEM symmetric buffer (same offset on every rank)
 // and `NvshmemPeers::at` turns it into the peer's address with nvshmem_ptr, so writes and
 // reads are plain stores and loads over NVLink/P2P. Phases are kernels on XLA's stream, and they
-// meet the peers inside (cuda/peer_ops.h, Meet; DeviceMeet below): no barrier kernels.
+// meet the peers inside (cuda/peer_ops.h, Meet; DeviceMeet, cuda/device_peers.cuh): no
+// barrier kernels.
 //
 // Peers reached by puts (another node, or $JAX_EP_PEER_ACCESS=put): `NvshmemPutPeers` puts
 // with NVSHMEM, which takes whatever transport reaches the peer (P2P on one node, IBGDA or IBRC
@@ -13,14 +14,17 @@
 // finished, and the arrival quiets again before it signals (DeviceMeet::done, tell_peers).
 // The group chooses its view once, at jax_ep.initialize() (SymmetricBuffer::puts).
 //
-// Rank: the kernels use this process's NVSHMEM PE. The op also receives its EP axis index;
-// every launch compares the two on the device and a mismatch (a mesh whose EP order differs
-// from the process order) is recorded and reported by the next call, like a timeout.
+// Groups: the EP axis may be one axis of a larger mesh (cuda/ep_group.h). The first exchange
+// after jax_ep.initialize() fixes this GPU's EP group (its devices, in EP rank order) and maps
+// it to NVSHMEM PEs (SymmetricBuffer::device_of_pe), its node split from their nodes; the
+// views and the flags address peers by EP rank through that table. A later call in another
+// group is refused: the flags count the launches of one group. Without a table the group is
+// every PE in order. The op also receives its EP axis index; every launch compares it with
+// this GPU's rank in the group on the device, and a mismatch (a program traced for another
+// mesh) is recorded and reported by the next call, like a timeout.
 //
-// Safety: every wait is bounded (cuda/peer_ops.h, Wait: by the start timeout where peers may
-// not have started the op, else by the op timeout). A wait that lasts longer for a peer
-// records (op, peer) in a status word in host memory and gives up; the next call of any op on
-// this process reports it as an error.
+// The state of this GPU, the Meet inside the kernels and their bounded waits are those of
+// cuda/device_peers.cuh, shared with the GPUs of one process (cuda/local_exchange.cu).
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -29,21 +33,22 @@
 #include <cstdlib>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "cuda/api.h"
-#include "cuda/kernels.h"
-#include "cuda/peer_ops.h"
-#include "cuda/phases.cuh"
+#include "cuda/device_peers.cuh"
 
 namespace jax_ep::cuda {
 namespace {
 
+// Peers by EP rank; `pes` (device memory) holds the NVSHMEM PE of each rank of the group.
 struct NvshmemPeers {
   static constexpr bool kPuts = false;
+  const int* pes;
   template <typename T>
   __host__ __device__ T* at(T* base, int64_t /*stride*/, int rank) const {
 #if defined(__CUDA_ARCH__)
-    return static_cast<T*>(nvshmem_ptr(base, rank));
+    return static_cast<T*>(nvshmem_ptr(base, pes[rank]));
 #else
     (void)base, (void)rank;
     return nullptr;  // phases run on the device only
@@ -55,13 +60,14 @@ struct NvshmemPeers {
 // completed before the launch's arrival (DeviceMeet::done).
 struct NvshmemPutPeers {
   static constexpr bool kPuts = true;
+  const int* pes;  // the PE of each EP rank, as NvshmemPeers
   // Every lane of a warp calls put with the same arguments (the bodies put a row with the
   // lanes of one item): one warp-wide put.
   template <typename T>
   __host__ __device__ void put(T* dst, int rank, const T* src, int64_t bytes, int /*lane*/,
                                int /*lanes*/) const {
 #if defined(__CUDA_ARCH__)
-    nvshmemx_putmem_nbi_warp(dst, src, static_cast<size_t>(bytes), rank);
+    nvshmemx_putmem_nbi_warp(dst, src, static_cast<size_t>(bytes), pes[rank]);
 #else
     (void)dst, (void)rank, (void)src, (void)bytes;  // phases run on the device only
 #endif
@@ -73,7 +79,7 @@ struct NvshmemPutPeers {
 #if defined(__CUDA_ARCH__)
     int32_t bits;
     memcpy(&bits, &value, sizeof(bits));
-    nvshmem_int32_p(reinterpret_cast<int32_t*>(dst), bits, rank);
+    nvshmem_int32_p(reinterpret_cast<int32_t*>(dst), bits, pes[rank]);
 #else
     (void)dst, (void)rank, (void)value;
 #endif
@@ -84,198 +90,91 @@ struct NvshmemPutPeers {
   }
 };
 
-// What went wrong in a wait. In mapped host memory.
-struct PeerStatus {
-  // 0 ok; 1 or 3: a wait gave up waiting for `peer` inside the op (1) or to start it (3);
-  // 2: rank mismatch (EP axis index `peer`).
-  int code;
-  int op;
-  int peer;
+// NVSHMEM's way to the peers, for DeviceMeet (cuda/device_peers.cuh): the signal is an
+// NVSHMEM signal op to the rank's PE, and quiet completes the thread's puts.
+struct NvshmemNet {
+  const int* pes;
+  __device__ void signal(uint64_t* slot, uint64_t value, int rank) const {
+    nvshmemx_signal_op(slot, value, NVSHMEM_SIGNAL_SET, pes[rank]);
+  }
+  __device__ void quiet() const { nvshmem_quiet(); }
 };
 
-struct State {
-  PeerStatus* status = nullptr;         // host pointer (mapped)
-  PeerStatus* device_status = nullptr;  // the same memory, as the device sees it
-  uint64_t* epoch = nullptr;            // launches of this rank that arrived (device memory)
-  uint64_t arrivals = 0;                // the arriving launches issued so far: *epoch once
-                                        // they ran
-  RegionUse low_latency[2];             // the two low-latency regions (peer_ops.h)
-  Timeouts timeouts;
-  int generation = 0;                   // the symmetric buffer the state above belongs to
-};
-
-State& state() {
-  static State s;
+// The one process-wide state (one GPU per process).
+PeerState& state() {
+  static PeerState s;
   return s;
 }
 
-__device__ __forceinline__ uint64_t global_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
+// This GPU's EP group for a call of `op` with num_ranks ranks and the program's `groups`
+// (cuda/ep_group.h): joined by the first call after initialize (the PEs of its devices, its
+// node split, every peer reachable as the access says), checked by the later ones.
+PeerError join_group(int op, int num_ranks, GroupTable groups, const SymmetricBuffer& buffer,
+                     PeerState& st) {
+  const std::string name = kPeerOpNames[op];
+  groups.device = buffer.device_of_pe[buffer.rank];
+  std::vector<int64_t> row;
+  int rank = 0;
+  PeerError error = group_of_call(op, num_ranks, groups, buffer.device_of_pe, buffer.rank, st,
+                                  &row, &rank);
+  if (!error.ok() || !st.group.empty()) return error;
+  std::vector<int> pes(num_ranks), nodes(num_ranks);
+  for (int r = 0; r < num_ranks; ++r) {
+    const auto at = std::find(buffer.device_of_pe.begin(), buffer.device_of_pe.end(), row[r]);
+    if (at == buffer.device_of_pe.end()) {
+      return PeerError{name + ": device " + std::to_string(row[r]) + " of the EP group is "
+                       "not the GPU of any process of jax_ep.initialize()"};
+    }
+    pes[r] = static_cast<int>(at - buffer.device_of_pe.begin());
+    nodes[r] = buffer.node_of_pe[pes[r]];
+  }
+  std::string text;
+  const int split = group_ranks_per_node(nodes, &text);
+  if (split < 0) return PeerError{name + ": " + text};
+  if (split > 0 && !buffer.puts) {
+    return PeerError{name + ": the EP group " + devices_text(row) + " spans nodes, which "
+                     "reach each other with puts: set JAX_EP_PEER_ACCESS=put before "
+                     "jax_ep.initialize()"};
+  }
+  // With stores, every peer must be reachable by loads and stores (NVLink / P2P);
+  // node-aware, those of this rank's node.
+  for (int r = 0; r < num_ranks; ++r) {
+    const bool stores = !buffer.puts || (split > 0 && r / split == rank / split);
+    if (stores && nvshmem_ptr(buffer.ptr, pes[r]) == nullptr) {
+      return PeerError{name + ": EP rank " + std::to_string(r) + " (PE " +
+                       std::to_string(pes[r]) + ") is not reachable by loads and stores "
+                       "(another node, or no NVLink/P2P); set JAX_EP_PEER_ACCESS=put before "
+                       "jax_ep.initialize() to reach the peers with puts"};
+    }
+  }
+  if (upload_table(pes, &st.peers) != cudaSuccess) {
+    return PeerError{name + ": cannot allocate the EP group's table of PEs"};
+  }
+  st.group = row;
+  st.group_rank = rank;
+  st.group_nodes = split;
+  return PeerError{};
 }
 
-// A Meet (cuda/peer_ops.h) on the GPU, for per_warp_kernel (cuda/phases.cuh). signals[p] in
-// this rank's symmetric buffer counts the launches of peer p that arrived; `epoch` those of
-// this rank.
-struct DeviceMeet {
-  uint64_t* signals;
-  uint64_t* epoch;
-  int me, n, op;
-  const int32_t* axis_index;
-  PeerStatus* status;
-  uint64_t before_ns = 0, after_ns = 0;  // bounds of the waits; 0: no wait
-  int before_code = 0, after_code = 0;   // PeerStatus codes of their timeouts
-  uint64_t before_arrivals = kAllEarlier;  // Meet::before_arrivals
-  bool arrive = false;
-  bool quiet = false;  // an arriving launch over puts: done() completes the thread's puts
-
-  __host__ __device__ bool waits_first() const { return before_ns != 0; }
-  __host__ __device__ bool has_last() const { return arrive || after_ns != 0; }
-
-  __device__ void first() const {
-    if (blockIdx.x == 0 && threadIdx.x == 0) check_rank();
-    if (before_ns != 0) wait_for_peers(before_ns, before_code, before_arrivals);
-  }
-  // Every thread after its items. NVSHMEM specifies nvshmem_quiet per PE; each thread quiets
-  // its own puts anyway, so that the arrival's signal follows every put of the launch however
-  // an implementation scopes it.
-  __device__ void done() const {
-    if (quiet) nvshmem_quiet();
-  }
-  __device__ void last() const {
-    if (arrive) tell_peers();
-    if (after_ns != 0) wait_for_peers(after_ns, after_code, kAllEarlier);
-  }
-
-  // The op's EP axis index must be this PE.
-  __device__ void check_rank() const {
-    const int32_t index = *axis_index;
-    if (index != me && static_cast<volatile PeerStatus*>(status)->code == 0) report(2, index);
-  }
-
-  // Records what went wrong, for the next call. Host memory: plain stores (any thread's
-  // report is a fine one).
-  __device__ void report(int code, int peer) const {
-    volatile PeerStatus* out = status;
-    out->op = op;
-    out->peer = peer;
-    __threadfence_system();
-    out->code = code;
-  }
-
-  // Every thread of the block: this rank's writes (every block's, is_last_block) are visible,
-  // then each thread p < n sets this rank's signal in peer p.
-  __device__ void tell_peers() const {
-    __shared__ uint64_t arrivals;
-    if (threadIdx.x == 0) {
-      arrivals = *epoch + 1;
-      *epoch = arrivals;
-    }
-    __syncthreads();
-    nvshmem_quiet();
-    __threadfence_system();
-    for (int p = threadIdx.x; p < n; p += blockDim.x) {
-      nvshmemx_signal_op(signals + me, arrivals, NVSHMEM_SIGNAL_SET, p);
-    }
-  }
-
-  // Every thread of the block: until each peer arrived as often as this rank (or `arrivals`
-  // times), thread p watching peer p, bounded by `timeout_ns`; then the peers' writes are
-  // visible to the block.
-  __device__ void wait_for_peers(uint64_t timeout_ns, int timeout_code,
-                                 uint64_t arrivals) const {
-    __syncthreads();  // the block's reads of *epoch come after tell_peers' write
-    const uint64_t target = arrivals == kAllEarlier ? *epoch : arrivals;
-    for (int p = threadIdx.x; p < n; p += blockDim.x) {
-      volatile uint64_t* arrived = signals + p;
-      const uint64_t start = global_ns();
-      while (*arrived < target) {
-        if (static_cast<volatile PeerStatus*>(status)->code != 0) break;
-        if (global_ns() - start > timeout_ns) {
-          report(timeout_code, p);
-          break;
-        }
-        __nanosleep(200);
-      }
-    }
-    __threadfence_system();
-    __syncthreads();
-  }
-};
-
 // The peers-mode preconditions; on success `*out` is the symmetric buffer of
-// jax_ep.initialize(), whose group has `num_ranks` ranks.
-PeerError prepare(int op, int num_ranks, const SymmetricBuffer** out) {
+// jax_ep.initialize() and state() holds this GPU's EP group.
+PeerError prepare(int op, int num_ranks, const GroupTable& groups,
+                  const SymmetricBuffer** out) {
   const SymmetricBuffer* buffer = symmetric_buffer();
   if (buffer == nullptr) {
     return PeerError{std::string(kPeerOpNames[op]) +
                      ": the exchange between GPUs needs jax_ep.initialize() first (NVSHMEM and "
                      "its symmetric buffer)"};
   }
-  if (buffer->num_ranks != num_ranks) {
-    return PeerError{std::string(kPeerOpNames[op]) + ": the EP axis has " +
-                     std::to_string(num_ranks) + " ranks but NVSHMEM was initialized with " +
-                     std::to_string(buffer->num_ranks) +
-                     "; the EP axis must span every process of jax_ep.initialize()"};
-  }
   if (num_ranks > kMaxPeers) {
     return PeerError{std::string(kPeerOpNames[op]) + ": at most " + std::to_string(kMaxPeers) +
                      " ranks are supported"};
   }
-  State& st = state();
-  if (st.status == nullptr) {  // once per process: the status word and the epoch counter
-    void* host = nullptr;
-    if (cudaHostAlloc(&host, sizeof(PeerStatus), cudaHostAllocMapped) != cudaSuccess ||
-        cudaHostGetDevicePointer(reinterpret_cast<void**>(&st.device_status), host, 0) !=
-            cudaSuccess ||
-        cudaMalloc(&st.epoch, sizeof(uint64_t)) != cudaSuccess) {
-      return PeerError{std::string(kPeerOpNames[op]) + ": cannot allocate the peers' state"};
-    }
-    st.status = static_cast<PeerStatus*>(host);
-    st.timeouts = timeouts_from_env();
-  }
-  if (st.generation != buffer->generation) {
-    // A new initialize(): its buffer's signals are zero, so arrivals count from zero again,
-    // an old timeout no longer applies, and the new group's peers must be checked.
-    if (cudaMemset(st.epoch, 0, sizeof(uint64_t)) != cudaSuccess ||
-        cudaDeviceSynchronize() != cudaSuccess) {
-      return PeerError{std::string(kPeerOpNames[op]) + ": cannot reset the peers' state"};
-    }
-    *st.status = PeerStatus{0, 0, 0};
-    st.arrivals = 0;
-    st.low_latency[0] = st.low_latency[1] = RegionUse{};
-    // With stores, every peer must be reachable by loads and stores (NVLink / P2P); node-aware,
-    // those of this rank's node.
-    const int node = buffer->ranks_per_node;
-    for (int p = 0; p < num_ranks; ++p) {
-      const bool stores = !buffer->puts || (node > 0 && p / node == buffer->rank / node);
-      if (stores && nvshmem_ptr(buffer->ptr, p) == nullptr) {
-        return PeerError{std::string(kPeerOpNames[op]) + ": peer " + std::to_string(p) +
-                         " is not reachable by loads and stores (another node, or no "
-                         "NVLink/P2P); set JAX_EP_PEER_ACCESS=put before jax_ep.initialize() "
-                         "to reach the peers with puts"};
-      }
-    }
-    st.generation = buffer->generation;
-  }
-  const volatile PeerStatus* report = st.status;  // written by the device
-  if (report->code == 1 || report->code == 3) {
-    return after_timeout(op, report->op, report->peer,
-                         report->code == 3 ? Wait::kStart : Wait::kInOp, st.timeouts,
-                         "restart the processes");
-  }
-  if (report->code == 2) {
-    return PeerError{std::string(kPeerOpNames[op]) + ": an earlier call of " +
-                     kPeerOpNames[report->op] + " ran as EP rank " +
-                     std::to_string(report->peer) + " on the process of NVSHMEM PE " +
-                     std::to_string(buffer->rank) +
-                     "; the mesh's EP axis must list the devices in process order (device of "
-                     "process i at EP index i); the EP group is unusable, restart the "
-                     "processes"};
-  }
-  *out = buffer;
-  return PeerError{};
+  PeerState& st = state();
+  PeerError error = ready_state(op, buffer->generation, st);
+  if (error.ok()) error = join_group(op, num_ranks, groups, *buffer, st);
+  if (error.ok()) *out = buffer;
+  return error;
 }
 
 // The GPU platform of cuda/peer_ops.h: launches on `stream` that meet the peers inside.
@@ -287,19 +186,19 @@ class DevicePlatform {
 
   // Checks the preconditions of `op`; rank() etc. are valid when the result is ok.
   PeerError open(int op, int num_ranks, const int32_t* axis_index, int num_sms,
-                 cudaStream_t stream) {
+                 cudaStream_t stream, const GroupTable& groups) {
     op_ = op;
     axis_index_ = axis_index;
     num_sms_ = num_sms;
     stream_ = stream;
-    return prepare(op, num_ranks, &buffer_);
+    return prepare(op, num_ranks, groups, &buffer_);
   }
 
-  Peers peers() const { return Peers{}; }
+  Peers peers() const { return Peers{pes()}; }
   bool puts() const { return buffer_->puts; }
-  int ranks_per_node() const { return buffer_->ranks_per_node; }
-  PutPeers put_peers() const { return PutPeers{}; }
-  int rank() const { return buffer_->rank; }
+  int ranks_per_node() const { return state().group_nodes; }
+  PutPeers put_peers() const { return PutPeers{pes()}; }
+  int rank() const { return state().group_rank; }
   char* symmetric() const { return static_cast<char*>(buffer_->ptr); }
   size_t bytes() const { return buffer_->bytes; }
   size_t low_latency_offset() const { return buffer_->low_latency_offset; }
@@ -309,25 +208,14 @@ class DevicePlatform {
   template <typename Phase, typename Tail = NoTail>
   void per_warp(const Phase& phase, int64_t items, const Meet& meet, const Tail& tail = {}) {
     if (status_ != cudaSuccess) return;
-    State& st = state();
-    DeviceMeet m{reinterpret_cast<uint64_t*>(symmetric()), st.epoch, rank(), buffer_->num_ranks,
-                 op_, axis_index_, st.device_status};
-    auto bound = [&](const std::optional<Wait>& wait, uint64_t* ns, int* code) {
-      if (!wait) return;
-      *ns = std::max<uint64_t>(st.timeouts.of(*wait), 1);
-      *code = *wait == Wait::kStart ? 3 : 1;
-    };
-    bound(meet.before, &m.before_ns, &m.before_code);
-    bound(meet.after, &m.after_ns, &m.after_code);
-    m.before_arrivals = meet.before_arrivals;
-    m.arrive = meet.arrive;
-    m.quiet = meet.arrive && puts();
-    status_ = cuda::per_warp(phase, rank(), 1, items, stream_, num_sms_, tail, m);
-    if (status_ == cudaSuccess && meet.arrive) ++st.arrivals;
+    status_ = launch_meeting(phase, items, meet, tail, NvshmemNet{pes()}, puts(),
+                             reinterpret_cast<uint64_t*>(symmetric()), op_, axis_index_,
+                             num_sms_, stream_, state());
   }
   PeerError result(int op) const { return launch_error(op, status_); }
 
  private:
+  static const int* pes() { return static_cast<const int*>(state().peers); }
   int op_ = 0;
   const int32_t* axis_index_ = nullptr;
   int num_sms_ = 0;
@@ -340,15 +228,19 @@ class DevicePlatform {
 
 template <typename Args>
 PeerError run(int op, const Args& args, const int32_t* axis_index, int num_sms,
-              cudaStream_t stream) {
+              cudaStream_t stream, const GroupTable& groups, int device_ordinal) {
   if (axis_index == nullptr) return run_virtual_ranks(op, args, num_sms, stream);
+  if (local_buffers() != nullptr) {  // the GPUs of this process
+    return run_local(op, args, axis_index, num_sms, stream, groups, device_ordinal);
+  }
   DevicePlatform platform;
-  PeerError error = platform.open(op, args.num_ranks, axis_index, num_sms, stream);
+  PeerError error = platform.open(op, args.num_ranks, axis_index, num_sms, stream, groups);
   return error.ok() ? run_op(platform, op, args) : error;
 }
 
 #define JAX_EP_INSTANTIATE(Args) \
-  template PeerError run<Args>(int, const Args&, const int32_t*, int, cudaStream_t);
+  template PeerError run<Args>(int, const Args&, const int32_t*, int, cudaStream_t, \
+                               const GroupTable&, int);
 JAX_EP_FOR_EACH_OP_ARGS(JAX_EP_INSTANTIATE)
 #undef JAX_EP_INSTANTIATE
 

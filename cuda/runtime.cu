@@ -10,6 +10,8 @@
 
 #include <cstring>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cuda/api.h"
 #include "cuda/common.cuh"
@@ -44,8 +46,14 @@ const SymmetricBuffer* symmetric_buffer() { return g_initialized ? &g_buffer : n
 
 std::string runtime_initialize(const uint8_t* unique_id, int rank, int num_ranks, int device,
                                size_t buffer_bytes, size_t low_latency_bytes, bool puts,
-                               int ranks_per_node) {
+                               int ranks_per_node, const std::vector<int64_t>& device_of_pe,
+                               const std::vector<int>& node_of_pe) {
   if (g_initialized) return "NVSHMEM is already initialized by jax_ep";
+  if (device_of_pe.size() != static_cast<size_t>(num_ranks) ||
+      node_of_pe.size() != static_cast<size_t>(num_ranks)) {
+    return "device_of_pe and node_of_pe must name the GPU and node of each of the " +
+           std::to_string(num_ranks) + " PEs";
+  }
   const std::string layout = check_layout(buffer_bytes, low_latency_bytes);
   if (!layout.empty()) return layout;
   cudaError_t status = cudaSetDevice(device);
@@ -71,7 +79,9 @@ std::string runtime_initialize(const uint8_t* unique_id, int rank, int num_ranks
   int host_pe = -1;
   status = cudaMalloc(&device_pe, sizeof(int));
   if (status == cudaSuccess) status = query_my_pe(device_pe, nullptr);
-  if (status == cudaSuccess) status = cudaMemcpy(&host_pe, device_pe, sizeof(int), cudaMemcpyDeviceToHost);
+  if (status == cudaSuccess) {
+    status = cudaMemcpy(&host_pe, device_pe, sizeof(int), cudaMemcpyDeviceToHost);
+  }
   cudaFree(device_pe);
   if (status != cudaSuccess) return cuda_failure("reading the device PE", status);
   if (host_pe != rank) {
@@ -88,9 +98,12 @@ std::string runtime_initialize(const uint8_t* unique_id, int rank, int num_ranks
   if (status == cudaSuccess) status = cudaDeviceSynchronize();
   if (status != cudaSuccess) return cuda_failure("clearing the symmetric buffer", status);
   nvshmem_barrier_all();  // every rank's buffer is clear before anyone signals into it
-  g_buffer = SymmetricBuffer{buffer, buffer_bytes,
-                             low_latency_offset(buffer_bytes, low_latency_bytes), rank,
-                             num_ranks, ++g_generation, puts, ranks_per_node};
+  g_buffer = SymmetricBuffer{buffer,        buffer_bytes,
+                             low_latency_offset(buffer_bytes, low_latency_bytes),
+                             rank,          num_ranks,
+                             ++g_generation, puts,
+                             ranks_per_node, device_of_pe,
+                             node_of_pe};
   g_initialized = true;
   return "";
 }
@@ -104,6 +117,83 @@ std::string runtime_finalize() {
   g_initialized = false;
   g_buffer = SymmetricBuffer{};
   return status == cudaSuccess ? "" : cuda_failure("synchronizing before finalize", status);
+}
+
+namespace {
+
+LocalBuffers g_local{};
+bool g_local_initialized = false;
+
+}  // namespace
+
+const LocalBuffers* local_buffers() { return g_local_initialized ? &g_local : nullptr; }
+
+std::string local_initialize(const std::vector<int>& ordinals,
+                             const std::vector<int64_t>& device_ids, size_t buffer_bytes,
+                             size_t low_latency_bytes) {
+  if (g_local_initialized) return "the GPUs of this process are already initialized by jax_ep";
+  if (ordinals.size() != device_ids.size() || ordinals.size() < 2 ||
+      ordinals.size() > static_cast<size_t>(kMaxLocalGpus)) {
+    return "between 2 and " + std::to_string(kMaxLocalGpus) + " GPUs, each with its JAX id";
+  }
+  const std::string layout = check_layout(buffer_bytes, low_latency_bytes);
+  if (!layout.empty()) return layout;
+  LocalBuffers local{ordinals, device_ids, {}, buffer_bytes,
+                     low_latency_offset(buffer_bytes, low_latency_bytes), ++g_generation};
+  auto release = [&] {
+    for (size_t i = 0; i < local.ptrs.size(); ++i) {
+      cudaSetDevice(ordinals[i]);
+      cudaFree(local.ptrs[i]);
+    }
+  };
+  for (const int a : ordinals) {
+    for (const int b : ordinals) {
+      int can = 0;
+      if (a != b && (cudaDeviceCanAccessPeer(&can, a, b) != cudaSuccess || !can)) {
+        return "CUDA device " + std::to_string(a) + " cannot access the memory of device " +
+               std::to_string(b) + " (no NVLink or PCIe peer access between them); run one "
+               "process per GPU instead (NVSHMEM)";
+      }
+    }
+  }
+  for (size_t i = 0; i < ordinals.size(); ++i) {
+    cudaError_t status = cudaSetDevice(ordinals[i]);
+    char* ptr = nullptr;
+    if (status == cudaSuccess) status = cudaMalloc(&ptr, buffer_bytes);
+    if (status == cudaSuccess) local.ptrs.push_back(ptr);
+    if (status == cudaSuccess) status = cudaMemset(ptr, 0, buffer_bytes);
+    for (const int peer : ordinals) {
+      if (status != cudaSuccess || peer == ordinals[i]) continue;
+      status = cudaDeviceEnablePeerAccess(peer, 0);
+      if (status == cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();  // clears it: enabled by an earlier initialize
+        status = cudaSuccess;
+      }
+    }
+    if (status == cudaSuccess) status = cudaDeviceSynchronize();
+    if (status != cudaSuccess) {
+      release();
+      return cuda_failure(("setting up the buffer of CUDA device " +
+                           std::to_string(ordinals[i])).c_str(), status);
+    }
+  }
+  g_local = std::move(local);
+  g_local_initialized = true;
+  return "";
+}
+
+std::string local_finalize() {
+  if (!g_local_initialized) return "";
+  cudaError_t first = cudaSuccess;
+  for (size_t i = 0; i < g_local.ptrs.size(); ++i) {
+    cudaError_t status = cudaSetDevice(g_local.ordinals[i]);
+    if (status == cudaSuccess) status = cudaDeviceSynchronize();
+    if (status == cudaSuccess) status = cudaFree(g_local.ptrs[i]);
+    if (first == cudaSuccess) first = status;
+  }
+  g_local_initialized = false;
+  g_local = LocalBuffers{};
+  return first == cudaSuccess ? "" : cuda_failure("freeing the GPUs' buffers", first);
 }
 
 int nvshmem_unique_id(uint8_t* id) {

@@ -452,6 +452,12 @@ xffi::Error ParseCall(int op, const AnyBuffer& ranks, xffi::RemainingArgs args,
     }
     call->num_sms = static_cast<int>(num_sms);
   }
+  if (attrs.contains("ep_groups")) {
+    const auto groups = attrs.get<xffi::Span<const int64_t>>("ep_groups");
+    if (!groups.has_value()) return Invalid(name, "ep_groups must be an array of int64");
+    call->groups.devices = groups->begin();
+    call->groups.size = static_cast<int64_t>(groups->size());
+  }
   if (op != kPeerCombine) JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "num_experts", &E));
   switch (op) {
     case kPeerDispatch: {

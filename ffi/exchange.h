@@ -17,6 +17,7 @@
 #include <string_view>
 #include <variant>
 
+#include "cuda/ep_group.h"
 #include "cuda/exchange.h"
 #include "cuda/peer_ops.h"
 #include "ffi/ffi_helpers.h"
@@ -101,6 +102,7 @@ struct Call {
   bool between;          // one rank of several devices (else virtual ranks)
   const int32_t* ranks;  // the ranks operand's data (device memory on GPUs)
   int num_sms = 0;  // launches on at most this many SMs (CPU grid: blocks); 0: no bound
+  GroupTable groups;  // between devices: the attribute ep_groups (cuda/ep_group.h), if any
 };
 
 // Parses a call of target `op` (PeerOp, cuda/peer_ops.h): its attributes, its ranks operand

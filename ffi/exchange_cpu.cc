@@ -55,10 +55,12 @@ template <typename Args>
 void PoisonPadding(int, const Args&, int64_t) {}
 
 // Every target: parse, then run the op with virtual ranks (cuda/virtual_ops.h) or, between
-// devices, for this device's rank through host peers.
+// devices, for this device's rank through host peers, in its EP group (`device` is the CPU
+// device's id, the one the groups list).
 template <int Op>
-xffi::Error ExchangeCpuImpl(xffi::AnyBuffer ranks, xffi::Token, xffi::RemainingArgs args,
-                            xffi::Result<xffi::Token>, xffi::RemainingRets rets, xffi::Dictionary attrs) {
+xffi::Error ExchangeCpuImpl(int32_t device, xffi::AnyBuffer ranks, xffi::Token,
+                            xffi::RemainingArgs args, xffi::Result<xffi::Token>,
+                            xffi::RemainingRets rets, xffi::Dictionary attrs) {
   Call call;
   JAX_EP_RETURN_IF_ERROR(ParseCall(Op, ranks, args, rets, attrs, &call));
   HostGrid grid;
@@ -67,7 +69,10 @@ xffi::Error ExchangeCpuImpl(xffi::AnyBuffer ranks, xffi::Token, xffi::RemainingA
   return std::visit(
       [&](const auto& a) {
         PoisonPadding(Op, a, call.between ? 1 : a.num_ranks);
-        if (call.between) return Done(host::run(Op, a, call.ranks[0], grid));
+        if (call.between) {
+          call.groups.device = device;
+          return Done(host::run(Op, a, call.ranks[0], grid, call.groups));
+        }
         HostLauncher l{a.num_ranks, grid};
         run_virtual(l, Op, a);
         return xffi::Error::Success();
@@ -78,6 +83,7 @@ xffi::Error ExchangeCpuImpl(xffi::AnyBuffer ranks, xffi::Token, xffi::RemainingA
 // The binding of every target.
 auto Binding() {
   return xffi::Ffi::Bind()
+      .Ctx<xffi::DeviceOrdinal>()
       .Arg<xffi::AnyBuffer>()
       .Arg<xffi::Token>()
       .RemainingArgs()

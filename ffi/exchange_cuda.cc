@@ -1,5 +1,6 @@
 // CUDA handlers of the exchange targets: the parsers of exchange.cc, then the op on XLA's
-// stream (cuda/kernels.h): virtual ranks, or one rank per device through NVSHMEM. Not marked
+// stream (cuda/kernels.h): virtual ranks, or one rank per device through NVSHMEM or CUDA peer
+// access (`device`: the CUDA device XLA runs the call on). Not marked
 // command-buffer compatible: the peers path sets up its barrier state on first use.
 #include <cuda_runtime_api.h>
 
@@ -14,15 +15,15 @@ namespace {
 using Stream = xffi::PlatformStream<cudaStream_t>;
 
 template <int Op>
-xffi::Error ExchangeCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks, xffi::Token,
-                             xffi::RemainingArgs args, xffi::Result<xffi::Token>,
-                             xffi::RemainingRets rets,
-                             xffi::Dictionary attrs) {
+xffi::Error ExchangeCudaImpl(cudaStream_t stream, int32_t device, xffi::AnyBuffer ranks,
+                             xffi::Token, xffi::RemainingArgs args, xffi::Result<xffi::Token>,
+                             xffi::RemainingRets rets, xffi::Dictionary attrs) {
   Call call;
   JAX_EP_RETURN_IF_ERROR(ParseCall(Op, ranks, args, rets, attrs, &call));
   const PeerError error = std::visit(
       [&](const auto& a) {
-        return cuda::run(Op, a, call.between ? call.ranks : nullptr, call.num_sms, stream);
+        return cuda::run(Op, a, call.between ? call.ranks : nullptr, call.num_sms, stream,
+                         call.groups, device);
       },
       call.args);
   return error.ok() ? xffi::Error::Success() : xffi::Error::Internal(error.message);
@@ -32,6 +33,7 @@ xffi::Error ExchangeCudaImpl(cudaStream_t stream, xffi::AnyBuffer ranks, xffi::T
 auto Binding() {
   return xffi::Ffi::Bind()
       .Ctx<Stream>()
+      .Ctx<xffi::DeviceOrdinal>()
       .Arg<xffi::AnyBuffer>()
       .Arg<xffi::Token>()
       .RemainingArgs()

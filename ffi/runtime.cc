@@ -4,10 +4,12 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "cuda/host_peers.h"
 #ifdef JAX_EP_WITH_CUDA
@@ -26,7 +28,8 @@ namespace {
 }
 
 void Initialize(nb::bytes unique_id, int rank, int num_ranks, int device, size_t buffer_bytes,
-                size_t low_latency_bytes, bool puts, int ranks_per_node) {
+                size_t low_latency_bytes, bool puts, int ranks_per_node,
+                const std::vector<int64_t>& device_of_pe, const std::vector<int>& node_of_pe) {
 #ifdef JAX_EP_WITH_CUDA
   if (unique_id.size() != static_cast<size_t>(cuda::kNvshmemUniqueIdBytes)) {
     throw std::invalid_argument("runtime_initialize: unique_id must be " +
@@ -37,12 +40,41 @@ void Initialize(nb::bytes unique_id, int rank, int num_ranks, int device, size_t
     nb::gil_scoped_release release;  // the bootstrap waits for every other process
     error = cuda::runtime_initialize(reinterpret_cast<const uint8_t*>(unique_id.c_str()), rank,
                                      num_ranks, device, buffer_bytes, low_latency_bytes,
-                                     puts, ranks_per_node);
+                                     puts, ranks_per_node, device_of_pe, node_of_pe);
   }
   if (!error.empty()) throw std::runtime_error("jax_ep.initialize: " + error);
 #else
   (void)unique_id, (void)rank, (void)num_ranks, (void)device, (void)buffer_bytes;
-  (void)low_latency_bytes, (void)puts, (void)ranks_per_node;
+  (void)low_latency_bytes, (void)puts, (void)ranks_per_node, (void)device_of_pe;
+  (void)node_of_pe;
+  NoCuda();
+#endif
+}
+
+void LocalInitialize(const std::vector<int>& ordinals, const std::vector<int64_t>& device_ids,
+                     size_t buffer_bytes, size_t low_latency_bytes) {
+#ifdef JAX_EP_WITH_CUDA
+  std::string error;
+  {
+    nb::gil_scoped_release release;
+    error = cuda::local_initialize(ordinals, device_ids, buffer_bytes, low_latency_bytes);
+  }
+  if (!error.empty()) throw std::runtime_error("jax_ep.initialize: " + error);
+#else
+  (void)ordinals, (void)device_ids, (void)buffer_bytes, (void)low_latency_bytes;
+  NoCuda();
+#endif
+}
+
+void LocalFinalize() {
+#ifdef JAX_EP_WITH_CUDA
+  std::string error;
+  {
+    nb::gil_scoped_release release;
+    error = cuda::local_finalize();
+  }
+  if (!error.empty()) throw std::runtime_error("jax_ep.finalize: " + error);
+#else
   NoCuda();
 #endif
 }
@@ -101,12 +133,21 @@ nb::dict BufferRegions(int num_ranks, int num_tokens, int top_k, int num_experts
 void BindRuntime(nb::module_& m) {
   m.def("runtime_initialize", &Initialize, nb::arg("unique_id"), nb::arg("rank"),
         nb::arg("num_ranks"), nb::arg("device"), nb::arg("buffer_bytes"),
-        nb::arg("low_latency_bytes"), nb::arg("puts") = false, nb::arg("ranks_per_node") = 0,
+        nb::arg("low_latency_bytes"), nb::arg("puts"), nb::arg("ranks_per_node"),
+        nb::arg("device_of_pe"), nb::arg("node_of_pe"),
         "Initializes NVSHMEM with rank 0's unique id and allocates the symmetric buffer, its "
         "last low_latency_bytes for low-latency regions (collective), the peers reached with "
         "stores or, with `puts`, with puts (node-aware with ranks_per_node: stores within a "
-        "node). Raises RuntimeError on failure or without CUDA.");
+        "node); device_of_pe and node_of_pe: each PE's GPU (JAX device id) and node, for the "
+        "EP groups of a mesh. Raises RuntimeError on failure or without CUDA.");
   m.def("runtime_finalize", &Finalize, "Frees the symmetric buffer and finalizes NVSHMEM.");
+  m.def("local_initialize", &LocalInitialize, nb::arg("ordinals"), nb::arg("device_ids"),
+        nb::arg("buffer_bytes"), nb::arg("low_latency_bytes"),
+        "The GPUs of this process (CUDA devices `ordinals`, JAX ids `device_ids`): a buffer "
+        "on each, its last low_latency_bytes for low-latency regions, reached by the others "
+        "through CUDA peer access. Raises RuntimeError on failure (GPUs without peer access) "
+        "or without CUDA.");
+  m.def("local_finalize", &LocalFinalize, "Frees the buffers of local_initialize.");
   m.def("host_peers_initialize", &HostPeersInitialize, nb::arg("buffer_bytes"),
         nb::arg("low_latency_bytes"), nb::arg("puts") = false, nb::arg("ranks_per_node") = 0,
         "Sets up host peers (the exchange between the CPU devices of this process) with a "

@@ -24,7 +24,7 @@ import numpy as np
 from jax import lax
 from jax.experimental.compute_on import compute_on2
 
-from jax_ep import _exchange_order, _ffi, fp8
+from jax_ep import _ep_groups, _exchange_order, _ffi, fp8
 from jax_ep.backends import ANYWHERE, Placement
 from jax_ep.structs import DispatchHandle, Received
 
@@ -38,11 +38,16 @@ def _exchange_call(target: str, result_types, operands, attrs: dict, placement: 
                    axis_name: str | None, stacked: int, aliases: dict[int, int] | None = None):
     """An exchange custom call: the ranks operand (`_ranks(axis_name, stacked)`), then
     `operands`. Side-effecting (XLA runs it exactly once per rank) and, between devices, in
-    the program's one order of exchanges (jax_ep/_exchange_order.py). Placed on
+    the program's one order of exchanges (jax_ep/_exchange_order.py) and within the EP group
+    of each device (jax_ep/_ep_groups.py). Placed on
     `placement.stream` when it names one. `aliases` maps operand indices (the ranks are 0)
     to result indices."""
     attrs = _attrs(**attrs, num_sms=placement.num_sms)
     ordered = axis_name is not None and attrs["num_ranks"] > 1
+    if ordered:  # between devices: the program's EP groups (jax_ep/_ep_groups.py)
+        groups = _ep_groups.device_table(axis_name, target)
+        if groups:
+            attrs["ep_groups"] = groups
     single = not isinstance(result_types, (list, tuple))
     types = [result_types] if single else list(result_types)
 

@@ -85,7 +85,8 @@ def _lowering(ctx: mlir.LoweringRuleContext, ranks, *operands, target, result_av
     lower = ffi.build_ffi_lowering_function(
         target, has_side_effect=True,
         operand_output_aliases={i + 1: o + 1 for i, o in aliases} or None)
-    call = lower(token_ctx, ranks, token, *operands, **dict(attributes))
+    attrs = {k: np.asarray(v, np.int64) if isinstance(v, tuple) else v for k, v in attributes}
+    call = lower(token_ctx, ranks, token, *operands, **attrs)
     token, *results = call.results
     if ordered:
         ctx.set_tokens_out(mlir.TokenSet({EXCHANGE: token}))
@@ -96,10 +97,11 @@ mlir.register_lowering(exchange_p, _lowering)
 
 
 def call(target: str, result_types: Sequence[core.ShapedArray], operands: Sequence,
-         attributes: dict[str, np.int64], aliases: dict[int, int] | None = None, *,
-         ordered: bool) -> list:
-    """Exchange custom call `target` (its first operand the ranks); `aliases` maps operand to
-    result indices. `ordered` (between devices): in the program's order of exchanges."""
+         attributes: dict[str, np.int64 | tuple[int, ...]], aliases: dict[int, int] | None = None,
+         *, ordered: bool) -> list:
+    """Exchange custom call `target` (its first operand the ranks); `attributes` are int64
+    scalars or tuples (int64 arrays); `aliases` maps operand to result indices. `ordered`
+    (between devices): in the program's order of exchanges."""
     operands = core.auto_insert_reshard(*operands)  # one varying-axes type, as ffi_call does
     return exchange_p.bind(*operands, target=target, result_avals=tuple(result_types),
                            attributes=tuple(sorted(attributes.items())),

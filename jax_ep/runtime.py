@@ -8,13 +8,17 @@ symmetric buffer per rank, sized for the largest call (`BufferConfig`, `required
 - GPUs (one per process): every process calls it once after `jax.distributed.initialize()`.
   Process 0 draws an NVSHMEM unique id and shares it through the `jax.distributed` key-value
   store, every process initializes NVSHMEM from inside our extension (PE =
-  `jax.process_index()`) and allocates the buffer. The EP axis must then span every process,
-  in process order. NVSHMEM terminates the process when it cannot initialize, so every
+  `jax.process_index()`) and allocates the buffer. The EP axis may span every process, or be
+  one axis of a larger mesh (each GPU then exchanges within its EP group, fixed by its first
+  exchange: cuda/ep_group.h). NVSHMEM terminates the process when it cannot initialize, so every
   precondition is checked here first and reported as a Python exception.
+- Several GPUs of one process (JAX's usual way to drive a node): a buffer on each, reached by
+  the others through CUDA peer access (cuda/local_exchange.cu); loads and stores only.
 - CPU devices (one process, e.g. `--xla_force_host_platform_device_count=8`): host peers, a
   stand-in for NVSHMEM in host memory (cuda/host_peers.h), so that `backend="cuda"` runs
   between the CPU devices of `shard_map` the ops the GPUs run: same phases, buffer carving
-  and flags. Buffers are reserved per group size and touched only where written.
+  and flags. Buffers are reserved per EP group (keyed by its devices) and touched only where
+  written.
 
 How a rank reaches its peers' buffers, `$JAX_EP_PEER_ACCESS` (read by `initialize()`):
 `store` (the default) with loads and stores, as over NVLink; `put` with puts only, as over
@@ -178,15 +182,17 @@ def is_initialized() -> bool:
 
 def state() -> dict | None:
     """{'platform', 'rank', 'num_ranks', 'buffer_bytes', 'low_latency_bytes',
-    'peer_access', 'ranks_per_node'} while initialized (ranks_per_node 0: one node), else
-    None."""
+    'peer_access', 'ranks_per_node'} while initialized, else None. platform: "gpu" (one GPU
+    per process, NVSHMEM), "gpus" (the GPUs of this process, CUDA peer access) or "cpu" (host
+    peers); ranks_per_node 0: one node."""
     return dict(_state) if _state else None
 
 
 def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None = None,
                low_latency_bytes: int = 0) -> None:
     """Sets up the CUDA backend between devices: NVSHMEM on GPUs (one GPU per process;
-    collective), host peers on the CPU devices of one process.
+    collective), CUDA peer access between the GPUs of a process that sees several, host peers
+    on the CPU devices of one process.
 
     Args:
       config: the largest call this process will make (default `BufferConfig()`, DeepEP's
@@ -197,7 +203,9 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
         low-latency regions; normal-mode calls get the rest.
 
     Raises:
-      RuntimeError: more than one local GPU, several processes without GPUs, an extension
+      RuntimeError: several processes with several GPUs each, several GPUs of one process
+        with puts or nodes, GPUs of one process without peer access among them, several
+        processes without GPUs, an extension
         without CUDA (GPUs) or without a build, already initialized, nodes without puts
         ($JAX_EP_RANKS_PER_NODE or several hosts, with $JAX_EP_PEER_ACCESS=store), hosts
         not in node order, or NVSHMEM failed (the message says which step).
@@ -219,12 +227,7 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
     _exchange_order.wait_and_forget()
     access = peer_access()
     gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
-    if len(gpus) > 1:
-        raise RuntimeError(
-            f"{op}: this process sees {len(gpus)} GPUs; NVSHMEM allows one GPU per process. "
-            f"Start one process per GPU with jax.distributed.initialize(..., "
-            f"local_device_ids=[i])."
-        )
+    local = gpu_platform(len(gpus), jax.process_count(), access, ranks_per_node()) == "local"
     if gpus and not _ffi.cuda_kernels_compiled():
         raise RuntimeError(
             f"{op}: jax_ep was built without CUDA kernels. Rebuild with nvcc on PATH: "
@@ -238,10 +241,12 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
         )
     rank, num_ranks = jax.process_index(), jax.process_count()
     nodes = ranks_per_node()
+    node_of_pe = [p // nodes for p in range(num_ranks)] if nodes else [0] * num_ranks
     if gpus and num_ranks > 1 and not nodes:
         # More than one node: node-aware, puts between the nodes (stores within each).
-        nodes = nodes_of_hosts(_share(op, "host", socket.gethostname().encode(), rank,
-                                      num_ranks))
+        hosts = _share(op, "host", socket.gethostname().encode(), rank, num_ranks)
+        nodes = nodes_of_hosts(hosts)
+        node_of_pe = [hosts.index(host) for host in hosts]
         if nodes and "JAX_EP_PEER_ACCESS" not in os.environ:
             access = "put"
     if nodes and access != "put":
@@ -257,16 +262,48 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
         raise ValueError(f"{op}: buffer_bytes must be an int above {SIGNAL_BYTES} + "
                          f"low_latency_bytes (an int >= 0); got {buffer_bytes!r} and "
                          f"{low_latency_bytes!r}.")
-    if gpus:
+    if local:
+        _ffi.EXT.local_initialize([g.local_hardware_id for g in gpus], [g.id for g in gpus],
+                                  buffer_bytes, low_latency_bytes)
+        _state.update(platform="gpus", rank=0, num_ranks=len(gpus))
+    elif gpus:
+        # One GPU per process: PE p is process p's GPU (the EP groups name devices by id).
+        device_of_pe = [d.id for d in sorted(jax.devices(), key=lambda d: d.process_index)]
+        if len(device_of_pe) != num_ranks:
+            raise RuntimeError(f"{op}: {len(device_of_pe)} GPUs in {num_ranks} processes; "
+                               f"NVSHMEM allows one GPU per process.")
         unique_id = _share_unique_id(op, rank, num_ranks, _ffi.EXT)
         _ffi.EXT.runtime_initialize(unique_id, rank, num_ranks, gpus[0].local_hardware_id,
-                                    buffer_bytes, low_latency_bytes, access == "put", nodes)
+                                    buffer_bytes, low_latency_bytes, access == "put", nodes,
+                                    device_of_pe, node_of_pe)
         _state.update(platform="gpu", rank=rank, num_ranks=num_ranks)
     else:
         _ffi.EXT.host_peers_initialize(buffer_bytes, low_latency_bytes, access == "put", nodes)
         _state.update(platform="cpu", rank=rank, num_ranks=jax.local_device_count())
     _state.update(buffer_bytes=buffer_bytes, low_latency_bytes=low_latency_bytes,
                   peer_access=access, ranks_per_node=nodes)
+
+
+def gpu_platform(num_gpus: int, num_processes: int, access: str, nodes: int) -> str:
+    """How the GPUs this process sees exchange: "none" (no GPU: host peers), "nvshmem" (one
+    GPU per process, through NVSHMEM) or "local" (several GPUs of one process, through CUDA
+    peer access); RuntimeError for what neither serves."""
+    op = "jax_ep.initialize"
+    if num_gpus <= 1:
+        return "nvshmem" if num_gpus else "none"
+    if num_processes > 1:
+        raise RuntimeError(
+            f"{op}: {num_processes} processes with {num_gpus} GPUs in this one: the GPUs of "
+            f"one process reach each other through CUDA peer access, processes through "
+            f"NVSHMEM with one GPU each, and the two do not combine. Start one process per GPU "
+            f"(jax.distributed.initialize(..., local_device_ids=[i])), or one process for the "
+            f"GPUs of a single node.")
+    if access == "put" or nodes:
+        raise RuntimeError(
+            f"{op}: the {num_gpus} GPUs of this process reach each other with loads and "
+            f"stores (CUDA peer access, one node); $JAX_EP_PEER_ACCESS=put and "
+            f"$JAX_EP_RANKS_PER_NODE need one process per GPU.")
+    return "local"
 
 
 def _share_unique_id(op: str, rank: int, num_ranks: int, ext) -> bytes:
@@ -315,6 +352,8 @@ def finalize() -> None:
     _state.clear()
     if platform == "gpu":
         _ffi.EXT.runtime_finalize()
+    elif platform == "gpus":
+        _ffi.EXT.local_finalize()
     else:
         _ffi.EXT.host_peers_finalize()
 

@@ -52,3 +52,17 @@ def test_script_records_steps_it_cannot_run(tmp_path):
     if shutil.which("nvidia-smi") is None:
         assert proc.returncode != 0
     assert list(out.glob("*.md")) and list((tmp_path / "reports").glob("*.json")), proc.stdout
+
+
+def test_the_smoke_check_rehearses_on_cpu_devices():
+    """tools/gpu_multiprocess_smoke.py --local runs its check over the devices of one process:
+    between GPUs through CUDA peer access, here between 8 CPU devices through host peers, on a
+    (data 2, ep 4) mesh, each shard against the reference of its EP group."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools",
+                                                        "gpu_multiprocess_smoke.py"),
+                           "--local", "--data", "2"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "smoke in one process with 8 devices (cpu, store, 2 EP groups): ok" in proc.stdout

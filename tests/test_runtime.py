@@ -83,10 +83,10 @@ def test_extension_runtime_bindings_without_gpu():
     assert _ffi.EXT.runtime_state() is None
     if not _ffi.cuda_kernels_compiled():
         with pytest.raises(RuntimeError, match="without the CUDA kernels"):
-            _ffi.EXT.runtime_initialize(b"\0" * 128, 0, 1, 0, 1 << 20, 0)
+            _ffi.EXT.runtime_initialize(b"\0" * 128, 0, 1, 0, 1 << 20, 0, False, 0, [0], [0])
     else:
         with pytest.raises(ValueError, match="128 bytes"):
-            _ffi.EXT.runtime_initialize(b"\0" * 3, 0, 1, 0, 1 << 20, 0)
+            _ffi.EXT.runtime_initialize(b"\0" * 3, 0, 1, 0, 1 << 20, 0, False, 0, [0], [0])
         _ffi.EXT.runtime_finalize()  # nothing to finalize: no error
 
 
@@ -104,3 +104,20 @@ def test_exit_never_waits_long_for_a_finalize_that_hangs(monkeypatch, capsys):
     assert "did not finish within 0.2 s at exit" in capsys.readouterr().err
     monkeypatch.setattr(runtime, "finalize", lambda: None)
     assert runtime._finalize_at_exit(5) is True
+
+
+@pytest.mark.parametrize("gpus, processes, access, nodes, platform", [
+    (0, 1, "store", 0, "none"), (1, 4, "put", 2, "nvshmem"), (8, 1, "store", 0, "local")])
+def test_the_gpus_of_a_process_choose_their_platform(gpus, processes, access, nodes, platform):
+    """One GPU per process: NVSHMEM; several GPUs of one process: CUDA peer access."""
+    assert runtime.gpu_platform(gpus, processes, access, nodes) == platform
+
+
+@pytest.mark.parametrize("processes, access, nodes, match", [
+    (2, "store", 0, r"2 processes with 4 GPUs in this one.*one process per GPU"),
+    (1, "put", 0, r"4 GPUs of this process reach each other with loads and stores"),
+    (1, "store", 2, r"JAX_EP_RANKS_PER_NODE need one process per GPU")])
+def test_what_no_gpu_platform_serves_is_refused(processes, access, nodes, match):
+    with pytest.raises(RuntimeError, match=match):
+        runtime.gpu_platform(4, processes, access, nodes)
+

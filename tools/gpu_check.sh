@@ -13,8 +13,8 @@
 # (markdown + JSON) under docs/gpu/ (or $JAX_EP_GPU_REPORT_DIR) and OUT_DIR. A failing step is
 # recorded and the next one runs; the exit status is non-zero when any step failed. Name STEPs
 # to run only those: env build installed ptxas kernels large ragged memcheck synccheck
-# initcheck racecheck smoke2 smoke4 smoke2_put smoke4_put smoke4_nodes bench_ep1 bench_virtual
-# tests. See docs/gpu/README.md.
+# initcheck racecheck smoke2 smoke4 smoke2_put smoke4_put smoke4_nodes smoke4_groups
+# smoke_local bench_ep1 bench_virtual tests. See docs/gpu/README.md.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -103,6 +103,8 @@ step smoke2_put python3 "$ROOT/tools/gpu_multiprocess_smoke.py" --processes 2 --
 step smoke4_put python3 "$ROOT/tools/gpu_multiprocess_smoke.py" --processes 4 --peer-access put
 step smoke4_nodes python3 "$ROOT/tools/gpu_multiprocess_smoke.py" --processes 4 --peer-access put \
   --ranks-per-node 2
+step smoke4_groups python3 "$ROOT/tools/gpu_multiprocess_smoke.py" --processes 4 --data 2
+step smoke_local python3 "$ROOT/tools/gpu_multiprocess_smoke.py" --local
 step bench_ep1 bench --json "$OUT_DIR/bench_ep1.json"
 step bench_virtual bench --virtual --ranks 8 --json "$OUT_DIR/bench_virtual.json"
 step tests python3 -m pytest -q "$ROOT/tests" --ignore="$ROOT/tests/gpu" -p no:cacheprovider \

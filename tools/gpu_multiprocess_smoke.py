@@ -1,15 +1,20 @@
 """Smoke test of the exchange between GPUs through real NVSHMEM: N processes on one GPU.
 
 Run: python tools/gpu_multiprocess_smoke.py --processes 2 [--peer-access put]
-    [--ranks-per-node N]
+    [--ranks-per-node N] [--data D]
+     python tools/gpu_multiprocess_smoke.py --local [--data D]
 Each process joins jax.distributed (127.0.0.1), calls jax_ep.initialize() (with
 $JAX_EP_PEER_ACCESS set to --peer-access: `put` reaches the peers with NVSHMEM's puts, as
 between nodes, which NVSHMEM's P2P transport serves on one GPU too; --ranks-per-node sets
 $JAX_EP_RANKS_PER_NODE, node-aware: stores within each simulated node), runs dispatch and
 combine (both layouts) and the low-latency round trip with backend="cuda" inside shard_map
-over the N processes, and compares its shard with jax_ep.reference bit for bit. Several
-processes on one GPU run NVSHMEM's "limited MPG" mode: functional only (no NVLink, slow
-time-sliced waits); timings mean nothing here.
+over a (data D, ep N/D) mesh of the N processes (D = 1: the EP axis alone; D > 1: D EP
+groups, each with its own inputs), and compares its shard with jax_ep.reference of its
+group bit for bit. Several processes on one GPU run NVSHMEM's "limited MPG" mode: functional
+only (no NVLink, slow time-sliced waits); timings mean nothing here. With --local the same
+check runs in this one process over every device it sees: several GPUs through CUDA peer
+access (cuda/local_exchange.cu; skipped with fewer than 2), or CPU devices through host peers
+(XLA_FLAGS=--xla_force_host_platform_device_count=8, a rehearsal that CI runs).
 """
 
 from __future__ import annotations
@@ -23,10 +28,10 @@ import sys
 T, K, E, H, TL = 12, 3, 8, 256, 4
 
 
-def worker(rank: int, num_processes: int, port: int) -> None:
+def check(data: int) -> str:
+    """Every exchange on a (data, ep) mesh of every device, each shard this process holds
+    against jax_ep.reference of its EP group, bit for bit; returns how the ranks met."""
     import jax
-
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes, rank)
     import ml_dtypes
     import numpy as np
     from jax.sharding import NamedSharding
@@ -35,27 +40,38 @@ def worker(rank: int, num_processes: int, port: int) -> None:
     import jax_ep
     from jax_ep import reference
 
-    R = num_processes
+    D, R = data, jax.device_count() // data  # data groups, EP ranks per group
     jax_ep.initialize(jax_ep.BufferConfig(num_tokens=T, hidden=H, top_k=K, num_experts=E,
                                           num_ranks=R, expert_major=True,
                                           low_latency_tokens=TL))
     rng = np.random.default_rng(1234)  # the same inputs in every process
     idx = np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(T)])
-                    for _ in range(R)]).astype(np.int32)
+                    for _ in range(D * R)]).astype(np.int32).reshape(D, R, T, K)
     idx[rng.random(idx.shape) < 0.2] = -1
-    w = rng.random((R, T, K)).astype(np.float32)
-    x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
-    mesh = jax.make_mesh((R,), ("ep",))
-    sharding = NamedSharding(mesh, P("ep"))
+    w = rng.random((D, R, T, K)).astype(np.float32)
+    x = rng.standard_normal((D, R, T, H)).astype(ml_dtypes.bfloat16)
+    mesh = jax.make_mesh((D, R), ("data", "ep"))
+    spec = P("data", "ep")
+    sharding = NamedSharding(mesh, spec)
 
-    def put(a):
-        return jax.make_array_from_process_local_data(sharding, a[rank:rank + 1])
+    def place(device):  # (group, rank) of a device
+        return tuple(int(i[0]) for i in np.nonzero(mesh.devices == device))
 
     def run(per_shard, *arrays):
-        fn = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+        """{(group, rank): result} for the shards of this process."""
+        def body(*args):
+            return per_shard(*(a[0] for a in args))[None]
+
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+        placed = [jax.make_array_from_callback(a.shape, sharding, lambda i, a=a: a[i])
+                  for a in arrays]
         with jax.set_mesh(mesh):
-            out = fn(*(put(a) for a in arrays))
-        return np.asarray(out.addressable_shards[0].data)
+            out = fn(*placed)
+        return {place(s.device): np.asarray(s.data)[0, 0] for s in out.addressable_shards}
+
+    def compare(got, want, what):
+        for (d, r), shard in got.items():
+            assert shard.tobytes() == want(d)[r].tobytes(), f"{what} differs (group {d}, rank {r})"
 
     for em in (False, True):
         def normal(x, idx, w, em=em):
@@ -64,29 +80,51 @@ def worker(rank: int, num_processes: int, port: int) -> None:
             weights = recv.topk_weights if em else None
             return jax_ep.combine(recv.x, handle, topk_weights=weights, backend="cuda")[None]
 
-        got = run(normal, x, idx, w)
-        kw = dict(num_experts=E, expert_major=em)
-        recv = reference.dispatch(x, idx, w, **kw)
-        want = reference.combine(recv["x"], idx, weights=recv["topk_weights"] if em else None,
-                                 **kw)[rank:rank + 1]
-        assert got.tobytes() == want.tobytes(), f"combine(dispatch) differs (expert_major={em})"
+        def want(d, em=em):
+            kw = dict(num_experts=E, expert_major=em)
+            recv = reference.dispatch(x[d], idx[d], w[d], **kw)
+            return reference.combine(recv["x"], idx[d],
+                                     weights=recv["topk_weights"] if em else None, **kw)
 
-    ll_x, ll_idx, ll_w = x[:, :TL], idx[:, :TL], w[:, :TL]
+        compare(run(normal, x, idx, w), want, f"combine(dispatch) (expert_major={em})")
+
+    ll_x, ll_idx, ll_w = x[:, :, :TL], idx[:, :, :TL], w[:, :, :TL]
 
     def low_latency(x, idx, w):
         recv, handle = jax_ep.low_latency_dispatch(x[0], idx[0], num_experts=E,
                                                    backend="cuda")
         return jax_ep.low_latency_combine(recv.x, idx[0], w[0], handle, backend="cuda")[None]
 
-    got = run(low_latency, ll_x, ll_idx, ll_w)
-    ll = reference.low_latency_dispatch(ll_x, ll_idx, num_experts=E)
-    want = reference.low_latency_combine(ll["x"], ll_idx, ll_w, num_experts=E)[rank:rank + 1]
-    assert got.tobytes() == want.tobytes(), "low-latency round trip differs"
+    def ll_want(d):
+        ll = reference.low_latency_dispatch(ll_x[d], ll_idx[d], num_experts=E)
+        return reference.low_latency_combine(ll["x"], ll_idx[d], ll_w[d], num_experts=E)
+
+    compare(run(low_latency, ll_x, ll_idx, ll_w), ll_want, "low-latency round trip")
     state = jax_ep.runtime.state()
-    access = state["peer_access"] + (f", nodes of {state['ranks_per_node']}"
-                                     if state["ranks_per_node"] else "")
     jax_ep.finalize()
-    print(f"process {rank}/{R} ({access}): ok", flush=True)
+    groups = f", {D} EP groups" if D > 1 else ""
+    nodes = f", nodes of {state['ranks_per_node']}" if state["ranks_per_node"] else ""
+    return f"{state['platform']}, {state['peer_access']}{nodes}{groups}"
+
+
+def worker(rank: int, num_processes: int, port: int, data: int) -> None:
+    import jax
+
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes, rank)
+    print(f"process {rank}/{num_processes} ({check(data)}): ok", flush=True)
+
+
+def local(data: int) -> int:
+    """The check in this process, over every device it sees."""
+    import jax
+
+    devices = jax.devices()
+    if len(devices) < 2 or len(devices) % data:
+        print(f"smoke --local: skipped: {len(devices)} {devices[0].platform} device(s) here; "
+              f"it needs 2 or more, a multiple of --data {data}")
+        return 0
+    print(f"smoke in one process with {len(devices)} devices ({check(data)}): ok")
+    return 0
 
 
 def main() -> int:
@@ -98,14 +136,23 @@ def main() -> int:
     parser.add_argument("--ranks-per-node", type=int, default=0,
                         help="simulated nodes of this many ranks ($JAX_EP_RANKS_PER_NODE; "
                         "needs --peer-access put)")
+    parser.add_argument("--data", type=int, default=1,
+                        help="data groups: a (data D, ep N/D) mesh, D EP groups (default 1)")
+    parser.add_argument("--local", action="store_true",
+                        help="one process with every device it sees instead (several GPUs: "
+                        "CUDA peer access; CPU devices: host peers)")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ranks_per_node and args.peer_access != "put":
         parser.error("--ranks-per-node needs --peer-access put (the nodes reach each other "
                      "with puts)")
+    if args.data < 1 or (not args.local and args.processes % args.data):
+        parser.error(f"--data {args.data} must divide --processes {args.processes}")
+    if args.local:
+        return local(args.data)
     if args.worker is not None:
-        worker(args.worker, args.processes, args.port)
+        worker(args.worker, args.processes, args.port, args.data)
         return 0
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -116,7 +163,8 @@ def main() -> int:
     if args.ranks_per_node:
         env["JAX_EP_RANKS_PER_NODE"] = str(args.ranks_per_node)
     procs = [subprocess.Popen([sys.executable, __file__, "--processes", str(args.processes),
-                               "--worker", str(i), "--port", str(port)], env=env)
+                               "--data", str(args.data), "--worker", str(i), "--port",
+                               str(port)], env=env)
              for i in range(args.processes)]
     status = 0
     for i, proc in enumerate(procs):
@@ -132,7 +180,8 @@ def main() -> int:
             print(f"process {i}: {how}", flush=True)
         status |= code != 0
     nodes = f", nodes of {args.ranks_per_node}" if args.ranks_per_node else ""
-    print(f"smoke with {args.processes} processes ({args.peer_access}{nodes}): "
+    groups = f", {args.data} EP groups" if args.data > 1 else ""
+    print(f"smoke with {args.processes} processes ({args.peer_access}{nodes}{groups}): "
           f"{'ok' if status == 0 else 'FAILED'}")
     return 1 if status else 0
 

@@ -4,8 +4,9 @@ Per shard inside `shard_map`, each op is one custom call with this rank's operan
 V = 1, see jax_ep/_exchange_ffi.py) and its EP axis index. With one rank (R = 1) the call
 needs no peers and runs anywhere: the CUDA kernels on a GPU, the CPU handlers (the same kernel
 bodies) on a CPU. With R > 1 the ranks exchange after `jax_ep.initialize()`: GPUs through
-NVSHMEM (one GPU per process, the EP axis spanning every process in process order), the CPU
-devices of one process through host peers (cuda/host_peers.h), which run the same ops. The
+NVSHMEM (one GPU per process), the CPU devices of one process through host peers
+(cuda/host_peers.h), which run the same ops; each within its EP group of the mesh
+(jax_ep/_ep_groups.py). The
 layout op is local and runs anywhere. Result types are built from the operand's type
 (`jax.typeof(x).update(...)`) so that they carry shard_map's varying-axis typing and
 custom_vjp backward passes type-check.

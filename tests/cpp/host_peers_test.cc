@@ -6,9 +6,10 @@
 // and TSan must see no race: the flags the launches meet at alone must order every cross-rank
 // access. Then every op again with peers reached by puts only (HostPutPeers: no pointer into
 // a peer's buffer), and node-aware, in nodes of 2 ranks (stores only within a node, the
-// normal dispatch through relays). The last cases check that two exchanges issued at once on
-// one rank are refused, and the timeouts: a peer that starts late is waited for, one that
-// never comes is reported, to this rank only.
+// normal dispatch through relays). Then two EP groups of a 2 x 2 mesh side by side (each keyed
+// by its devices, cuda/ep_group.h) and the group rules. The last cases check that two
+// exchanges issued at once on one rank are refused, and the timeouts: a peer that starts late
+// is waited for, one that never comes is reported, to this rank only.
 //
 // No Python, no XLA: built by tests/cpp/CMakeLists.txt, run by ctest (.ci/run).
 #include <atomic>
@@ -245,8 +246,10 @@ void fill_inputs(const Shape& s, DispatchData& d, std::mt19937& gen) {
 
 // Runs every op for all ranks: virtual ranks on this thread, or one thread per rank through
 // host peers. The ops and their order are those of a training step plus a decoding step.
+// With host peers, `groups` (if any) lists the devices of each EP group, and this round runs
+// group `group` of it: rank r on device groups[group * R + r].
 void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& ll, bool peers,
-               const HostGrid& grid) {
+               const HostGrid& grid, const std::vector<int64_t>& groups = {}, int group = 0) {
   if (!peers) {
     HostLauncher l{s.R, grid};
     run_virtual(l, kPeerDispatch, d.args(s, -1));
@@ -263,13 +266,18 @@ void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& 
   std::vector<std::string> errors(s.R);
   for (int r = 0; r < s.R; ++r) {
     ranks.emplace_back([&, r] {
+      const GroupTable table{groups.data(), static_cast<int64_t>(groups.size()),
+                             groups.empty() ? -1 : groups[group * s.R + r]};
+      auto run = [&](int op, const auto& args, int rank, const HostGrid& g) {
+        return host::run(op, args, rank, g, table);
+      };
       auto check = [&](const PeerError& e) {
         if (!e.ok() && errors[r].empty()) errors[r] = e.message;
       };
       // Each op twice in a row: the second meets the first's data in the symmetric buffer,
       // with no other op's launches in between.
-      for (int i = 0; i < 2; ++i) check(host::run(kPeerDispatch, d.args(s, r), r, grid));
-      for (int i = 0; i < 2; ++i) check(host::run(kPeerCombine, c.args(s, d, r), r, grid));
+      for (int i = 0; i < 2; ++i) check(run(kPeerDispatch, d.args(s, r), r, grid));
+      for (int i = 0; i < 2; ++i) check(run(kPeerCombine, c.args(s, d, r), r, grid));
       // Low latency: once on one region, then two exchanges in flight, one per region.
       auto ll_dispatch = [&](int buffer) {
         LowLatencyArgs a = ll.dispatch_args(s, r);
@@ -281,14 +289,14 @@ void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& 
         a.buffer = buffer;
         return a;
       };
-      check(host::run(kPeerLlDispatchSend, ll_dispatch(0), r, grid));
-      check(host::run(kPeerLlDispatchRecv, ll_dispatch(0), r, grid));
-      for (int b = 0; b < 2; ++b) check(host::run(kPeerLlDispatchSend, ll_dispatch(b), r, grid));
-      for (int b = 0; b < 2; ++b) check(host::run(kPeerLlDispatchRecv, ll_dispatch(b), r, grid));
-      check(host::run(kPeerLlCombineSend, ll_combine(1), r, grid));
-      check(host::run(kPeerLlCombineRecv, ll_combine(1), r, grid));
-      for (int b = 0; b < 2; ++b) check(host::run(kPeerLlCombineSend, ll_combine(b), r, grid));
-      for (int b = 0; b < 2; ++b) check(host::run(kPeerLlCombineRecv, ll_combine(b), r, grid));
+      check(run(kPeerLlDispatchSend, ll_dispatch(0), r, grid));
+      check(run(kPeerLlDispatchRecv, ll_dispatch(0), r, grid));
+      for (int b = 0; b < 2; ++b) check(run(kPeerLlDispatchSend, ll_dispatch(b), r, grid));
+      for (int b = 0; b < 2; ++b) check(run(kPeerLlDispatchRecv, ll_dispatch(b), r, grid));
+      check(run(kPeerLlCombineSend, ll_combine(1), r, grid));
+      check(run(kPeerLlCombineRecv, ll_combine(1), r, grid));
+      for (int b = 0; b < 2; ++b) check(run(kPeerLlCombineSend, ll_combine(b), r, grid));
+      for (int b = 0; b < 2; ++b) check(run(kPeerLlCombineRecv, ll_combine(b), r, grid));
     });
   }
   for (std::thread& t : ranks) t.join();
@@ -336,6 +344,74 @@ void check_round(const Shape& s, uint32_t seed, const HostGrid& grid, const char
   expect_equal(lp.count, lv.count, "low-latency count" + at);
   expect_equal(lp.num_invalid, lv.num_invalid, "low-latency num_invalid" + at);
   expect_equal(lp.out, lv.out, "low-latency combine out" + at);
+}
+
+// Two EP groups of R = 2 at once, on the devices of a 2 x 2 mesh with the EP axis `first` or
+// last: each group's buffers and flags are its own (keyed by its devices), so each gives its
+// virtual-rank results, and TSan sees no access shared between the groups.
+void check_two_groups_at_once(bool ep_first, uint32_t seed) {
+  const Shape s{2, 7, 3, 4, 256, 14, false, false};
+  const std::vector<int64_t> groups =
+      ep_first ? std::vector<int64_t>{0, 2, 1, 3} : std::vector<int64_t>{0, 1, 2, 3};
+  std::vector<DispatchData> dv, dp;
+  std::vector<CombineData> cv, cp;
+  std::vector<LowLatencyData> lv, lp;
+  for (auto* v : {&dv, &dp}) v->reserve(2);
+  for (auto* v : {&cv, &cp}) v->reserve(2);
+  for (auto* v : {&lv, &lp}) v->reserve(2);
+  for (int g = 0; g < 2; ++g) {
+    dv.emplace_back(s), dp.emplace_back(s);
+    std::mt19937 gen(seed + g);
+    fill_inputs(s, dv[g], gen);
+    dp[g].x = dv[g].x, dp[g].scales = dv[g].scales, dp[g].weights = dv[g].weights;
+    dp[g].idx = dv[g].idx;
+    std::mt19937 gc(seed + 10 + g), gc2(seed + 10 + g), gl(seed + 20 + g), gl2(seed + 20 + g);
+    cv.emplace_back(s, gc), cp.emplace_back(s, gc2);
+    lv.emplace_back(s, dv[g].idx, gl), lp.emplace_back(s, dv[g].idx, gl2);
+  }
+  for (int g = 0; g < 2; ++g) run_round(s, dv[g], cv[g], lv[g], false, HostGrid{});
+  std::vector<std::thread> runs;
+  for (int g = 0; g < 2; ++g) {
+    runs.emplace_back([&, g] {
+      run_round(s, dp[g], cp[g], lp[g], true, HostGrid{2, 2, 32, 2}, groups, g);
+    });
+  }
+  for (std::thread& t : runs) t.join();
+  for (int g = 0; g < 2; ++g) {
+    const std::string at = " (group " + std::to_string(g) + (ep_first ? ", EP axis first" : "") +
+                           ", seed " + std::to_string(seed) + ")";
+    expect_equal(dp[g].recv_x, dv[g].recv_x, "dispatch recv_x" + at);
+    expect_equal(dp[g].src_row, dv[g].src_row, "dispatch src_row" + at);
+    expect_equal(cp[g].out, cv[g].out, "combine out" + at);
+    expect_equal(lp[g].count, lv[g].count, "low-latency count" + at);
+    expect_equal(lp[g].out, lv[g].out, "low-latency combine out" + at);
+  }
+}
+
+// cuda/ep_group.h: finding a device's group and rank, and a group's node split.
+void check_group_rules() {
+  const int64_t table[] = {4, 5, 6, 7, 0, 1, 2, 3};
+  std::vector<int64_t> row;
+  int rank = -1;
+  expect(find_group(GroupTable{table, 8, 2}, 4, 2, &row, &rank).empty() && rank == 2 &&
+             row == std::vector<int64_t>{0, 1, 2, 3},
+         "device 2 is rank 2 of the second group");
+  expect(find_group(GroupTable{table, 8, 2}, 4, 1, &row, &rank).find("EP axis index is 1") !=
+             std::string::npos,
+         "an axis index that is not the device's rank is an error");
+  expect(find_group(GroupTable{table, 8, 9}, 4, 0, &row, &rank).find("none of the") !=
+             std::string::npos,
+         "a device outside the table is an error");
+  expect(find_group(GroupTable{table, 6, 2}, 4, 2, &row, &rank).find("not whole groups") !=
+             std::string::npos,
+         "a table of partial groups is an error");
+  std::string error;
+  expect(group_ranks_per_node({3, 3, 3}, &error) == 0, "one node");
+  expect(group_ranks_per_node({0, 0, 1, 1, 2}, &error) == 2, "nodes of 2, a smaller last");
+  expect(group_ranks_per_node({5, 1, 7}, &error) == 1, "one rank per node");
+  expect(group_ranks_per_node({0, 1, 0, 1}, &error) == -1 && !error.empty(),
+         "ranks out of node order are an error");
+  expect(group_ranks_per_node({0, 0, 1, 1, 1}, &error) == -1, "a larger later node is an error");
 }
 
 // Run with a start timeout of 2 s and an op timeout of 0.2 s (main). A peer that starts an op
@@ -437,6 +513,11 @@ int main() {
     return 2;
   }
   for (const Shape& s : shapes) check_round(s, seed + 10 * round++, warps, ", nodes of 2");
+  host::finalize();
+  // EP groups of a mesh, side by side.
+  if (!host::initialize(16 << 20, 4 << 20).empty()) return 2;
+  check_group_rules();
+  for (const bool ep_first : {false, true}) check_two_groups_at_once(ep_first, seed + 1000);
   host::finalize();
   setenv("JAX_EP_START_TIMEOUT_S", "2", 1);
   setenv("JAX_EP_TIMEOUT_S", "0.2", 1);

@@ -1,0 +1,263 @@
+// What the GPU platforms of cuda/peer_ops.h share: the per-GPU state of the exchange between
+// devices and the Meet inside the kernels. Two platforms use it: NVSHMEM, one GPU per process
+// (cuda/peer_exchange.cu), and CUDA peer access, the GPUs of one process
+// (cuda/local_exchange.cu). They differ in how a kernel reaches a peer (a Net: its signal and
+// whether puts need completing) and in how the group's peers are found; the flags, their
+// counts and the bounded waits are these.
+//
+// Safety: every wait is bounded (cuda/peer_ops.h, Wait: by the start timeout where peers may
+// not have started the op, else by the op timeout). A wait that lasts longer for a peer
+// records (op, peer) in a status word in host memory and gives up; the next call of any op on
+// this GPU reports it as an error.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cuda/ep_group.h"
+#include "cuda/kernels.h"
+#include "cuda/peer_ops.h"
+#include "cuda/phases.cuh"
+
+namespace jax_ep::cuda {
+
+// What went wrong in a wait. In mapped host memory.
+struct PeerStatus {
+  // 0 ok; 1 or 3: a wait gave up waiting for `peer` inside the op (1) or to start it (3);
+  // 2: rank mismatch (EP axis index `peer`).
+  int code;
+  int op;
+  int peer;
+};
+
+// One GPU's state of the exchange between devices, for one symmetric buffer (`generation`).
+struct PeerState {
+  PeerStatus* status = nullptr;         // host pointer (mapped)
+  PeerStatus* device_status = nullptr;  // the same memory, as the device sees it
+  uint64_t* epoch = nullptr;            // launches of this rank that arrived (device memory)
+  uint64_t arrivals = 0;                // the arriving launches issued so far: *epoch once
+                                        // they ran
+  RegionUse low_latency[2];             // the two low-latency regions (peer_ops.h)
+  Timeouts timeouts;
+  int generation = 0;                   // the symmetric buffer the state above belongs to
+  // This GPU's EP group, fixed by the first exchange after initialize (empty: none yet).
+  std::vector<int64_t> group;  // its devices, in EP rank order
+  int group_rank = 0;          // this GPU's EP rank in it
+  int group_nodes = 0;         // its ranks per node (cuda/ep_group.h; 0: one node)
+  void* peers = nullptr;       // device memory: how to reach each rank (the platform's table)
+};
+
+// Readies `st` (on the current GPU) for a call of `op` on the symmetric buffer of
+// `generation`: allocated once, reset when the buffer is new (its signals are zero, so the
+// arrivals count from zero again, an old failure no longer applies and the group is chosen
+// again), and the error of an earlier call that failed on the device, if any.
+inline PeerError ready_state(int op, int generation, PeerState& st) {
+  const std::string name = kPeerOpNames[op];
+  if (st.status == nullptr) {
+    void* host = nullptr;
+    if (cudaHostAlloc(&host, sizeof(PeerStatus), cudaHostAllocMapped) != cudaSuccess ||
+        cudaHostGetDevicePointer(reinterpret_cast<void**>(&st.device_status), host, 0) !=
+            cudaSuccess ||
+        cudaMalloc(&st.epoch, sizeof(uint64_t)) != cudaSuccess) {
+      return PeerError{name + ": cannot allocate the peers' state"};
+    }
+    st.status = static_cast<PeerStatus*>(host);
+    st.timeouts = timeouts_from_env();
+  }
+  if (st.generation != generation) {
+    if (cudaMemset(st.epoch, 0, sizeof(uint64_t)) != cudaSuccess ||
+        cudaDeviceSynchronize() != cudaSuccess) {
+      return PeerError{name + ": cannot reset the peers' state"};
+    }
+    *st.status = PeerStatus{0, 0, 0};
+    st.arrivals = 0;
+    st.low_latency[0] = st.low_latency[1] = RegionUse{};
+    cudaFree(st.peers);
+    st.peers = nullptr;
+    st.group.clear();
+    st.generation = generation;
+  }
+  const volatile PeerStatus* report = st.status;  // written by the device
+  if (report->code == 1 || report->code == 3) {
+    return after_timeout(op, report->op, report->peer,
+                         report->code == 3 ? Wait::kStart : Wait::kInOp, st.timeouts,
+                         "restart the processes");
+  }
+  if (report->code == 2) {
+    return PeerError{name + ": an earlier call of " + kPeerOpNames[report->op] +
+                     " ran with EP axis index " + std::to_string(report->peer) +
+                     " on the GPU of EP rank " + std::to_string(st.group_rank) +
+                     " of its group " + devices_text(st.group) +
+                     " (a program traced for another mesh); the EP group is unusable, "
+                     "restart the processes"};
+  }
+  return PeerError{};
+}
+
+// The group of a call with num_ranks ranks: `row` (its devices, EP rank order) and this GPU's
+// `rank` from the program's `groups` (whose `device` is this GPU's id), or every one of
+// `all_devices` in order without a table; fails when a table does not fit, or when this GPU
+// already joined another group (the flags count the launches of one group).
+inline PeerError group_of_call(int op, int num_ranks, const GroupTable& groups,
+                               const std::vector<int64_t>& all_devices, int own_index,
+                               const PeerState& st, std::vector<int64_t>* row, int* rank) {
+  const std::string name = kPeerOpNames[op];
+  if (groups.size > 0) {
+    // The EP axis index lives on the device: the launches compare it (DeviceMeet::check_rank).
+    const std::string error = find_group(groups, num_ranks, kUncheckedRank, row, rank);
+    if (!error.empty()) return PeerError{name + ": " + error};
+  } else if (static_cast<int>(all_devices.size()) != num_ranks) {
+    return PeerError{name + ": the EP axis has " + std::to_string(num_ranks) + " ranks but " +
+                     std::to_string(all_devices.size()) + " GPUs were initialized; without a "
+                     "concrete mesh (jax.set_mesh) the EP axis must span every GPU of "
+                     "jax_ep.initialize()"};
+  } else {
+    *row = all_devices;
+    *rank = own_index;
+  }
+  if (st.group.empty() || *row == st.group) return PeerError{};
+  return PeerError{name + ": this GPU exchanges in the EP group of devices " +
+                   devices_text(st.group) + " since its first exchange after "
+                   "jax_ep.initialize(); a program in the group " + devices_text(*row) +
+                   " needs jax_ep.finalize() and jax_ep.initialize() first (the flags count "
+                   "the launches of one group)"};
+}
+
+// A table of `count` values in device memory (the current GPU's), replacing `*table`.
+template <typename T>
+cudaError_t upload_table(const std::vector<T>& values, void** table) {
+  cudaFree(*table);
+  *table = nullptr;
+  cudaError_t status = cudaMalloc(table, values.size() * sizeof(T));
+  if (status != cudaSuccess) return status;
+  return cudaMemcpy(*table, values.data(), values.size() * sizeof(T), cudaMemcpyHostToDevice);
+}
+
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// A Meet (cuda/peer_ops.h) on the GPU, for per_warp_kernel (cuda/phases.cuh). signals[p] in
+// this rank's symmetric buffer counts the launches of EP rank p that arrived; `epoch` those
+// of this rank. `Net` reaches the peers: `signal(slot, value, rank)` sets `slot` (an address
+// in this rank's buffer) in rank's buffer after this rank's earlier writes, `quiet()`
+// completes this thread's puts.
+template <typename Net>
+struct DeviceMeet {
+  uint64_t* signals;
+  uint64_t* epoch;
+  Net net;
+  int me, n, op;  // this EP rank, the group's ranks
+  const int32_t* axis_index;
+  PeerStatus* status;
+  uint64_t before_ns = 0, after_ns = 0;  // bounds of the waits; 0: no wait
+  int before_code = 0, after_code = 0;   // PeerStatus codes of their timeouts
+  uint64_t before_arrivals = kAllEarlier;  // Meet::before_arrivals
+  bool arrive = false;
+  bool quiet = false;  // an arriving launch over puts: done() completes the thread's puts
+
+  __host__ __device__ bool waits_first() const { return before_ns != 0; }
+  __host__ __device__ bool has_last() const { return arrive || after_ns != 0; }
+
+  __device__ void first() const {
+    if (blockIdx.x == 0 && threadIdx.x == 0) check_rank();
+    if (before_ns != 0) wait_for_peers(before_ns, before_code, before_arrivals);
+  }
+  // Every thread after its items. NVSHMEM specifies nvshmem_quiet per PE; each thread quiets
+  // its own puts anyway, so that the arrival's signal follows every put of the launch however
+  // an implementation scopes it.
+  __device__ void done() const {
+    if (quiet) net.quiet();
+  }
+  __device__ void last() const {
+    if (arrive) tell_peers();
+    if (after_ns != 0) wait_for_peers(after_ns, after_code, kAllEarlier);
+  }
+
+  // The op's EP axis index must be this GPU's EP rank in its group.
+  __device__ void check_rank() const {
+    const int32_t index = *axis_index;
+    if (index != me && static_cast<volatile PeerStatus*>(status)->code == 0) report(2, index);
+  }
+
+  // Records what went wrong, for the next call. Host memory: plain stores (any thread's
+  // report is a fine one).
+  __device__ void report(int code, int peer) const {
+    volatile PeerStatus* out = status;
+    out->op = op;
+    out->peer = peer;
+    __threadfence_system();
+    out->code = code;
+  }
+
+  // Every thread of the block: this rank's writes (every block's, is_last_block) are visible,
+  // then each thread p < n sets this rank's signal in EP rank p.
+  __device__ void tell_peers() const {
+    __shared__ uint64_t arrivals;
+    if (threadIdx.x == 0) {
+      arrivals = *epoch + 1;
+      *epoch = arrivals;
+    }
+    __syncthreads();
+    net.quiet();
+    __threadfence_system();
+    for (int p = threadIdx.x; p < n; p += blockDim.x) net.signal(signals + me, arrivals, p);
+  }
+
+  // Every thread of the block: until each peer arrived as often as this rank (or `arrivals`
+  // times), thread p watching peer p, bounded by `timeout_ns`; then the peers' writes are
+  // visible to the block.
+  __device__ void wait_for_peers(uint64_t timeout_ns, int timeout_code,
+                                 uint64_t arrivals) const {
+    __syncthreads();  // the block's reads of *epoch come after tell_peers' write
+    const uint64_t target = arrivals == kAllEarlier ? *epoch : arrivals;
+    for (int p = threadIdx.x; p < n; p += blockDim.x) {
+      volatile uint64_t* arrived = signals + p;
+      const uint64_t start = global_ns();
+      while (*arrived < target) {
+        if (static_cast<volatile PeerStatus*>(status)->code != 0) break;
+        if (global_ns() - start > timeout_ns) {
+          report(timeout_code, p);
+          break;
+        }
+        __nanosleep(200);
+      }
+    }
+    __threadfence_system();
+    __syncthreads();
+  }
+};
+
+// One launch of `phase` for EP rank `st.group_rank` on `stream`, meeting the peers through
+// `net` as `meet` says (cuda/peer_ops.h); counts its arrival in `st`. `puts`: the launch's
+// puts need completing before it arrives.
+template <typename Net, typename Phase, typename Tail>
+cudaError_t launch_meeting(const Phase& phase, int64_t items, const Meet& meet,
+                           const Tail& tail, const Net& net, bool puts, uint64_t* signals,
+                           int op, const int32_t* axis_index, int num_sms,
+                           cudaStream_t stream, PeerState& st) {
+  DeviceMeet<Net> m{signals, st.epoch, net, st.group_rank, static_cast<int>(st.group.size()),
+                    op, axis_index, st.device_status};
+  auto bound = [&](const std::optional<Wait>& wait, uint64_t* ns, int* code) {
+    if (!wait) return;
+    *ns = std::max<uint64_t>(st.timeouts.of(*wait), 1);
+    *code = *wait == Wait::kStart ? 3 : 1;
+  };
+  bound(meet.before, &m.before_ns, &m.before_code);
+  bound(meet.after, &m.after_ns, &m.after_code);
+  m.before_arrivals = meet.before_arrivals;
+  m.arrive = meet.arrive;
+  m.quiet = meet.arrive && puts;
+  const cudaError_t status = per_warp(phase, st.group_rank, 1, items, stream, num_sms, tail, m);
+  if (status == cudaSuccess && meet.arrive) ++st.arrivals;
+  return status;
+}
+
+}  // namespace jax_ep::cuda
