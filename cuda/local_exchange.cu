@@ -17,7 +17,6 @@
 // jax_ep.initialize() (cuda/ep_group.h); its rank's buffers are found by the devices' ids.
 #include <algorithm>
 #include <cstdint>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -50,7 +49,7 @@ struct LocalNet {
 
 // The state of each GPU of the process, by its index in local_buffers().
 std::vector<PeerState>& states() {
-  static std::vector<PeerState> s(kMaxPeers);
+  static std::vector<PeerState> s(kMaxLocalGpus);
   return s;
 }
 

@@ -113,8 +113,11 @@ def test_forward_and_gradients_over_puts(other_access, R):
     assert_every_run_matches(forward_and_gradients(E, R * T * min(K, E // R)), R, *args)
 
 
-@pytest.mark.parametrize("expert_major", [False, True])
-def test_two_dispatches_of_unrelated_inputs(expert_major):
+@pytest.mark.parametrize("expert_major, streams", [(False, (None, None)), (True, (None, None)),
+                                                   (True, (1, 2))])
+def test_two_dispatches_of_unrelated_inputs(expert_major, streams):
+    """Two dispatches and combines of unrelated inputs, also each on a GPU stream of its own
+    (on the CPU the call runs as any other, in the one order of its token)."""
     R, T, K, E, H = 4, 29, 3, 12, 128
     rng = np.random.default_rng()
     firsts = [rng.integers(-1, E, size=(R, T, K)).astype(np.int32) for _ in range(2)]
@@ -124,13 +127,13 @@ def test_two_dispatches_of_unrelated_inputs(expert_major):
     def program(backend):
         def per_shard(x0, x1, idx0, idx1, w0, w1):
             outs = []
-            for x, idx, w in ((x0, idx0, w0), (x1, idx1, w1)):
+            for x, idx, w, stream in ((x0, idx0, w0, streams[0]), (x1, idx1, w1, streams[1])):
                 recv, handle = jax_ep.dispatch(x, idx, w, num_experts=E,
                                                expert_major=expert_major, on_invalid="mask",
-                                               backend=backend)
+                                               backend=backend, stream=stream)
                 weights = recv.topk_weights if expert_major else None
                 outs.append(jax_ep.combine(recv.x * 2, handle, topk_weights=weights,
-                                           backend=backend))
+                                           backend=backend, stream=stream))
             return outs
 
         return per_shard
@@ -242,3 +245,34 @@ def test_independent_exchanges_are_chained_by_their_tokens(platform):
         "jax_ep_dispatch", "jax_ep_combine", "jax_ep_dispatch", "jax_ep_combine",
         "jax_ep_ll_dispatch_send", "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send",
         "jax_ep_ll_combine_recv"]
+
+
+def test_exchanges_on_different_streams_keep_one_order():
+    """`stream=` puts each exchange in its own call on a GPU stream; the token still passes
+    from each call to the next, so XLA waits across the streams and two exchanges never run
+    at once, whatever streams they are on."""
+    R, T, K, E, H = 2, 6, 2, 4, 128
+    mesh = jax.make_mesh((R,), ("ep",), devices=jax.devices()[:R])
+    spec = jax.sharding.PartitionSpec("ep")
+
+    def per_shard(x, idx, w):
+        out = 0
+        for stream, rows in ((1, x), (2, x * 2)):
+            recv, handle = jax_ep.dispatch(rows, idx, w, num_experts=E, backend="cuda",
+                                           stream=stream)
+            out = out + jax_ep.combine(recv.x, handle, backend="cuda", stream=stream)
+        return out
+
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    args = [jax.ShapeDtypeStruct((R * T, n), dtype, sharding=sharding)
+            for n, dtype in ((H, jnp.bfloat16), (K, jnp.int32), (K, jnp.float32))]
+    fn = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=spec, out_specs=spec))
+    with jax.set_mesh(mesh):
+        hlo = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
+    calls = re.findall(r"^\s*(\S+) = \(token\[\][^\n]*? call\((\S+?),[^\n]*"
+                       r'_xla_stream_annotation="(\d+)"', hlo, re.M)
+    token_of = dict(re.findall(r"^\s*(\S+) = token\[\] get-tuple-element\((\S+)\), index=0",
+                               hlo, re.M))
+    assert [stream for _, _, stream in calls] == ["1", "1", "2", "2"], calls
+    for (previous, _, _), (name, token, _) in zip(calls, calls[1:], strict=False):
+        assert token_of.get(token) == previous, f"{name} is not ordered after {previous}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -66,3 +67,47 @@ def test_the_smoke_check_rehearses_on_cpu_devices():
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "smoke in one process with 8 devices (cpu, store, 2 EP groups): ok" in proc.stdout
+
+
+def script_steps() -> list[str]:
+    with open(os.path.join(ROOT, "tools", "gpu_check.sh")) as f:
+        return re.findall(r"^step (\w+) ", f.read(), re.M)
+
+
+def test_a_dry_run_finds_every_step_runnable(tmp_path):
+    """--dry-run runs no step: it checks each one's command and files exist, runs every step
+    but `tests` (which runs only when named), and writes the report of that."""
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", os.path.join(ROOT, "tools", "gpu_check.sh"), "--dry-run",
+                           str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
+    assert [r[0] for r in rows] == [s for s in script_steps() if s != "tests"]
+    assert all(r[1] == "0" for r in rows), rows
+    assert "would run: python3 " in (out / "smoke4_groups.log").read_text()
+    assert list(out.glob("*.md")), proc.stdout
+
+
+def test_the_docs_list_every_step_of_the_script():
+    with open(os.path.join(ROOT, "docs", "gpu", "README.md")) as f:
+        rows = [line for line in f if line.startswith("| `")]
+    documented = [name for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[1])]
+    assert documented == script_steps()
+
+
+def test_the_report_of_a_run_stopped_mid_step(tmp_path):
+    """A run stopped at a time limit leaves a half-written status line and result: the report
+    keeps the steps that finished."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "steps.tsv").write_text("env\t0\t1\nkernels\t0\t12\nlarge\t")
+    (out / "kernels.json").write_text('[{"test": "a", "args": {}, "status": "ok"}, {"te')
+    (out / "large.log").write_text("")
+    reports = tmp_path / "reports"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_report.py"),
+                           str(out), str(reports)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    (md,) = reports.glob("*.md")
+    record = json.loads(md.with_suffix(".json").read_text())
+    assert [s["step"] for s in record["steps"]] == ["env", "kernels"]
+    assert record["kernels"] is None

@@ -33,9 +33,14 @@ def git(*args: str) -> str:
 
 
 def steps(out_dir: str) -> list[dict]:
+    """The steps recorded so far; a line cut short by a run stopped while writing it is left
+    out."""
     rows = []
     for line in read(os.path.join(out_dir, "steps.tsv")).splitlines():
-        name, rc, seconds = line.split("\t")
+        fields = line.split("\t")
+        if len(fields) != 3 or not all(f.lstrip("-").isdigit() for f in fields[1:]):
+            continue
+        name, rc, seconds = fields
         rows.append({"step": name, "exit": int(rc), "seconds": int(seconds),
                      "tail": read(os.path.join(out_dir, f"{name}.log")).splitlines()[-15:]})
     return rows
@@ -45,10 +50,11 @@ SANITIZERS = ("memcheck", "synccheck", "initcheck", "racecheck")
 
 
 def load(path: str):
-    if not os.path.exists(path):
+    """A step's JSON result, or None when it is missing or cut short (a stopped step)."""
+    try:
+        return json.loads(read(path)) if os.path.exists(path) else None
+    except json.JSONDecodeError:
         return None
-    with open(path) as f:
-        return json.load(f)
 
 
 def gpu_name() -> str:
@@ -137,7 +143,8 @@ def markdown(report: dict) -> str:
 
 def main(out_dir: str, report_dir: str) -> int:
     env_log = read(os.path.join(out_dir, "env.log")).splitlines()
-    device = env_log[0].split(",")[0].strip() if env_log else gpu_name()
+    # nvidia-smi's CSV line (a dry run's env log holds none).
+    device = env_log[0].split(",")[0].strip() if env_log and "," in env_log[0] else gpu_name()
     # A copy of the tree may carry a stale .git (the last landed commit plus changes): the
     # caller can name the commit it sent.
     commit = os.environ.get("JAX_EP_GPU_COMMIT") or git("rev-parse", "--short", "HEAD") or "unknown"
