@@ -82,7 +82,7 @@ void host_per_warp(const Phase& phase, int first_rank, int ranks, int64_t items,
   const int64_t total = static_cast<int64_t>(ranks) * items, units = grid.num_warps();
   const bool after = tail.early_items() > 0 || tail.items() > 0 || meet.has_last();
   if (total == 0 && !after && !meet.waits_first()) return;  // the GPU launches nothing either
-  meter_launch();
+  meter_launch(total);
   std::atomic<int64_t> ticket{0};
   for_units(units, grid.threads, [&](int64_t warp) {
     meet.first();

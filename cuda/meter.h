@@ -1,7 +1,8 @@
 // What an op does, counted where its code runs on the CPU: the cross-check of the account
 // (jax_ep/account.py), which predicts the same numbers from the routing for the GPU.
 //
-// Counted: launches (phases with items, per rank's stream), barriers between ranks (the
+// Counted: launches (phases with items, per rank's stream) and the warps of work in the
+// smallest (one per item, every rank's with virtual ranks), barriers between ranks (the
 // waits for all peers inside a launch: Meet's before and after), and the bytes of row data
 // (token rows, FP8 scales, partial sums) that the phase bodies read and write. Bookkeeping
 // (ids, weights, counters, offsets) is not counted: a few bytes per row next to kilobytes.
@@ -16,7 +17,9 @@
 namespace jax_ep {
 
 struct Meter {
+  static constexpr int64_t kNoLaunch = INT64_MAX;
   std::atomic<int64_t> launches{0}, barriers{0}, read{0}, written{0};
+  std::atomic<int64_t> smallest{kNoLaunch};  // warps of work in the smallest launch
 };
 
 // The process's meter (jax_ep._ext.meter reads and resets it).
@@ -35,7 +38,14 @@ JAX_EP_HOST_DEVICE void meter_rows(int64_t read, int64_t written) {
 #endif
 }
 
-inline void meter_launch() { meter().launches.fetch_add(1, std::memory_order_relaxed); }
+// A launch with `warps` warps of work.
+inline void meter_launch(int64_t warps) {
+  meter().launches.fetch_add(1, std::memory_order_relaxed);
+  int64_t smallest = meter().smallest.load(std::memory_order_relaxed);
+  while (warps < smallest &&
+         !meter().smallest.compare_exchange_weak(smallest, warps, std::memory_order_relaxed)) {
+  }
+}
 inline void meter_barrier() { meter().barriers.fetch_add(1, std::memory_order_relaxed); }
 
 }  // namespace jax_ep

@@ -10,6 +10,9 @@ For a routing and the op's shapes, an `Account` gives:
 - read, written: bytes of row data (token rows, FP8 scales, partial sums) read and written,
   all ranks together. Bookkeeping (ids, weights, counters, offsets) is left out: a few bytes
   per row next to kilobytes;
+- warps: the warps of work in the op's smallest launch (one per item of a phase; each rank's
+  launch between devices, every rank's with virtual ranks): what a GPU has to spread over its
+  SMs, which a launch with fewer than a few warps per SM cannot fill;
 - minimum: the bytes of row data any design must move: every source row that carries data
   read once and every delivered row written once; combine reads each row that carries data
   once and writes every output row. Between devices each delivered row also passes once
@@ -53,6 +56,7 @@ class Account:
     read: int
     written: int
     minimum: int
+    warps: int | None = None  # of the smallest launch; None: no launch
 
     @property
     def bytes(self) -> int:
@@ -68,6 +72,7 @@ class Account:
 
     def __add__(self, other: Account) -> Account:
         """The two ops run one after the other (e.g. a send and its receive)."""
+        warps = [w for w in (self.warps, other.warps) if w is not None]
         return Account(
             f"{self.op}+{other.op}",
             self.launches + other.launches,
@@ -75,6 +80,7 @@ class Account:
             self.read + other.read,
             self.written + other.written,
             self.minimum + other.minimum,
+            min(warps) if warps else None,
         )
 
 
@@ -143,6 +149,21 @@ def _launch(*items: int) -> int:
     return sum(1 for n in items if n > 0)
 
 
+def _smallest(ranks: int, *items: int, always: int = 0) -> int | None:
+    """Warps of work in the smallest of the launches of phases with these item counts per
+    rank, run for `ranks` ranks at once: the first `always` launch even without items (a tail
+    or a meeting), the others only with some."""
+    work = [ranks * n for i, n in enumerate(items) if i < always or n > 0]
+    return min(work) if work else None
+
+
+def count_chunks(num_tokens: int, top_k: int) -> int:
+    """Items of a count phase: chunks of 2^s tokens, s = 9 - ceil(log2 K) (at least 0),
+    about 512 entries each (cuda/exchange.h, count_chunks)."""
+    shift = max(9 - max(top_k - 1, 0).bit_length(), 0)
+    return -(-num_tokens // (1 << shift))
+
+
 # ---------------------------------------------------------------------------------------------
 # The ops
 
@@ -181,27 +202,34 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
     read, written = _fan_out_reads(destinations) * row, (delivered + padding) * row
     minimum = sources * row + delivered * row + padding * row
     # The count (always: its tail computes the totals and the bases), the send, the finish.
+    chunks, finish = count_chunks(T, K), max(capacity, R * T, E // R)
     if not between:
-        phases = 1 + _launch(T, max(capacity, R * T, E // R))
-        return Account("dispatch", phases, 0, read, written, minimum)
+        phases = 1 + _launch(T, finish)
+        return Account("dispatch", phases, 0, read, written, minimum,
+                       _smallest(R, chunks, T, finish, always=1))
     # The finish phase copies the delivered rows (and the metadata) out of the symmetric buffer.
     # Waits: the count's for the peers' last op and for their counts, the finish's for the rows.
     landing = delivered * row
+    # Between devices every launch meets the peers, so it runs, items or not.
     if puts and 0 < ranks_per_node < R:
+        # The count, the send, the relay (every token of every rank) and the finish meet the
+        # peers; the stage does not (it runs with items only).
         return _node_aware_dispatch(kept, topk_idx, E, expert_major, ranks_per_node, row,
-                                    padding, minimum, landing)
+                                    padding, minimum, landing,
+                                    _smallest(1, chunks, T, R * T, finish, T, always=4))
     if puts:
         # The stage copies every token's row into the send area; the send puts one copy per
         # destination from there.
         staged = R * T * row
         read, written = staged + delivered * row, staged + written
         return Account("dispatch", 4, 3, read + landing, written + landing,
-                       minimum + 2 * landing)
-    return Account("dispatch", 3, 3, read + landing, written + landing, minimum + 2 * landing)
+                       minimum + 2 * landing, _smallest(1, chunks, T, finish, T, always=3))
+    return Account("dispatch", 3, 3, read + landing, written + landing, minimum + 2 * landing,
+                   _smallest(1, chunks, T, finish, always=3))
 
 
 def _node_aware_dispatch(kept, topk_idx, num_experts, expert_major, ranks_per_node, row,
-                         padding, minimum, landing) -> Account:
+                         padding, minimum, landing, warps) -> Account:
     """Dispatch over puts in nodes: the stage copies every token, the send puts it to each
     receiver of its own node and once to its relay in each other node it reaches, and the
     relay stores it into its targets there (reading it once per FAN_OUT). The targets, K
@@ -227,7 +255,8 @@ def _node_aware_dispatch(kept, topk_idx, num_experts, expert_major, ranks_per_no
     written = staged + direct + relayed * row + stored + padding * row + targets
     # Launches: count, stage, send, relay, finish; waits: the count's two, the relay's, the
     # finish's.
-    return Account("dispatch", 5, 4, read + landing, written + landing, minimum + 2 * landing)
+    return Account("dispatch", 5, 4, read + landing, written + landing, minimum + 2 * landing,
+                   warps)
 
 
 def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
@@ -259,7 +288,10 @@ def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
     minimum = carried * row_bytes + out
     if not between:
         phases = _launch(R * T if expert_major else 0, T)
-        return Account("combine", phases, 0, read, written, minimum)
+        return Account("combine", phases, 0, read, written, minimum,
+                       _smallest(R, R * T if expert_major else 0, T))
+    # The stage (or the partial sums) over every rank's tokens, the sums over this rank's.
+    warps = _smallest(1, R * T, T, always=2)
     if not expert_major:
         # The rows of y that carry data are staged in the symmetric buffer, where the homes
         # read them (with src_row and the weights; expert-major, the partials are there and
@@ -271,9 +303,9 @@ def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
         # where the sums read them: a launch between the stage and the sums.
         returned = int(rows.sum()) * row_bytes
         return Account("combine", 3, 2, read + returned, written + returned,
-                       minimum + 2 * carried * row_bytes)
+                       minimum + 2 * carried * row_bytes, warps)
     # The stage (or the partial sums) and the sums, each waiting for the peers.
-    return Account("combine", 2, 2, read, written, minimum + 2 * carried * row_bytes)
+    return Account("combine", 2, 2, read, written, minimum + 2 * carried * row_bytes, warps)
 
 
 def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
@@ -297,22 +329,26 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     message = H + H // BLOCK * SCALE_BYTES if use_fp8 else 2 * H
     # The count (always: its tail publishes the counts), then the send: it reads the token
     # once per FAN_OUT messages and writes each into its slot.
+    chunks, slots = count_chunks(T, K), E // R * R * T
     send = Account("ll_dispatch_send", 1 + _launch(T), 0,
                    _fan_out_reads(sent.sum(axis=2)) * 2 * H, m * message,
-                   sources * 2 * H + m * message)
-    recv = Account("ll_dispatch_recv", _launch(E // R * R * T), 0, 0, 0, 0)
+                   sources * 2 * H + m * message, _smallest(R, chunks, T, always=1))
+    recv = Account("ll_dispatch_recv", _launch(slots), 0, 0, 0, 0, _smallest(R, slots))
     if not between:
         return send, recv
     landing = m * message  # the receive copies the counted rows out of the symmetric buffer
     # The send's count waits only for its peers to be done with the last op's data, the
     # receive for every message.
-    send = dataclasses.replace(send, launches=2, barriers=1)
+    send = dataclasses.replace(send, launches=2, barriers=1,
+                               warps=_smallest(1, chunks, T, always=2))
     if puts:
         # The stage writes every token once into the send area (cast to FP8 there); the send
         # puts each message from there.
         send = dataclasses.replace(send, launches=3, read=R * T * 2 * H + m * message,
-                                   written=R * T * message + m * message)
-    recv = Account("ll_dispatch_recv", 1, 1, landing, landing, 2 * landing)
+                                   written=R * T * message + m * message,
+                                   warps=_smallest(1, chunks, T, T, always=3))
+    recv = Account("ll_dispatch_recv", 1, 1, landing, landing, 2 * landing,
+                   _smallest(1, slots, always=1))
     return send, recv
 
 
@@ -329,14 +365,18 @@ def low_latency_combine(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     if not between:
         # No send: the receive reads each choice's row where the expert wrote it.
         return (Account("ll_combine_send", 0, 0, 0, 0, 0),
-                Account("ll_combine_recv", _launch(T), 0, choices * row, out, m * row + out))
+                Account("ll_combine_recv", _launch(T), 0, choices * row, out, m * row + out,
+                        _smallest(R, T)))
     # The send returns one row per choice to the home's symmetric buffer, where the receive
-    # reads and sums them: the bytes that must move pass through it.
-    send = Account("ll_combine_send", 1, 1, choices * row, choices * row, 2 * m * row)
+    # reads and sums them: the bytes that must move pass through it. Its items: every rank's
+    # tokens; the receive's: this rank's.
+    send = Account("ll_combine_send", 1, 1, choices * row, choices * row, 2 * m * row,
+                   _smallest(1, R * T, always=1))
     if puts:  # the stage copies each returned row into the send area, the puts read it there
         send = Account("ll_combine_send", 2, 1, 2 * choices * row, 2 * choices * row,
-                       2 * m * row)
-    recv = Account("ll_combine_recv", 1, 1, choices * row, out, m * row + out)
+                       2 * m * row, _smallest(1, R * T, R * T, always=1))
+    recv = Account("ll_combine_recv", 1, 1, choices * row, out, m * row + out,
+                   _smallest(1, T, always=1))
     return send, recv
 
 
@@ -345,10 +385,30 @@ def low_latency_combine(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
 
 
 # The targets of the kernels' design (docs/cuda.md, "The account"): bytes moved per byte that
-# must move, and launches per rank's stream.
+# must move, launches per rank's stream, and warps of work in every launch: an H100's SMs
+# each hold a few warps at once, so a launch fills the GPU with at least 4 per SM.
 BYTES_TARGET = 1.15
 LAUNCH_TARGETS = {"dispatch": 3, "combine": 2, "ll_dispatch_send": 2, "ll_dispatch_recv": 2,
                   "ll_combine_send": 2, "ll_combine_recv": 2}
+H100_SMS = 132
+WARPS_TARGET = 4 * H100_SMS
+
+# Why the rows that miss a target at DeepSeek's shapes do (see "The account" in docs/cuda.md).
+EXPECTED = {
+    "combine (expert-major)": "bytes: each receiver writes a partial row for every one of "
+    "the R*T rank-major rows (zeros where a token has no entry there) and the home reads them "
+    "back; summing only the entries that exist would reach the minimum",
+    "dispatch": "warps: the count goes by chunks of about 512 entries (64 tokens at top-8), "
+    "one warp each, so its launch has T/64 warps per rank",
+    "combine": "warps: the sums give each of a rank's tokens one warp, T per rank: fewer "
+    "than 528 tokens per rank cannot fill an H100",
+    "ll": "warps: the low-latency phases give each token (the count, each chunk of 64 tokens) "
+    "one warp, so at T = 128 a launch has 2 to 128 warps per rank; splitting a token's row "
+    "or destinations over several warps would fill the GPU",
+    "puts": "launches and bytes: over puts each send first copies what it sends into the "
+    "symmetric buffer, where a put's source must lie (one launch and one copy more), and the "
+    "normal combine's receivers return their rows into the homes' buffers",
+}
 
 
 def deepseek_accounts(num_ranks: int = 8, between: bool = False, seed: int = 0,
@@ -371,6 +431,12 @@ def deepseek_accounts(num_ranks: int = 8, between: bool = False, seed: int = 0,
         dataclasses.replace(dispatch(idx, num_experts=num_experts, **where, **nodes, **fp8_row),
                             op="dispatch (fp8)"),
         combine(idx, num_experts=num_experts, row_bytes=2 * hidden, **where),
+        dataclasses.replace(dispatch(idx, num_experts=num_experts, row_bytes=2 * hidden,
+                                     expert_major=True, **where, **nodes),
+                            op="dispatch (expert-major)"),
+        dataclasses.replace(combine(idx, num_experts=num_experts, row_bytes=2 * hidden,
+                                    expert_major=True, **where),
+                            op="combine (expert-major)"),
     ]
     for use_fp8 in (False, True):
         for a in low_latency_dispatch(ll_idx, num_experts=num_experts, hidden=hidden,
@@ -380,34 +446,56 @@ def deepseek_accounts(num_ranks: int = 8, between: bool = False, seed: int = 0,
     return accounts
 
 
-def meets(account: Account) -> tuple[bool, bool]:
-    """(bytes within BYTES_TARGET of the minimum, launches within the op's target)."""
+def meets(account: Account) -> tuple[bool, bool, bool]:
+    """(bytes within BYTES_TARGET of the minimum, launches within the op's target, every
+    launch with at least WARPS_TARGET warps of work)."""
     base = account.op.split(" ")[0]
-    return account.ratio <= BYTES_TARGET, account.launches <= LAUNCH_TARGETS[base]
+    return (account.ratio <= BYTES_TARGET, account.launches <= LAUNCH_TARGETS[base],
+            account.warps is None or account.warps >= WARPS_TARGET)
 
 
 def table(accounts: Sequence[Account]) -> str:
-    """The accounts as a Markdown table, with each one's targets met (yes) or not (no)."""
-    lines = ["| op | launches | barriers | GB moved | GB minimum | moved / minimum |",
-             "|---|---:|---:|---:|---:|---:|"]
+    """The accounts as a Markdown table; (over) and (under) mark a missed target."""
+    lines = ["| op | launches | barriers | GB moved | GB minimum | moved / minimum | "
+             "warps of the smallest launch |", "|---|---:|---:|---:|---:|---:|---:|"]
     for a in accounts:
-        bytes_ok, launches_ok = meets(a)
+        bytes_ok, launches_ok, warps_ok = meets(a)
         over = {True: "", False: " (over)"}
+        warps = "-" if a.warps is None else f"{a.warps}{'' if warps_ok else ' (under)'}"
         lines.append(
             f"| {a.op} | {a.launches}{over[launches_ok]} | {a.barriers} | "
-            f"{a.bytes / 1e9:.3f} | {a.minimum / 1e9:.3f} | {a.ratio:.2f}{over[bytes_ok]} |"
+            f"{a.bytes / 1e9:.3f} | {a.minimum / 1e9:.3f} | {a.ratio:.2f}{over[bytes_ok]} | "
+            f"{warps} |"
         )
     return "\n".join(lines)
+
+
+def expected(accounts: Sequence[Account], puts: bool = False) -> list[str]:
+    """Why the accounts that miss a target do, one line per reason (EXPECTED); `puts`: the
+    accounts are over puts."""
+    reasons = {}
+    for a in accounts:
+        bytes_ok, launches_ok, warps_ok = meets(a)
+        keys = [] if warps_ok else ["ll" if a.op.startswith("ll_") else a.op.split()[0]]
+        if not (bytes_ok and launches_ok):
+            keys.append("puts" if puts else a.op)
+        for key in keys:
+            reasons.setdefault(key, f"- {key}: {EXPECTED.get(key, 'not explained')}")
+    return list(reasons.values())
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="python -m jax_ep.account",
-        description="The cuda backend's account (launches, barriers, bytes of row data) at "
-        "DeepSeek's shapes, uniform routing: normal mode T 4096, low latency T 128; H 7168, "
-        "top-8 of 256 experts. Needs no GPU.",
+        description="The cuda backend's account (launches, barriers, bytes of row data, the "
+        "warps of work in each op's smallest launch) at DeepSeek's shapes, uniform routing: "
+        "normal mode T 4096, low latency T 128; H 7168, top-8 of 256 experts. Needs no GPU.",
     )
     p.add_argument("--ranks", type=int, default=8, help="EP ranks (default 8)")
+    p.add_argument("--tokens", type=int, default=4096,
+                   help="T per rank of the normal-mode ops (default 4096)")
+    p.add_argument("--ll-tokens", type=int, default=128,
+                   help="T per rank of the low-latency ops (default 128)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ranks-per-node", type=int, default=0,
                    help="the table over puts node-aware, in nodes of this many ranks")
@@ -417,6 +505,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.ranks < 1 or 256 % args.ranks:
         p.error(f"--ranks {args.ranks}: the ranks must divide the 256 experts; "
                 "pick one of 1, 2, 4, ..., 256.")
+    for flag in ("tokens", "ll_tokens"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: a positive number of "
+                    "tokens per rank.")
+    print(f"Shapes: R {args.ranks}; normal mode T {args.tokens}, low latency T "
+          f"{args.ll_tokens}; H 7168, top-8 of 256 experts; bfloat16 rows (fp8: e4m3 with one "
+          f"float32 scale per 128 channels); uniform routing (seed {args.seed}). An H100 has "
+          f"{H100_SMS} SMs: a launch fills them with {WARPS_TARGET} warps of work (4 per SM).\n")
+    missed = []
     for between, puts, title in ((False, False, "virtual ranks (one GPU)"),
                                  (True, False, "one rank per GPU (between GPUs)"),
                                  (True, True, "one rank per GPU, peers reached by puts "
@@ -424,11 +521,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                                       f", node-aware in nodes of {args.ranks_per_node}"
                                       if 0 < args.ranks_per_node < args.ranks else ""))):
         print(f"R = {args.ranks}, {title}; targets: launches dispatch <= 3, combine <= 2, "
-              f"low latency <= 2 per half; moved <= {BYTES_TARGET} x minimum; (over) marks a "
-              "miss\n")
-        print(table(deepseek_accounts(args.ranks, between, args.seed, puts=puts,
-                                      ranks_per_node=args.ranks_per_node)))
+              f"low latency <= 2 per half; moved <= {BYTES_TARGET} x minimum; at least "
+              f"{WARPS_TARGET} warps in every launch; (over) and (under) mark a miss\n")
+        accounts = deepseek_accounts(args.ranks, between, args.seed, tokens=args.tokens,
+                                     ll_tokens=args.ll_tokens, puts=puts,
+                                     ranks_per_node=args.ranks_per_node)
+        print(table(accounts))
         print()
+        missed += [line for line in expected(accounts, puts) if line not in missed]
+    if missed:
+        print("Expected misses:")
+        print("\n".join(missed))
 
 
 if __name__ == "__main__":

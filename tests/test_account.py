@@ -38,10 +38,11 @@ def metered(fn, *args, **kwargs):
 
 def assert_counts(got: dict, want: account.Account, ranks_running: int = 1):
     """The meter's counts equal the account; launches and barriers are summed over the
-    `ranks_running` ranks that each ran the op (one per device between devices)."""
+    `ranks_running` ranks that each ran the op (one per device between devices); the warps of
+    the smallest launch are each rank's."""
     expected = {"launches": want.launches * ranks_running,
                 "barriers": want.barriers * ranks_running,
-                "read": want.read, "written": want.written}
+                "read": want.read, "written": want.written, "smallest_launch": want.warps}
     assert got == expected, f"{want.op}: counted {got}, the account says {expected}"
 
 
@@ -209,3 +210,15 @@ def test_deepseek_table_runs():
         text = account.table(accounts)
         assert all(a.op in text for a in accounts)
         assert all(a.minimum > 0 for a in accounts if a.op.startswith(("dispatch", "combine")))
+
+
+def test_the_table_shows_each_launch_s_parallelism(capsys):
+    """`python -m jax_ep.account` prints its shapes, the warps of work in each op's smallest
+    launch against what fills an H100, and why every row that misses a target does."""
+    account.main(["--ranks", "4", "--tokens", "256", "--ll-tokens", "128"])
+    out = capsys.readouterr().out
+    assert "Shapes: R 4; normal mode T 256, low latency T 128; H 7168" in out
+    assert "warps of the smallest launch" in out and "132 SMs" in out
+    sends = [line for line in out.splitlines() if line.startswith("| ll_dispatch_send |")]
+    assert len(sends) == 3 and all("(under)" in line for line in sends)  # a warp per token
+    assert "Expected misses:" in out and "not explained" not in out
