@@ -57,6 +57,8 @@ class Account:
     written: int
     minimum: int
     warps: int | None = None  # of the smallest launch; None: no launch
+    # Of the smallest launch that moves row data (what bounds the op's copy rate); None: none.
+    row_warps: int | None = None
 
     @property
     def bytes(self) -> int:
@@ -72,7 +74,9 @@ class Account:
 
     def __add__(self, other: Account) -> Account:
         """The two ops run one after the other (e.g. a send and its receive)."""
-        warps = [w for w in (self.warps, other.warps) if w is not None]
+        def least(a, b):
+            return min(a, b) if a is not None and b is not None else (a if b is None else b)
+
         return Account(
             f"{self.op}+{other.op}",
             self.launches + other.launches,
@@ -80,7 +84,8 @@ class Account:
             self.read + other.read,
             self.written + other.written,
             self.minimum + other.minimum,
-            min(warps) if warps else None,
+            least(self.warps, other.warps),
+            least(self.row_warps, other.row_warps),
         )
 
 
@@ -206,26 +211,31 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
     if not between:
         phases = 1 + _launch(T, finish)
         return Account("dispatch", phases, 0, read, written, minimum,
-                       _smallest(R, chunks, T, finish, always=1))
+                       _smallest(R, chunks, T, finish, always=1),
+                       _smallest(R, T, finish if padding else 0))
     # The finish phase copies the delivered rows (and the metadata) out of the symmetric buffer.
     # Waits: the count's for the peers' last op and for their counts, the finish's for the rows.
     landing = delivered * row
+    moving = _smallest(1, T, finish)  # the send (and stage, relay), the finish
     # Between devices every launch meets the peers, so it runs, items or not.
     if puts and 0 < ranks_per_node < R:
         # The count, the send, the relay (every token of every rank) and the finish meet the
         # peers; the stage does not (it runs with items only).
-        return _node_aware_dispatch(kept, topk_idx, E, expert_major, ranks_per_node, row,
-                                    padding, minimum, landing,
-                                    _smallest(1, chunks, T, R * T, finish, T, always=4))
+        return dataclasses.replace(
+            _node_aware_dispatch(kept, topk_idx, E, expert_major, ranks_per_node, row,
+                                 padding, minimum, landing,
+                                 _smallest(1, chunks, T, R * T, finish, T, always=4)),
+            row_warps=moving)
     if puts:
         # The stage copies every token's row into the send area; the send puts one copy per
         # destination from there.
         staged = R * T * row
         read, written = staged + delivered * row, staged + written
         return Account("dispatch", 4, 3, read + landing, written + landing,
-                       minimum + 2 * landing, _smallest(1, chunks, T, finish, T, always=3))
+                       minimum + 2 * landing, _smallest(1, chunks, T, finish, T, always=3),
+                       moving)
     return Account("dispatch", 3, 3, read + landing, written + landing, minimum + 2 * landing,
-                   _smallest(1, chunks, T, finish, always=3))
+                   _smallest(1, chunks, T, finish, always=3), moving)
 
 
 def _node_aware_dispatch(kept, topk_idx, num_experts, expert_major, ranks_per_node, row,
@@ -288,8 +298,8 @@ def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
     minimum = carried * row_bytes + out
     if not between:
         phases = _launch(R * T if expert_major else 0, T)
-        return Account("combine", phases, 0, read, written, minimum,
-                       _smallest(R, R * T if expert_major else 0, T))
+        warps = _smallest(R, R * T if expert_major else 0, T)
+        return Account("combine", phases, 0, read, written, minimum, warps, warps)
     # The stage (or the partial sums) over every rank's tokens, the sums over this rank's.
     warps = _smallest(1, R * T, T, always=2)
     if not expert_major:
@@ -303,9 +313,10 @@ def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
         # where the sums read them: a launch between the stage and the sums.
         returned = int(rows.sum()) * row_bytes
         return Account("combine", 3, 2, read + returned, written + returned,
-                       minimum + 2 * carried * row_bytes, warps)
+                       minimum + 2 * carried * row_bytes, warps, warps)
     # The stage (or the partial sums) and the sums, each waiting for the peers.
-    return Account("combine", 2, 2, read, written, minimum + 2 * carried * row_bytes, warps)
+    return Account("combine", 2, 2, read, written, minimum + 2 * carried * row_bytes, warps,
+                   warps)
 
 
 def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
@@ -332,7 +343,8 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     chunks, slots = count_chunks(T, K), E // R * R * T
     send = Account("ll_dispatch_send", 1 + _launch(T), 0,
                    _fan_out_reads(sent.sum(axis=2)) * 2 * H, m * message,
-                   sources * 2 * H + m * message, _smallest(R, chunks, T, always=1))
+                   sources * 2 * H + m * message, _smallest(R, chunks, T, always=1),
+                   _smallest(R, T))
     recv = Account("ll_dispatch_recv", _launch(slots), 0, 0, 0, 0, _smallest(R, slots))
     if not between:
         return send, recv
@@ -340,7 +352,7 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     # The send's count waits only for its peers to be done with the last op's data, the
     # receive for every message.
     send = dataclasses.replace(send, launches=2, barriers=1,
-                               warps=_smallest(1, chunks, T, always=2))
+                               warps=_smallest(1, chunks, T, always=2), row_warps=_smallest(1, T))
     if puts:
         # The stage writes every token once into the send area (cast to FP8 there); the send
         # puts each message from there.
@@ -348,7 +360,7 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
                                    written=R * T * message + m * message,
                                    warps=_smallest(1, chunks, T, T, always=3))
     recv = Account("ll_dispatch_recv", 1, 1, landing, landing, 2 * landing,
-                   _smallest(1, slots, always=1))
+                   _smallest(1, slots, always=1), _smallest(1, slots))
     return send, recv
 
 
@@ -366,17 +378,17 @@ def low_latency_combine(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
         # No send: the receive reads each choice's row where the expert wrote it.
         return (Account("ll_combine_send", 0, 0, 0, 0, 0),
                 Account("ll_combine_recv", _launch(T), 0, choices * row, out, m * row + out,
-                        _smallest(R, T)))
+                        _smallest(R, T), _smallest(R, T)))
     # The send returns one row per choice to the home's symmetric buffer, where the receive
     # reads and sums them: the bytes that must move pass through it. Its items: every rank's
     # tokens; the receive's: this rank's.
     send = Account("ll_combine_send", 1, 1, choices * row, choices * row, 2 * m * row,
-                   _smallest(1, R * T, always=1))
+                   _smallest(1, R * T, always=1), _smallest(1, R * T))
     if puts:  # the stage copies each returned row into the send area, the puts read it there
         send = Account("ll_combine_send", 2, 1, 2 * choices * row, 2 * choices * row,
-                       2 * m * row, _smallest(1, R * T, R * T, always=1))
+                       2 * m * row, _smallest(1, R * T, R * T, always=1), _smallest(1, R * T))
     recv = Account("ll_combine_recv", 1, 1, choices * row, out, m * row + out,
-                   _smallest(1, T, always=1))
+                   _smallest(1, T, always=1), _smallest(1, T))
     return send, recv
 
 
@@ -411,18 +423,21 @@ EXPECTED = {
 }
 
 
+def uniform_routing(rng: np.random.Generator, num_ranks: int, num_tokens: int, top_k: int,
+                    num_experts: int) -> np.ndarray:
+    """int32 [R, T, K]: each token's top_k distinct experts, uniformly at random."""
+    scores = rng.random((num_ranks, num_tokens, num_experts))
+    return np.argsort(scores, axis=-1)[..., :top_k].astype(np.int32)
+
+
 def deepseek_accounts(num_ranks: int = 8, between: bool = False, seed: int = 0,
                       tokens: int = 4096, ll_tokens: int = 128, hidden: int = 7168,
                       top_k: int = 8, num_experts: int = 256, puts: bool = False,
                       ranks_per_node: int = 0) -> list[Account]:
     """Every op's account at DeepSeek's shapes with a uniform random routing."""
     rng = np.random.default_rng(seed)
-
-    def routing(num_tokens: int) -> np.ndarray:
-        scores = rng.random((num_ranks, num_tokens, num_experts))
-        return np.argsort(scores, axis=-1)[..., :top_k].astype(np.int32)
-
-    idx, ll_idx = routing(tokens), routing(ll_tokens)
+    idx = uniform_routing(rng, num_ranks, tokens, top_k, num_experts)
+    ll_idx = uniform_routing(rng, num_ranks, ll_tokens, top_k, num_experts)
     fp8_row = dict(row_bytes=hidden, scale_bytes=hidden // BLOCK * SCALE_BYTES)
     where = dict(between=between, puts=puts)
     nodes = dict(ranks_per_node=ranks_per_node if puts else 0)

@@ -775,6 +775,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m jax_ep.perfmodel", description=__doc__)
     parser.add_argument("--table", action="store_true",
                         help="print the DeepEP comparison and the internode schemes' table")
+    parser.add_argument("--ours", action="store_true",
+                        help="print our kernels' predicted H100 device times, calibrated on "
+                        "their one profile (jax_ep.kernel_model)")
     parser.add_argument("--hardware", choices=sorted(PRESETS), default="H800")
     parser.add_argument("--mode", choices=(*MODES, "both"), default="both")
     parser.add_argument("--ep", type=int, default=8, help="EP ranks")
@@ -788,6 +791,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--internode", choices=INTERNODE, default="node_aware",
                         help="how normal mode crosses nodes (default: node_aware, DeepEP's)")
     args = parser.parse_args(argv)
+    if args.ours:
+        from jax_ep import kernel_model  # the account: NumPy only, but not needed otherwise
+
+        print(kernel_model.report())
+        return
     if args.table:
         print(markdown_table(calibration_table()))
         print("\nNormal mode between nodes, H800, both schemes:\n")

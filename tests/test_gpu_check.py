@@ -42,6 +42,25 @@ def test_report_from_a_partial_run(tmp_path):
     assert (out / md.name).exists()
 
 
+def test_the_report_sets_the_kernel_model_beside_the_profile(tmp_path):
+    """The large case's per-kernel times come with what `perfmodel --ours` predicted."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "steps.tsv").write_text("large\t0\t130\n")
+    profile = os.path.join(ROOT, "docs", "gpu", "2026-11-23-nvidia-h100-80gb-hbm3-973005d.json")
+    with open(profile) as f:
+        (out / "large.json").write_text(json.dumps(json.load(f)["large"]))
+    reports = tmp_path / "reports"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_report.py"),
+                           str(out), str(reports)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    (md,) = reports.glob("*.md")
+    text = md.read_text()
+    assert "Per-kernel device time, dispatch+combine (per call)" in text
+    assert "perfmodel --ours` predicted" in text
+    assert re.search(r"\| combine \(expert-major\) \| 2 \| 10\.\d+ \|", text)
+
+
 def test_script_records_steps_it_cannot_run(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "JAX_EP_GPU_REPORT_DIR": str(tmp_path / "reports")}
