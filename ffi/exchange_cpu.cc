@@ -11,7 +11,10 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <thread>
+#include <utility>
 #include <variant>
+#include <vector>
 
 #include "cuda/host_launch.h"
 #include "cuda/host_peers.h"
@@ -27,10 +30,6 @@ xffi::Error Grid(const char* op, HostGrid* grid) {
   *grid = cpu_handler_grid(&error);
   if (error.empty()) return xffi::Error::Success();
   return xffi::Error::InvalidArgument(std::string(op) + ": " + error);
-}
-
-xffi::Error Done(const PeerError& error) {
-  return error.ok() ? xffi::Error::Success() : xffi::Error::Internal(error.message);
 }
 
 // Rows of received data past a count are unspecified (docs/contract.md, "Padding"). On the
@@ -54,28 +53,68 @@ void PoisonPadding(int op, const LowLatencyArgs& a, int64_t ranks) {
 template <typename Args>
 void PoisonPadding(int, const Args&, int64_t) {}
 
+// A call's result that is known now.
+xffi::Future Ready(const xffi::Error& error) {
+  xffi::Promise promise;
+  if (error.success()) {
+    promise.SetAvailable();
+  } else {
+    promise.SetError(error);
+  }
+  return xffi::Future(promise);
+}
+
+// Runs `run` (returning a PeerError) on a thread of its own and returns the future of its
+// result. Between devices an exchange waits for its peers; XLA:CPU runs a device's other
+// operations (an all-reduce of the loss, say) on the threads it has, in an order that may
+// differ from device to device, and a handler that blocked one of them could wait for a peer
+// that waits in that all-reduce for this device: a deadlock. As a future, the exchange frees
+// XLA's thread while it waits, as a GPU kernel leaves the host free.
+template <typename Run>
+xffi::Future Async(Run run) {
+  xffi::Promise promise;
+  xffi::Future future(promise);
+  std::thread([promise, run = std::move(run)]() mutable {
+    const PeerError error = run();
+    if (error.ok()) {
+      promise.SetAvailable();
+    } else {
+      promise.SetError(xffi::Error::Internal(error.message));
+    }
+  }).detach();
+  return future;
+}
+
 // Every target: parse, then run the op with virtual ranks (cuda/virtual_ops.h) or, between
 // devices, for this device's rank through host peers, in its EP group (`device` is the CPU
-// device's id, the one the groups list).
+// device's id, the one the groups list), asynchronously (Async).
 template <int Op>
-xffi::Error ExchangeCpuImpl(int32_t device, xffi::AnyBuffer ranks, xffi::Token,
-                            xffi::RemainingArgs args, xffi::Result<xffi::Token>,
-                            xffi::RemainingRets rets, xffi::Dictionary attrs) {
+xffi::Future ExchangeCpuImpl(int32_t device, xffi::AnyBuffer ranks, xffi::Token,
+                             xffi::RemainingArgs args, xffi::Result<xffi::Token>,
+                             xffi::RemainingRets rets, xffi::Dictionary attrs) {
   Call call;
-  JAX_EP_RETURN_IF_ERROR(ParseCall(Op, ranks, args, rets, attrs, &call));
+  if (xffi::Error e = ParseCall(Op, ranks, args, rets, attrs, &call); e.failure()) {
+    return Ready(e);
+  }
   HostGrid grid;
-  JAX_EP_RETURN_IF_ERROR(Grid(kPeerOpNames[Op], &grid));
+  if (xffi::Error e = Grid(kPeerOpNames[Op], &grid); e.failure()) return Ready(e);
   if (call.num_sms > 0) grid.blocks = std::min(grid.blocks, call.num_sms);  // as on the GPU
   return std::visit(
       [&](const auto& a) {
         PoisonPadding(Op, a, call.between ? 1 : a.num_ranks);
         if (call.between) {
-          call.groups.device = device;
-          return Done(host::run(Op, a, call.ranks[0], grid, call.groups));
+          // The groups' ids live in the call's attributes: the thread keeps a copy.
+          std::vector<int64_t> devices(call.groups.devices,
+                                       call.groups.devices + call.groups.size);
+          return Async([a, grid, devices = std::move(devices), rank = call.ranks[0], device] {
+            const GroupTable groups{devices.data(), static_cast<int64_t>(devices.size()),
+                                    device};
+            return host::run(Op, a, rank, grid, groups);
+          });
         }
         HostLauncher l{a.num_ranks, grid};
         run_virtual(l, Op, a);
-        return xffi::Error::Success();
+        return Ready(xffi::Error::Success());
       },
       call.args);
 }
