@@ -995,19 +995,22 @@ JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peer
 // Ordered sums of rows (the combines)
 
 // Rows of one ordered sum (sum_rows), kSumBatch at a time, with their weights when the sum is
-// weighted. Like Fan, filled and read with compile-time indices: registers on the GPU.
+// weighted and, in a grouped sum, their groups. Like Fan, filled and read with compile-time
+// indices: registers on the GPU.
 constexpr int kSumBatch = 4;
 template <typename T>
 struct Terms {
   const T* row[kSumBatch];
   float weight[kSumBatch];
+  int group[kSumBatch];
   int n = 0;
   JAX_EP_HOST_DEVICE bool full() const { return n == kSumBatch; }
-  JAX_EP_HOST_DEVICE void add(const T* r, float w) {
+  JAX_EP_HOST_DEVICE void add(const T* r, float w, int g = 0) {
     JAX_EP_UNROLL for (int j = 0; j < kSumBatch; ++j) {
       if (j == n) {
         row[j] = r;
         weight[j] = w;
+        group[j] = g;
       }
     }
     ++n;
@@ -1020,16 +1023,44 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
-// acc += the terms' packs i, in the terms' order: every load first, then each value times its
-// weight (when weighted) and added, each step rounded to float32.
-template <typename T, int N>
-JAX_EP_HOST_DEVICE void add_terms(const Terms<T>& t, int64_t i, bool weighted, float (&acc)[N]) {
+// The running sums of one pack of an ordered sum: the total and, in a grouped sum, the open
+// group's partial sum.
+template <int N, bool kGrouped>
+struct PackSum {
+  float total[N] = {};
+  float part[N] = {};
+  int group = -1;  // the open group's (none yet: closing it adds +0.0, which changes nothing)
+
+  // The open group's sum, rounded to T, joins the total (docs/contract.md: expert-major
+  // partial sums are cast to y's type).
+  template <typename T>
+  JAX_EP_HOST_DEVICE void close() {
+    JAX_EP_UNROLL for (int q = 0; q < N; ++q) {
+      total[q] = add_rn(total[q], to_float(from_float<T>(part[q])));
+      part[q] = 0.0f;
+    }
+  }
+};
+
+// Adds the terms' packs i to the sums, in the terms' order: every load first, then each value
+// times its weight (when weighted) and added, each step rounded to float32. Grouped, a term
+// of another group than the open one closes it first.
+template <typename T, int N, bool kGrouped>
+JAX_EP_HOST_DEVICE void add_terms(const Terms<T>& t, int64_t i, bool weighted,
+                                  PackSum<N, kGrouped>& sum) {
   Pack<T, N> p[kSumBatch];
   JAX_EP_UNROLL for (int j = 0; j < kSumBatch; ++j) {
     if (j < t.n) p[j] = reinterpret_cast<const Pack<T, N>*>(t.row[j])[i];
   }
   JAX_EP_UNROLL for (int j = 0; j < kSumBatch; ++j) {
     if (j >= t.n) continue;
+    if constexpr (kGrouped) {
+      if (t.group[j] != sum.group) {
+        sum.template close<T>();
+        sum.group = t.group[j];
+      }
+    }
+    float* acc = kGrouped ? sum.part : sum.total;
     JAX_EP_UNROLL for (int q = 0; q < N; ++q) {
       const float v = to_float(p[j].v[q]);
       acc[q] = add_rn(acc[q], weighted ? mul_rn(v, t.weight[j]) : v);
@@ -1038,19 +1069,20 @@ JAX_EP_HOST_DEVICE void add_terms(const Terms<T>& t, int64_t i, bool weighted, f
 }
 
 // sum_rows with packs of N values: lane `lane` writes packs lane, lane + lanes, ...
-template <typename T, int N, typename Collect>
+template <typename T, int N, bool kGrouped, typename Collect>
 JAX_EP_HOST_DEVICE void sum_rows_packed(T* out, int64_t packs, bool weighted, int end,
                                         const Collect& collect, int lane, int lanes) {
   // Not unrolled: kSumBatch loads per pack are in flight already.
   JAX_EP_NO_UNROLL for (int64_t i = lane; i < packs; i += lanes) {
-    float acc[N] = {};
+    PackSum<N, kGrouped> sum;
     for (int from = 0; from < end;) {
       Terms<T> batch;
       from = collect(batch, from);
-      add_terms(batch, i, weighted, acc);
+      add_terms(batch, i, weighted, sum);
     }
+    if constexpr (kGrouped) sum.template close<T>();
     Pack<T, N> p;
-    JAX_EP_UNROLL for (int q = 0; q < N; ++q) p.v[q] = from_float<T>(acc[q]);
+    JAX_EP_UNROLL for (int q = 0; q < N; ++q) p.v[q] = from_float<T>(sum.total[q]);
     reinterpret_cast<Pack<T, N>*>(out)[i] = p;
   }
 }
@@ -1064,7 +1096,9 @@ JAX_EP_HOST_DEVICE void sum_rows_packed(T* out, int64_t packs, bool weighted, in
 // and the row size allow, else single values. The terms are collected again for every pack,
 // from ids that stay in L1: next to a 16-byte load per term that costs little, and holding
 // every term's address for the whole row would double the registers (about 100 now).
-template <typename T, typename Collect>
+// Grouped (kGrouped), each run of terms of one group is summed on its own from 0 and rounded
+// to T before it joins the sum: the expert-major combine's partial sum per rank-major row.
+template <bool kGrouped = false, typename T, typename Collect>
 JAX_EP_HOST_DEVICE void sum_rows(T* out, int64_t H, bool weighted, int end,
                                  const Collect& collect, int lane, int lanes) {
   const int64_t row_bytes = H * static_cast<int64_t>(sizeof(T));
@@ -1079,9 +1113,9 @@ JAX_EP_HOST_DEVICE void sum_rows(T* out, int64_t H, bool weighted, int end,
   if (lane == 0) meter_rows(terms * row_bytes, row_bytes);
   constexpr int N = 16 / sizeof(T);
   if ((bits & 15u) == 0) {
-    sum_rows_packed<T, N>(out, H / N, weighted, end, collect, lane, lanes);
+    sum_rows_packed<T, N, kGrouped>(out, H / N, weighted, end, collect, lane, lanes);
   } else {
-    sum_rows_packed<T, 1>(out, H, weighted, end, collect, lane, lanes);
+    sum_rows_packed<T, 1, kGrouped>(out, H, weighted, end, collect, lane, lanes);
   }
 }
 
@@ -1091,13 +1125,12 @@ JAX_EP_HOST_DEVICE void sum_rows(T* out, int64_t H, bool weighted, int end,
 template <typename T>
 struct CombineArgs {
   int num_ranks, num_tokens, top_k, hidden;
-  int capacity;  // rows of y per rank
+  int capacity;  // rows (rank-major) or entries (expert-major) of y per rank
   bool expert_major;
   const T* y;                 // [R, capacity, H]
   const float* weights;       // [R, capacity] or nullptr
   const int32_t* src_row;     // [R, R*T] (the handle's, per receiver)
   const int32_t* row_entries; // [R, R*T, K] (expert-major)
-  T* partial;                 // [R, R*T, H] workspace (expert-major)
   T* out;                     // [R, T, H]
   // Between devices: where this rank stages what the homes read, in its symmetric buffer:
   // src_row and, rank-major, the rows of y that carry data and their weights. Null with
@@ -1107,6 +1140,9 @@ struct CombineArgs {
     float* weights;   // [capacity] (rank-major, weighted)
     int32_t* src_row; // [R*T]
   } staged{};
+  // Between devices, expert-major: each rank-major row's partial sum, in this rank's symmetric
+  // buffer where the homes read it or this rank's puts return it ([R*T, H]). Null otherwise.
+  T* partial = nullptr;
   // Over puts: what the receivers return to this rank, in its symmetric buffer (their puts
   // write it): for receiver d and token t, at d*T + t, the row d holds for t (-1: none), its
   // weight (rank-major, weighted) and its data (y's row, or the partial sum expert-major).
@@ -1121,6 +1157,32 @@ struct CombineArgs {
   int first_rank = 0;
   JAX_EP_HOST_DEVICE int64_t local(int rank) const { return rank - first_rank; }
 };
+
+// Between devices, expert-major, items (d, src) for src in [0, R*T): receiver d stages where
+// token src sits and, if it has a row, the row's partial sum, where its home reads it: the
+// row's entries in sorted order, each times its weight, in float32 from 0, stored in y's type.
+// One row per token and receiver crosses to the home, not one per entry.
+template <typename T>
+JAX_EP_HOST_DEVICE void combine_partial(const CombineArgs<T>& a, int d, int64_t src, int lane,
+                                        int lanes) {
+  const int64_t rows = static_cast<int64_t>(a.num_ranks) * a.num_tokens, K = a.top_k;
+  const int64_t H = a.hidden;
+  const int32_t row = a.src_row[a.local(d) * rows + src];
+  if (lane == 0) a.staged.src_row[src] = row;
+  if (row < 0) return;
+  const int32_t* entries = a.row_entries + (a.local(d) * rows + row) * K;
+  const T* y = a.y + a.local(d) * a.capacity * H;
+  const float* w = a.weights ? a.weights + a.local(d) * a.capacity : nullptr;
+  sum_rows(a.partial + row * H, H, w != nullptr, a.top_k,
+           [&](Terms<T>& terms, int k) {
+             for (; k < K && !terms.full(); ++k) {
+               const int32_t e = entries[k];
+               if (e >= 0) terms.add(y + static_cast<int64_t>(e) * H, w ? w[e] : 0.0f);
+             }
+             return k;
+           },
+           lane, lanes);
+}
 
 // Between devices, rank-major, items (d, src) for src in [0, R*T): receiver d stages where
 // token src sits in y and, if it does, its row of y and weight, where the token's home reads
@@ -1137,33 +1199,10 @@ JAX_EP_HOST_DEVICE void combine_stage(const CombineArgs<T>& a, int d, int64_t sr
   if (lane == 0 && a.weights) a.staged.weights[row] = a.weights[at];
 }
 
-// Expert-major step, items (d, i): rank-major row i of receiver d = the sum of its entries in
-// sorted order, each times its weight, in float32 from 0, stored in y's type. Between devices
-// item i also stages src_row[i] (rows and tokens are both R*T).
-template <typename T>
-JAX_EP_HOST_DEVICE void combine_reduce_entries(const CombineArgs<T>& a, int d, int i, int lane,
-                                               int lanes) {
-  const int rows = a.num_ranks * a.num_tokens, K = a.top_k, H = a.hidden;
-  const int32_t* entries = a.row_entries + (a.local(d) * rows + i) * K;
-  const T* y = a.y + a.local(d) * a.capacity * H;
-  const float* w = a.weights ? a.weights + a.local(d) * a.capacity : nullptr;
-  T* out = a.partial + (a.local(d) * rows + i) * H;
-  if (lane == 0 && a.staged.src_row) a.staged.src_row[i] = a.src_row[a.local(d) * rows + i];
-  sum_rows(out, H, w != nullptr, K,
-           [&](Terms<T>& terms, int k) {
-             for (; k < K && !terms.full(); ++k) {
-               const int32_t e = entries[k];
-               if (e >= 0) terms.add(y + static_cast<int64_t>(e) * H, w ? w[e] : 0.0f);
-             }
-             return k;
-           },
-           lane, lanes);
-}
-
 // Over puts, items (d, src) for src in [0, R*T): receiver d returns token src's row (staged y,
 // or its partial sum expert-major) with its weight to slot d*T + t of the token's home s, or
 // -1 there when it holds none (every slot written: no clearing). The rows are already in the
-// symmetric buffer (combine_stage, combine_reduce_entries), where a put reads them.
+// symmetric buffer (combine_stage), where a put reads them.
 template <typename T, typename Peers>
 JAX_EP_HOST_DEVICE void combine_return(const CombineArgs<T>& a, const Peers& peers, int d,
                                        int64_t src, int lane, int lanes) {
@@ -1171,50 +1210,86 @@ JAX_EP_HOST_DEVICE void combine_return(const CombineArgs<T>& a, const Peers& pee
   const int64_t rows = static_cast<int64_t>(a.num_ranks) * Tn, H = a.hidden;
   const int s = static_cast<int>(src / Tn);
   const int64_t slot = static_cast<int64_t>(d) * Tn + src % Tn;
-  const int64_t rows_per_rank = a.expert_major ? rows : a.capacity;
   const int32_t row = a.src_row[a.local(d) * rows + src];
   if (lane == 0) store_to(peers, a.returned.row, 0, s, slot, row);
   if (row < 0) return;
-  const int64_t at = a.local(d) * rows_per_rank + row;
-  const T* from = (a.expert_major ? a.partial : a.y) + at * H;
+  const T* from = (a.expert_major ? a.partial : a.y) + row * H;
   peers.put(a.returned.rows + slot * H, s, from, H * static_cast<int64_t>(sizeof(T)), lane,
             lanes);
   if (lane == 0 && !a.expert_major && a.weights) {
-    store_to(peers, a.returned.weights, 0, s, slot, a.weights[at]);
+    store_to(peers, a.returned.weights, 0, s, slot, a.weights[row]);
   }
 }
 
-// Items (s, t): home rank s sums token t's rows over the receivers in rank order. `rows` are
-// y (rank-major) or the partials (expert-major, unweighted); over puts, what the receivers
-// returned here.
+// Items (s, t): home rank s sums token t's rows over the receivers in rank order: rank-major,
+// each receiver's row of y times its weight; between devices expert-major, each receiver's
+// partial sum of the row (combine_partial); over puts, the rows the receivers returned here.
+// Expert-major with virtual ranks: combine_token_entries.
 template <typename T, typename Peers>
 JAX_EP_HOST_DEVICE void combine_token(const CombineArgs<T>& a, const Peers& peers, int s, int t,
                                       int lane, int lanes) {
-  const int R = a.num_ranks, Tn = a.num_tokens, H = a.hidden;
-  const int64_t src = static_cast<int64_t>(s) * Tn + t;
-  const bool em = a.expert_major;
-  const T* rows_base = em ? a.partial : a.y;
-  const int64_t rows_per_rank = em ? static_cast<int64_t>(R) * Tn : a.capacity;
-  const float* weights = em ? nullptr : a.weights;
+  const int R = a.num_ranks, Tn = a.num_tokens;
+  const int64_t src = static_cast<int64_t>(s) * Tn + t, H = a.hidden;
   T* out = a.out + (a.local(s) * Tn + t) * H;
-  sum_rows(out, H, weights != nullptr, R,
-           [&](Terms<T>& terms, int d) {
-             for (; d < R && !terms.full(); ++d) {
-               if constexpr (Peers::kPuts) {
+  if constexpr (Peers::kPuts) {
+    const bool weighted = !a.expert_major && a.weights;
+    sum_rows(out, H, weighted, R,
+             [&](Terms<T>& terms, int d) {
+               for (; d < R && !terms.full(); ++d) {
                  const int64_t slot = static_cast<int64_t>(d) * Tn + t;
                  if (a.returned.row[slot] < 0) continue;
-                 terms.add(a.returned.rows + slot * H, weights ? a.returned.weights[slot] : 0.0f);
-               } else {
-                 const int32_t row = peers.at(a.src_row, static_cast<int64_t>(R) * Tn, d)[src];
+                 terms.add(a.returned.rows + slot * H, weighted ? a.returned.weights[slot] : 0.0f);
+               }
+               return d;
+             },
+             lane, lanes);
+  } else {
+    const int64_t rows = static_cast<int64_t>(R) * Tn;
+    const bool em = a.expert_major;
+    const T* base = em ? a.partial : a.y;
+    const int64_t rows_per_rank = em ? rows : a.capacity;
+    const float* weights = em ? nullptr : a.weights;
+    sum_rows(out, H, weights != nullptr, R,
+             [&](Terms<T>& terms, int d) {
+               for (; d < R && !terms.full(); ++d) {
+                 const int32_t row = peers.at(a.src_row, rows, d)[src];
                  if (row < 0) continue;  // adding +0.0 would change nothing
-                 terms.add(peers.at(rows_base, rows_per_rank * H, d) +
-                               static_cast<int64_t>(row) * H,
+                 terms.add(peers.at(base, rows_per_rank * H, d) + static_cast<int64_t>(row) * H,
                            weights ? peers.at(weights, rows_per_rank, d)[row] : 0.0f);
                }
-             }
-             return d;
-           },
-           lane, lanes);
+               return d;
+             },
+             lane, lanes);
+  }
+}
+
+// Expert-major with virtual ranks, items (s, t): home rank s sums token t over the receivers
+// in rank order, each receiver's part the partial sum of its row's entries (rounded to y's
+// type), read from the entries' rows of y where they are: no partial rows are written.
+template <typename T, typename Peers>
+JAX_EP_HOST_DEVICE void combine_token_entries(const CombineArgs<T>& a, const Peers& peers, int s,
+                                              int t, int lane, int lanes) {
+  const int R = a.num_ranks, Tn = a.num_tokens, K = a.top_k;
+  const int64_t src = static_cast<int64_t>(s) * Tn + t, H = a.hidden;
+  const int64_t rows = static_cast<int64_t>(R) * Tn;
+  // Positions d*K + k: entry k of receiver d's row, in group d.
+  sum_rows<true>(a.out + (a.local(s) * Tn + t) * H, H, a.weights != nullptr, R * K,
+                 [&](Terms<T>& terms, int p) {
+                   for (; p < R * K && !terms.full(); ++p) {
+                     const int d = p / K;
+                     const int32_t row = peers.at(a.src_row, rows, d)[src];
+                     if (row < 0) {  // no group: it would add +0.0
+                       p = (d + 1) * K - 1;
+                       continue;
+                     }
+                     const int32_t e = peers.at(a.row_entries, rows * K, d)[row * K + p % K];
+                     if (e < 0) continue;
+                     terms.add(peers.at(a.y, a.capacity * H, d) + static_cast<int64_t>(e) * H,
+                               a.weights ? peers.at(a.weights, a.capacity, d)[e] : 0.0f, d);
+                   }
+                   return p;
+                 },
+                 lane, lanes);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -227,14 +227,13 @@ inline size_t carve_dispatch(char* base, bool puts, DispatchArgs* a) {
   return c.used();
 }
 
-// Combine: what peers read from this rank (the rows or per-row partial sums, their weights,
-// src_row; over puts, this rank's puts read them) and, over puts, what the receivers return.
+// Combine: what peers read from this rank (src_row and the rows that carry data: rank-major
+// the rows of y with their weights, expert-major the partial sums; over puts, this rank's puts
+// read them) and, over puts, what the receivers return.
 template <typename T>
 struct CombineRegions {
-  T* y;
-  float* weights;
-  int32_t* src_row;
-  T* partial;
+  typename CombineArgs<T>::Staged staged{};
+  T* partial = nullptr;
   typename CombineArgs<T>::Returned returned{};
 };
 
@@ -243,9 +242,9 @@ size_t carve_combine(char* base, const CombineArgs<T>& a, bool puts, CombineRegi
   const int64_t H = a.hidden, rows = static_cast<int64_t>(a.num_ranks) * a.num_tokens;
   const bool em = a.expert_major;
   Carver c(base);
-  r->y = c.take<T>(em ? 0 : a.capacity * H);
-  r->weights = c.take<float>(!em && a.weights ? a.capacity : 0);
-  r->src_row = c.take<int32_t>(rows);
+  r->staged.y = c.take<T>(em ? 0 : a.capacity * H);
+  r->staged.weights = c.take<float>(!em && a.weights ? a.capacity : 0);
+  r->staged.src_row = c.take<int32_t>(rows);
   r->partial = c.take<T>(em ? rows * H : 0);
   if (puts) {
     r->returned.row = c.take<int32_t>(rows);
@@ -405,30 +404,30 @@ PeerError run_op(Platform& p, int op, const DispatchArgs& out) {
 // Combine. With a store view, the stage writes this rank's buffer once the peers are done
 // reading the last op's data, and the sums read the peers' buffers once every rank's rows are
 // in place. Over puts, the stage only waits (it writes what this rank's puts read), the
-// receivers return the rows to the homes' buffers, and the sums read this rank's own.
+// receivers return the rows (expert-major, the partial sums) to the homes' buffers, and the
+// sums read this rank's own.
 template <typename Platform, typename T>
 PeerError run_op(Platform& p, int op, const CombineArgs<T>& in) {
-  const int R = in.num_ranks;
   CombineArgs<T> a = in;
   a.first_rank = p.rank();
-  const int64_t rows = static_cast<int64_t>(R) * a.num_tokens;
+  const int64_t rows = static_cast<int64_t>(a.num_ranks) * a.num_tokens;
   const bool em = a.expert_major, puts = uses_puts(p);
   CombineRegions<T> r;
   const size_t used = carve_combine(p.symmetric() + kSignalBytes, a, puts, &r);
   PeerError error = fits(op, "normal-mode", used, p.low_latency_offset() - kSignalBytes);
   if (!error.ok()) return error;
-  a.staged = {r.y, a.weights ? r.weights : nullptr, r.src_row};
-  a.partial = r.partial;
+  a.staged = {r.staged.y, a.weights ? r.staged.weights : nullptr, r.staged.src_row};
+  a.partial = em ? r.partial : nullptr;
   a.returned = r.returned;
   const Meet stage_meet{Wait::kStart, !puts, {}};
   if (em) {
-    p.per_warp(CombineReduceEntries<T>{a}, rows, stage_meet);  // the local y, row_entries, weights
+    p.per_warp(CombinePartial<T>{a}, rows, stage_meet);  // the local y, row_entries, weights
   } else {
     p.per_warp(CombineStage<T>{a}, rows, stage_meet);
-    a.y = r.y;
+    a.y = a.staged.y;
     a.weights = a.staged.weights;
   }
-  a.src_row = r.src_row;
+  a.src_row = a.staged.src_row;
   return with_peers(p, [&](const auto& peers) {
     using Peers = std::decay_t<decltype(peers)>;
     if constexpr (Peers::kPuts) {

@@ -122,10 +122,10 @@ struct CombineStage {
   }
 };
 template <typename T>
-struct CombineReduceEntries {
+struct CombinePartial {
   CombineArgs<T> a;
-  JAX_EP_HOST_DEVICE void operator()(int d, int64_t i, int lane, int lanes) const {
-    combine_reduce_entries(a, d, static_cast<int>(i), lane, lanes);
+  JAX_EP_HOST_DEVICE void operator()(int d, int64_t src, int lane, int lanes) const {
+    combine_partial(a, d, src, lane, lanes);
   }
 };
 // Put views: the receivers return the rows to the tokens' homes.
@@ -144,6 +144,14 @@ struct CombineToken {
   Peers peers{};
   JAX_EP_HOST_DEVICE void operator()(int s, int64_t t, int lane, int lanes) const {
     combine_token(a, peers, s, static_cast<int>(t), lane, lanes);
+  }
+};
+template <typename T, typename Peers>
+struct CombineTokenEntries {
+  CombineArgs<T> a;
+  Peers peers{};
+  JAX_EP_HOST_DEVICE void operator()(int s, int64_t t, int lane, int lanes) const {
+    combine_token_entries(a, peers, s, static_cast<int>(t), lane, lanes);
   }
 };
 struct LowLatencyCount {

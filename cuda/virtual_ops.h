@@ -25,12 +25,14 @@ void run_virtual(L& l, int, const DispatchArgs& a) {
   l.per_warp(DispatchFinish<Peers>{a}, a.finish_items());
 }
 
+// Combine reads every receiver's rows where they are (expert-major, each entry's row).
 template <typename L, typename T>
 void run_virtual(L& l, int, const CombineArgs<T>& a) {
   if (a.expert_major) {
-    l.per_warp(CombineReduceEntries<T>{a}, static_cast<int64_t>(a.num_ranks) * a.num_tokens);
+    l.per_warp(CombineTokenEntries<T, VirtualPeers>{a}, a.num_tokens);
+  } else {
+    l.per_warp(CombineToken<T, VirtualPeers>{a}, a.num_tokens);
   }
-  l.per_warp(CombineToken<T, VirtualPeers>{a}, a.num_tokens);
 }
 
 template <typename L>

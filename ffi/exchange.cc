@@ -199,7 +199,7 @@ xffi::Error ParseCombine(xffi::RemainingArgs args, xffi::RemainingRets rets, int
                          int64_t expert_major, RowType* type, CombineArgs<float>* a) {
   const std::string_view op = kPeerOpNames[kPeerCombine];
   Buffers b(op, args, rets);
-  JAX_EP_RETURN_IF_ERROR(b.Count(4, 2));
+  JAX_EP_RETURN_IF_ERROR(b.Count(4, 1));
   const AnyBuffer y = b.Arg(0);
   JAX_EP_RETURN_IF_ERROR(CheckRank(op, "y", y, 3));
   switch (y.element_type()) {
@@ -241,7 +241,6 @@ xffi::Error ParseCombine(xffi::RemainingArgs args, xffi::RemainingRets rets, int
   JAX_EP_RETURN_IF_ERROR(
       b.In(3, "row_entries", DataType::S32, {V, em ? R * T : 0, K}, &a->row_entries));
   JAX_EP_RETURN_IF_ERROR(b.Out(0, "out", dtype, {V, T, H}, &a->out));
-  JAX_EP_RETURN_IF_ERROR(b.Out(1, "partial", dtype, {V, em ? R * T : 0, H}, &a->partial));
   return xffi::Error::Success();
 }
 

@@ -42,8 +42,8 @@ xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, in
                           DispatchArgs* out);
 
 // Operands y [R,cap,H] (f32, bf16 or f16), weights f32 [R,cap] or [R,0], src_row s32
-// [R,R*T], row_entries s32 [R,R*T,K] (expert-major) or [R,0,K]. Results: out [R,T,H] and the
-// workspace partial [R,R*T,H] (expert-major) or [R,0,H], both in y's type.
+// [R,R*T], row_entries s32 [R,R*T,K] (expert-major) or [R,0,K]. Result: out [R,T,H] in y's
+// type.
 xffi::Error ParseCombine(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t num_ranks,
                          int64_t expert_major, RowType* type, CombineArgs<float>* out);
 
@@ -61,7 +61,6 @@ CombineArgs<T> Retype(const CombineArgs<float>& a) {
   out.weights = a.weights;
   out.src_row = a.src_row;
   out.row_entries = a.row_entries;
-  out.partial = reinterpret_cast<T*>(a.partial);
   out.out = reinterpret_cast<T*>(a.out);
   out.first_rank = a.first_rank;
   return out;

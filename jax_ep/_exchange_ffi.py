@@ -165,13 +165,11 @@ def combine(y, weights, src_row, row_entries, *, num_ranks, top_k, expert_major,
         weights = jnp.zeros((V, 0), jnp.float32)
     if row_entries is None:
         row_entries = jnp.zeros((V, 0, top_k), jnp.int32)
-    partial_rows = num_ranks * T if expert_major else 0
-    out, _ = _exchange_call(
-        "jax_ep_combine", _types(y, [((V, T, H), y.dtype), ((V, partial_rows, H), y.dtype)]),
+    return _exchange_call(
+        "jax_ep_combine", _types(y, [((V, T, H), y.dtype)])[0],
         (y, weights, src_row, row_entries),
         dict(num_ranks=num_ranks, expert_major=expert_major), placement, axis_name=axis_name,
         stacked=V)
-    return out
 
 
 def ll_dispatch_send(x, topk_idx, *, num_ranks, num_experts, use_fp8, axis_name=None,

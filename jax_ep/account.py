@@ -15,9 +15,10 @@ For a routing and the op's shapes, an `Account` gives:
   SMs, which a launch with fewer than a few warps per SM cannot fill;
 - minimum: the bytes of row data any design must move: every source row that carries data
   read once and every delivered row written once; combine reads each row that carries data
-  once and writes every output row. Between devices each delivered row also passes once
-  through the symmetric buffer (one more write and read), because a peer cannot write or
-  read the buffers XLA owns.
+  once (expert-major, each entry's) and writes every output row. Between devices each
+  delivered row also passes once through the symmetric buffer (one more write and read),
+  because a peer cannot write or read the buffers XLA owns; in combine that is one row per
+  token and receiver (expert-major, the sum of the receiver's entries of the token).
 
 Between devices the peers are reached with stores or, with `puts` ($JAX_EP_PEER_ACCESS=put,
 as between nodes), with puts only: each send first copies what it sends into the symmetric
@@ -284,39 +285,28 @@ def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
     if capacity is None:
         capacity = default_capacity(R, T, K, E, expert_major)
     out = R * T * row_bytes  # every output row is written
-    rows = kept_rows(topk_idx, E, R * T if expert_major else capacity)
-    read = int(rows.sum()) * row_bytes  # each home reads its rows from every receiver
-    written = out
-    if expert_major:
-        entries = int(kept_entries(topk_idx, E, capacity).sum())
-        # Each receiver first sums every rank-major row's entries into a partial row.
-        read += entries * row_bytes
-        written += R * R * T * row_bytes
-        carried = entries
-    else:
-        carried = int(rows.sum())
-    minimum = carried * row_bytes + out
+    # The rows a home receives: one per token and receiver holding some of its choices.
+    rows = int(kept_rows(topk_idx, E, R * T if expert_major else capacity).sum()) * row_bytes
+    # The rows that carry data: those rows, or expert-major each kept entry's row.
+    carried = (int(kept_entries(topk_idx, E, capacity).sum()) * row_bytes if expert_major
+               else rows)
     if not between:
-        phases = _launch(R * T if expert_major else 0, T)
-        warps = _smallest(R, R * T if expert_major else 0, T)
-        return Account("combine", phases, 0, read, written, minimum, warps, warps)
-    # The stage (or the partial sums) over every rank's tokens, the sums over this rank's.
+        # The sums read every carried row where it is (expert-major, summing each receiver's
+        # entries on their own first).
+        return Account("combine", _launch(T), 0, carried, out, carried + out, _smallest(R, T),
+                       _smallest(R, T))
+    # Each receiver stages the rows its homes read in the symmetric buffer: its rows of y
+    # (rank-major) or one partial sum of its entries per row (expert-major). The stage goes
+    # over every rank's tokens, the sums over this rank's.
+    read, written = carried + rows, rows + out
+    minimum = carried + out + 2 * rows
     warps = _smallest(1, R * T, T, always=2)
-    if not expert_major:
-        # The rows of y that carry data are staged in the symmetric buffer, where the homes
-        # read them (with src_row and the weights; expert-major, the partials are there and
-        # their phase stages src_row).
-        read += carried * row_bytes
-        written += carried * row_bytes
     if puts:
-        # Each receiver puts every row it holds (staged, or partial) into its home's buffer,
-        # where the sums read them: a launch between the stage and the sums.
-        returned = int(rows.sum()) * row_bytes
-        return Account("combine", 3, 2, read + returned, written + returned,
-                       minimum + 2 * carried * row_bytes, warps, warps)
-    # The stage (or the partial sums) and the sums, each waiting for the peers.
-    return Account("combine", 2, 2, read, written, minimum + 2 * carried * row_bytes, warps,
-                   warps)
+        # Each receiver puts every staged row into its home's buffer, where the sums read
+        # them: a launch between the stage and the sums.
+        return Account("combine", 3, 2, read + rows, written + rows, minimum, warps, warps)
+    # The stage and the sums, each waiting for the peers.
+    return Account("combine", 2, 2, read, written, minimum, warps, warps)
 
 
 def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
@@ -407,9 +397,6 @@ WARPS_TARGET = 4 * H100_SMS
 
 # Why the rows that miss a target at DeepSeek's shapes do (see "The account" in docs/cuda.md).
 EXPECTED = {
-    "combine (expert-major)": "bytes: each receiver writes a partial row for every one of "
-    "the R*T rank-major rows (zeros where a token has no entry there) and the home reads them "
-    "back; summing only the entries that exist would reach the minimum",
     "dispatch": "warps: the count goes by chunks of about 512 entries (64 tokens at top-8), "
     "one warp each, so its launch has T/64 warps per rank",
     "combine": "warps: the sums give each of a rank's tokens one warp, T per rank: fewer "

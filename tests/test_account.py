@@ -222,3 +222,15 @@ def test_the_table_shows_each_launch_s_parallelism(capsys):
     sends = [line for line in out.splitlines() if line.startswith("| ll_dispatch_send |")]
     assert len(sends) == 3 and all("(under)" in line for line in sends)  # a warp per token
     assert "Expected misses:" in out and "not explained" not in out
+
+
+def test_combine_moves_its_minimum():
+    """Both layouts' combine move what must move, with virtual ranks and between devices:
+    expert-major writes no partial row where a token has no entry (virtual ranks write none)."""
+    for between in (False, True):
+        accounts = account.deepseek_accounts(num_ranks=8, between=between, tokens=256,
+                                             hidden=512)
+        for a in accounts:
+            if a.op.startswith("combine"):
+                assert a.read + a.written == a.minimum, a
+                assert a.launches == (2 if between else 1), a

@@ -129,16 +129,15 @@ struct DispatchData {
 };
 
 struct CombineData {
-  std::vector<float> y, weights, out, partial;
+  std::vector<float> y, weights, out;
   CombineData(const Shape& s, std::mt19937& gen) {
-    const int64_t R = s.R, rows = int64_t{s.R} * s.T;
+    const int64_t R = s.R;
     std::normal_distribution<float> normal;
     y.resize(R * s.capacity * s.H);
     weights.resize(R * s.capacity);
     for (float& v : y) v = normal(gen);
     for (float& v : weights) v = normal(gen);
     out.resize(R * s.T * s.H);
-    partial.resize(s.expert_major ? R * rows * s.H : 0);
   }
   CombineArgs<float> args(const Shape& s, DispatchData& d, int rank) {
     const int64_t v = rank < 0 ? 0 : rank, rows = int64_t{s.R} * s.T;
@@ -153,7 +152,6 @@ struct CombineData {
     a.weights = weights.data() + v * s.capacity;
     a.src_row = d.src_row.data() + v * rows;
     a.row_entries = s.expert_major ? d.row_entries.data() + v * rows * s.K : nullptr;
-    a.partial = s.expert_major ? partial.data() + v * rows * s.H : nullptr;
     a.out = out.data() + v * s.T * s.H;
     return a;
   }
