@@ -1644,6 +1644,23 @@ JAX_EP_HOST_DEVICE void ll_finish(const LowLatencyArgs& a, const Peers& peers, i
   }
 }
 
+// Low-latency rows are split into column segments, one warp each: at decode sizes a rank's
+// tokens alone are too few warps to fill a GPU (T = 128: 128 warps, where an H100 wants 528),
+// so a row is cut into segments of whole 128-channel blocks, enough that T tokens give
+// kLlWarps warps per rank. ll_segment_cols: the columns of each segment but the last.
+constexpr int kLlWarps = 1024;
+JAX_EP_HOST_DEVICE int ll_segment_cols(int num_tokens, int hidden) {
+  if (hidden % kFp8Block != 0 || num_tokens <= 0) return hidden > 0 ? hidden : 1;
+  const int blocks = hidden / kFp8Block;
+  const int wanted = (kLlWarps + num_tokens - 1) / num_tokens;
+  const int segments = wanted < blocks ? wanted : blocks;
+  return (blocks + segments - 1) / segments * kFp8Block;
+}
+JAX_EP_HOST_DEVICE int ll_segments(int num_tokens, int hidden) {
+  const int cols = ll_segment_cols(num_tokens, hidden);
+  return (hidden + cols - 1) / cols;
+}
+
 struct LowLatencyCombineArgs {
   int num_ranks, num_tokens, top_k, num_experts, hidden;
   const Bf16* y;              // [R, E/R, R*T, H]
@@ -1705,17 +1722,22 @@ JAX_EP_HOST_DEVICE void ll_combine_stage(const LowLatencyCombineArgs& a, int d, 
   }
 }
 
-// Combine receive, items (s, t): the top-k weighted sum in k order, float32 from 0, to bf16,
-// of the rows staged for token t of s or, with virtual ranks, of the expert rows in y (choice
-// k's row is src_row[d][s*T + t][k] of its expert's rank d).
-JAX_EP_HOST_DEVICE void ll_combine_token(const LowLatencyCombineArgs& a, int s, int t, int lane,
-                                         int lanes) {
+// Combine receive, items (s, t * segments + g): segment g (ll_segment_cols) of the top-k
+// weighted sum in k order, float32 from 0, to bf16, of the rows staged for token t of s or,
+// with virtual ranks, of the expert rows in y (choice k's row is src_row[d][s*T + t][k] of its
+// expert's rank d).
+JAX_EP_HOST_DEVICE void ll_combine_token(const LowLatencyCombineArgs& a, int s, int64_t item,
+                                         int lane, int lanes) {
   const int T = a.num_tokens, K = a.top_k, H = a.hidden, El = a.num_experts / a.num_ranks;
+  const int cols = ll_segment_cols(T, H), segments = ll_segments(T, H);
+  const int t = static_cast<int>(item / segments);
+  const int64_t first = static_cast<int64_t>(item % segments) * cols;
+  const int64_t n = H - first < cols ? H - first : cols;
   const int64_t slots = static_cast<int64_t>(a.num_ranks) * T;
   const int64_t here = a.local(s) * T + t, src = static_cast<int64_t>(s) * T + t;
   const int32_t* ids = a.clean_idx + here * K;
   const float* w = a.topk_weights + here * K;
-  sum_rows(a.out + here * H, H, true, K,
+  sum_rows(a.out + here * H + first, n, true, K,
            [&](Terms<Bf16>& terms, int k) {
              for (; k < K && !terms.full(); ++k) {
                const int32_t e = ids[k];
@@ -1727,7 +1749,7 @@ JAX_EP_HOST_DEVICE void ll_combine_token(const LowLatencyCombineArgs& a, int s, 
                  row = d * El * slots + a.src_row[(d * slots + src) * K + k];
                  rows = a.y;
                }
-               terms.add(rows + row * H, w[k]);
+               terms.add(rows + row * H + first, w[k]);
              }
              return k;
            },

@@ -86,16 +86,18 @@ void host_per_warp(const Phase& phase, int first_rank, int ranks, int64_t items,
   std::atomic<int64_t> ticket{0};
   for_units(units, grid.threads, [&](int64_t warp) {
     meet.first();
-    for (int64_t i = warp; i < total; i += units) {
+    // A wait that gave up (a peer timed out, the op fails): the peers' data may not be
+    // there, so the items do not run.
+    for (int64_t i = warp; i < total && !meet.failed(); i += units) {
       for (int lane = grid.lanes - 1; lane >= 0; --lane) {
         phase(first_rank + static_cast<int>(i / items), i % items, lane, grid.lanes);
       }
     }
     meet.done();
     if (!after || ticket.fetch_add(1, std::memory_order_acq_rel) != units - 1) return;
-    for (int64_t i = tail.early_items() - 1; i >= 0; --i) tail.early(i);
+    for (int64_t i = tail.early_items() - 1; i >= 0 && !meet.failed(); --i) tail.early(i);
     meet.last();
-    for (int64_t i = tail.items() - 1; i >= 0; --i) tail(i);
+    for (int64_t i = tail.items() - 1; i >= 0 && !meet.failed(); --i) tail(i);
   });
 }
 

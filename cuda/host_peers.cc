@@ -289,6 +289,7 @@ class HostPlatform {
       if (meet.before) p->wait_for_peers(*meet.before, meet.before_arrivals);
     }
     void done() const {}  // a host put is complete when it returns
+    bool failed() const { return p->failed_.load(std::memory_order_acquire); }
     void last() const {
       if (meet.arrive) p->arrive();
       if (meet.after) p->wait_for_peers(*meet.after, kAllEarlier);

@@ -540,7 +540,8 @@ PeerError run_op(Platform& p, int op, const LowLatencyCombineArgs& in) {
       p.per_warp(LowLatencyCombineSend<Peers>{a, peers}, sources,
                  Meet{Wait::kStart, true, {}, use.last_use});
     } else {
-      p.per_warp(LowLatencyCombineToken{a}, a.num_tokens, Meet{Wait::kStart, true, {}});
+      const LowLatencyCombineToken sums{a};
+      p.per_warp(sums, sums.items(), Meet{Wait::kStart, true, {}});
     }
     use.last_use = p.arrivals();
     use.combine_in_flight = send;

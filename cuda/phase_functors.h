@@ -33,6 +33,7 @@ struct NoMeet {
   JAX_EP_HOST_DEVICE void first() const {}
   JAX_EP_HOST_DEVICE void done() const {}
   JAX_EP_HOST_DEVICE void last() const {}
+  bool failed() const { return false; }  // host launches only (cuda/host_launch.h)
 };
 
 // The copy phases (they move rows and little else) declare kCopy: their kernels are built for
@@ -237,8 +238,11 @@ struct LowLatencyCombineStage {
 };
 struct LowLatencyCombineToken {
   LowLatencyCombineArgs a;
-  JAX_EP_HOST_DEVICE void operator()(int s, int64_t t, int lane, int lanes) const {
-    ll_combine_token(a, s, static_cast<int>(t), lane, lanes);
+  JAX_EP_HOST_DEVICE void operator()(int s, int64_t item, int lane, int lanes) const {
+    ll_combine_token(a, s, item, lane, lanes);
+  }
+  JAX_EP_HOST_DEVICE int64_t items() const {
+    return static_cast<int64_t>(a.num_tokens) * ll_segments(a.num_tokens, a.hidden);
   }
 };
 

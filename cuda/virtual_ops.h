@@ -50,7 +50,8 @@ void run_virtual(L& l, int op, const LowLatencyArgs& a) {
 // rows in place.
 template <typename L>
 void run_virtual(L& l, int, const LowLatencyCombineArgs& a) {
-  l.per_warp(LowLatencyCombineToken{a}, a.num_tokens);
+  const LowLatencyCombineToken sums{a};
+  l.per_warp(sums, sums.items());
 }
 
 }  // namespace jax_ep

@@ -163,6 +163,20 @@ def _smallest(ranks: int, *items: int, always: int = 0) -> int | None:
     return min(work) if work else None
 
 
+LL_WARPS = 1024  # cuda/exchange.h kLlWarps
+
+
+def ll_segments(num_tokens: int, hidden: int) -> int:
+    """Column segments of a low-latency row, one warp each (cuda/exchange.h, ll_segments):
+    whole 128-channel blocks, enough that T tokens give LL_WARPS warps per rank."""
+    if hidden % BLOCK or num_tokens <= 0:
+        return 1
+    blocks = hidden // BLOCK
+    wanted = min(-(-LL_WARPS // num_tokens), blocks)
+    cols = -(-blocks // wanted) * BLOCK
+    return -(-hidden // cols)
+
+
 def count_chunks(num_tokens: int, top_k: int) -> int:
     """Items of a count phase: chunks of 2^s tokens, s = 9 - ceil(log2 K) (at least 0),
     about 512 entries each (cuda/exchange.h, count_chunks)."""
@@ -361,6 +375,7 @@ def low_latency_combine(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     _check_puts(puts, between)
     R, T, K = np.shape(topk_idx)
     row = 2 * hidden
+    sums = T * ll_segments(T, hidden)  # the receive's items per rank
     choices = int((_clean(topk_idx, num_experts) >= 0).sum())
     m = int(messages(topk_idx, num_experts).sum())
     out = R * T * row
@@ -368,7 +383,7 @@ def low_latency_combine(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
         # No send: the receive reads each choice's row where the expert wrote it.
         return (Account("ll_combine_send", 0, 0, 0, 0, 0),
                 Account("ll_combine_recv", _launch(T), 0, choices * row, out, m * row + out,
-                        _smallest(R, T), _smallest(R, T)))
+                        _smallest(R, sums), _smallest(R, sums)))
     # The send returns one row per choice to the home's symmetric buffer, where the receive
     # reads and sums them: the bytes that must move pass through it. Its items: every rank's
     # tokens; the receive's: this rank's.
@@ -378,7 +393,7 @@ def low_latency_combine(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
         send = Account("ll_combine_send", 2, 1, 2 * choices * row, 2 * choices * row,
                        2 * m * row, _smallest(1, R * T, R * T, always=1), _smallest(1, R * T))
     recv = Account("ll_combine_recv", 1, 1, choices * row, out, m * row + out,
-                   _smallest(1, T, always=1), _smallest(1, T))
+                   _smallest(1, sums, always=1), _smallest(1, sums))
     return send, recv
 
 
@@ -401,9 +416,10 @@ EXPECTED = {
     "one warp each, so its launch has T/64 warps per rank",
     "combine": "warps: the sums give each of a rank's tokens one warp, T per rank: fewer "
     "than 528 tokens per rank cannot fill an H100",
-    "ll": "warps: the low-latency phases give each token (the count, each chunk of 64 tokens) "
-    "one warp, so at T = 128 a launch has 2 to 128 warps per rank; splitting a token's row "
-    "or destinations over several warps would fill the GPU",
+    "ll": "warps: the low-latency send gives each token one warp and its count each chunk of "
+    "64 tokens one, so at T = 128 its launches have 2 and 128 warps per rank; the combine's "
+    "receive already splits each row into column segments (1,024 warps); the send's rows "
+    "could be split the same way, and its count folded into it",
     "puts": "launches and bytes: over puts each send first copies what it sends into the "
     "symmetric buffer, where a put's source must lie (one launch and one copy more), and the "
     "normal combine's receivers return their rows into the homes' buffers",

@@ -234,3 +234,15 @@ def test_combine_moves_its_minimum():
             if a.op.startswith("combine"):
                 assert a.read + a.written == a.minimum, a
                 assert a.launches == (2 if between else 1), a
+
+
+def test_low_latency_receive_fills_the_gpu_at_decode_sizes():
+    """At T 128 the combine's receive splits each row into column segments of whole FP8
+    blocks, enough for 1,024 warps per rank (at least 528 fill an H100)."""
+    assert account.ll_segments(128, 7168) == 8 and account.ll_segments(4096, 7168) == 1
+    assert account.ll_segments(1, 7168) == 56 and account.ll_segments(128, 200) == 1
+    for between in (False, True):
+        accounts = account.deepseek_accounts(num_ranks=8, between=between, tokens=256,
+                                             ll_tokens=128)
+        (recv,) = [a for a in accounts if a.op == "ll_combine_recv"]
+        assert recv.warps >= account.WARPS_TARGET, recv
