@@ -1295,6 +1295,27 @@ JAX_EP_HOST_DEVICE void combine_token_entries(const CombineArgs<T>& a, const Pee
 // ---------------------------------------------------------------------------------------------
 // Low-latency dispatch and combine
 
+// Low-latency rows are split into column segments, one warp each: at decode sizes a rank's
+// tokens alone are too few warps to fill a GPU (T = 128: 128 warps, where an H100 wants 528),
+// so a row is cut into segments of whole 128-channel blocks, enough that T tokens give
+// kLlWarps warps per rank. ll_segment_cols: the columns of each segment but the last.
+constexpr int kLlWarps = 1024;
+JAX_EP_HOST_DEVICE int ll_segment_cols(int num_tokens, int hidden) {
+  if (hidden % kFp8Block != 0 || num_tokens <= 0) return hidden > 0 ? hidden : 1;
+  const int blocks = hidden / kFp8Block;
+  const int wanted = (kLlWarps + num_tokens - 1) / num_tokens;
+  const int segments = wanted < blocks ? wanted : blocks;
+  return (blocks + segments - 1) / segments * kFp8Block;
+}
+JAX_EP_HOST_DEVICE int ll_segments(int num_tokens, int hidden) {
+  const int cols = ll_segment_cols(num_tokens, hidden);
+  return (hidden + cols - 1) / cols;
+}
+// Items of a low-latency phase over rows: every segment of every token of a rank.
+inline int64_t ll_row_items(int num_tokens, int hidden) {
+  return static_cast<int64_t>(num_tokens) * ll_segments(num_tokens, hidden);
+}
+
 struct LowLatencyArgs {
   int num_ranks, num_tokens, top_k, num_experts, hidden;
   bool use_fp8;
@@ -1417,20 +1438,21 @@ JAX_EP_HOST_DEVICE float part_channel(const Word& part, int i) {
   return to_float(Bf16{static_cast<uint16_t>(i % 2 ? pair >> 16 : pair & 0xffffu)});
 }
 
-// Writes token row x, cast to FP8 by the contract's rule once, with its scales, to every slot
-// of the fans (and empties them). Lane `lane` casts the parts lane, lane + lanes, ...: one
-// 16-byte load, and one 8-byte store to each slot. A block's amax comes, on the GPU, from the
-// 16 lanes that hold its parts (shuffles; lanes is 32, so a block's parts are in one half of
-// the warp) and, on the CPU, from reading the whole block: the same maximum.
-JAX_EP_HOST_DEVICE void ll_cast_rows(const LowLatencyArgs& a, const Bf16* x, Fan<char>& rows,
+// Writes `channels` (whole 128-channel blocks) of token row x, cast to FP8 by the contract's
+// rule once, with their scales, to every slot of the fans (and empties them). Lane `lane`
+// casts the parts lane, lane + lanes, ...: one 16-byte load, and one 8-byte store to each
+// slot. A block's amax comes, on the GPU, from the 16 lanes that hold its parts (shuffles;
+// lanes is 32, so a block's parts are in one half of the warp) and, on the CPU, from reading
+// the whole block: the same maximum.
+JAX_EP_HOST_DEVICE void ll_cast_rows(const Bf16* x, int64_t channels, Fan<char>& rows,
                                      Fan<float>& scales, int lane, int lanes) {
   const int n = rows.size();
   if (n == 0) return;
   fan_sync();
   const bool aligned = ((rows.address_bits() | reinterpret_cast<uintptr_t>(x)) & 15u) == 0;
-  const int64_t H = a.hidden;
+  const int64_t H = channels;
   if (lane == 0) meter_rows(2 * H, n * (H + H / kFp8Block * 4));
-  const int parts = a.hidden / kCastChannels;
+  const int parts = static_cast<int>(H / kCastChannels);
   for (int first = 0; first < parts; first += lanes) {  // the same trips in every lane
     const int part = first + lane;
     const bool valid = part < parts;
@@ -1493,16 +1515,37 @@ JAX_EP_HOST_DEVICE int32_t ll_offset(const LowLatencyArgs& a, int s, int t, int3
   return a.chunks_before(s, t)[e] + offsets[k];
 }
 
-// The send's rows of token t (`ids`, `offsets`: its choices and their slot offsets in its
-// chunk, `x`: its row): once to each expert it chose, as bf16 or cast to FP8 (one loop nest
-// per case: in one, the two cases hold more registers). A put view sends, instead, the row
-// ll_stage left in the send area, one put per message.
+// Columns [first, first + n) (a segment, ll_segment_cols) of a low-latency row: where they
+// start in a message's bytes and in its scales, and their bytes.
+struct LlSegment {
+  int first, n;
+  JAX_EP_HOST_DEVICE int64_t byte(bool fp8) const { return fp8 ? first : 2 * first; }
+  JAX_EP_HOST_DEVICE int64_t bytes(bool fp8) const { return fp8 ? n : 2 * n; }
+  JAX_EP_HOST_DEVICE int64_t scale() const { return first / kFp8Block; }
+  JAX_EP_HOST_DEVICE int64_t scales() const { return n / kFp8Block; }
+};
+// Item t * segments + g of a low-latency phase over rows: its token t and segment g.
+JAX_EP_HOST_DEVICE LlSegment ll_segment(int num_tokens, int hidden, int64_t item, int* t) {
+  const int cols = ll_segment_cols(num_tokens, hidden), segments = ll_segments(num_tokens, hidden);
+  *t = static_cast<int>(item / segments);
+  const int first = static_cast<int>(item % segments) * cols;
+  return LlSegment{first, hidden - first < cols ? hidden - first : cols};
+}
+
+// The send's segment `seg` of token t's rows (`ids`, `offsets`: its choices and their slot
+// offsets in its chunk, `x`: the segment's first column of its row): once to each expert it
+// chose, as bf16 or cast to FP8 (one loop nest per case: in one, the two cases hold more
+// registers). A put view sends, instead, the segment ll_stage left in the send area, one put
+// per message.
 template <bool kFp8, typename Peers>
 JAX_EP_HOST_DEVICE void ll_send_rows(const LowLatencyArgs& a, const Peers& peers, int s, int t,
                                      const int32_t* ids, const int32_t* offsets, const Bf16* x,
-                                     int lane, int lanes) {
+                                     const LlSegment& seg, int lane, int lanes) {
   const int K = a.top_k, El = a.experts_per_rank(), S = a.hidden / kFp8Block;
   const int64_t slots = a.slots(), row_bytes = a.row_bytes();
+  // The segment's first byte and scale in every row (pointers that only Peers::at moves).
+  char* const recv_x = static_cast<char*>(a.recv_x) + seg.byte(kFp8);
+  float* const recv_scales = kFp8 ? a.recv_scales + seg.scale() : nullptr;
   // The slot of expert e's rank that message k goes to.
   auto slot_row = [&](int32_t e, int k) {
     return static_cast<int64_t>(e % El) * slots +
@@ -1514,10 +1557,11 @@ JAX_EP_HOST_DEVICE void ll_send_rows(const LowLatencyArgs& a, const Peers& peers
       const int32_t e = ids[k];
       if (e < 0 || !first_occurrence(ids, k)) continue;
       const int64_t row = slot_row(e, k);
-      peers.put(static_cast<char*>(a.recv_x) + row * row_bytes, e / El,
-                a.send_x + here * row_bytes, row_bytes, lane, lanes);
+      peers.put(recv_x + row * row_bytes, e / El, a.send_x + here * row_bytes + seg.byte(kFp8),
+                seg.bytes(kFp8), lane, lanes);
       if (kFp8) {
-        peers.put(a.recv_scales + row * S, e / El, a.send_scales + here * S, S * 4, lane, lanes);
+        peers.put(recv_scales + row * S, e / El, a.send_scales + here * S + seg.scale(),
+                  seg.scales() * 4, lane, lanes);
       }
     }
   } else {
@@ -1529,52 +1573,56 @@ JAX_EP_HOST_DEVICE void ll_send_rows(const LowLatencyArgs& a, const Peers& peers
         if (e < 0 || !first_occurrence(ids, k)) continue;
         const int d = e / El;
         const int64_t row = slot_row(e, k);
-        rows.add(peers.at(static_cast<char*>(a.recv_x), El * slots * row_bytes, d) +
-                 row * row_bytes);
-        if (kFp8) scales.add(peers.at(a.recv_scales, El * slots * S, d) + row * S);
+        rows.add(peers.at(recv_x, El * slots * row_bytes, d) + row * row_bytes);
+        if (kFp8) scales.add(peers.at(recv_scales, El * slots * S, d) + row * S);
       }
       if (kFp8) {
-        ll_cast_rows(a, x, rows, scales, lane, lanes);
+        ll_cast_rows(x, seg.n, rows, scales, lane, lanes);
       } else {
-        fan_out_row(rows, x, row_bytes, lane, lanes);
+        fan_out_row(rows, x, seg.bytes(false), lane, lanes);
       }
     }
   }
 }
 
-// Put views, the stage before the send, items (s, t): token t's row, as bf16 or cast to FP8
-// with its scales, once into this rank's send area, where the send's puts read it. A put's
-// source must lie in the symmetric buffer (RDMA reads it there), and it is finished a launch
-// before the puts, so that every lane of a put reads a whole row, on the GPU as on the CPU's
-// emulated lanes (which run one after another).
+// Put views, the stage before the send, items (s, t * segments + g): segment g of token t's
+// row, as bf16 or cast to FP8 with its scales, once into this rank's send area, where the
+// send's puts read it. A put's source must lie in the symmetric buffer (RDMA reads it there),
+// and it is finished a launch before the puts, so that every lane of a put reads a whole
+// segment, on the GPU as on the CPU's emulated lanes (which run one after another).
 template <bool kFp8>
-JAX_EP_HOST_DEVICE void ll_stage(const LowLatencyArgs& a, int s, int t, int lane, int lanes) {
+JAX_EP_HOST_DEVICE void ll_stage(const LowLatencyArgs& a, int s, int64_t item, int lane,
+                                 int lanes) {
+  int t = 0;
+  const LlSegment seg = ll_segment(a.num_tokens, a.hidden, item, &t);
   const int64_t here = a.local(s) * a.num_tokens + t, row_bytes = a.row_bytes();
-  const Bf16* x = a.x + here * a.hidden;
+  const Bf16* x = a.x + here * a.hidden + seg.first;
   Fan<char> rows(0);
   Fan<float> scales(1);
-  rows.add(a.send_x + here * row_bytes);
+  rows.add(a.send_x + here * row_bytes + seg.byte(kFp8));
   if (kFp8) {
-    scales.add(a.send_scales + here * (a.hidden / kFp8Block));
-    ll_cast_rows(a, x, rows, scales, lane, lanes);
+    scales.add(a.send_scales + here * (a.hidden / kFp8Block) + seg.scale());
+    ll_cast_rows(x, seg.n, rows, scales, lane, lanes);
   } else {
-    fan_out_row(rows, x, row_bytes, lane, lanes);
+    fan_out_row(rows, x, seg.bytes(false), lane, lanes);
   }
 }
 
-// Phase 2 (the send), items (s, t): token t of source s goes once to each expert it chose,
-// read once per kFanOut messages; every expert rank learns, per choice, the row that holds it
-// (src_row, -1 elsewhere).
+// Phase 2 (the send), items (s, t * segments + g): segment g of token t of source s goes once
+// to each expert it chose, read once per kFanOut messages; with segment 0, every expert rank
+// learns, per choice, the row that holds it (src_row, -1 elsewhere).
 template <bool kFp8, typename Peers>
-JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int s, int t,
-                                int lane, int lanes) {
+JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int s,
+                                int64_t item, int lane, int lanes) {
   const int R = a.num_ranks, T = a.num_tokens, K = a.top_k, El = a.experts_per_rank();
+  int t = 0;
+  const LlSegment seg = ll_segment(T, a.hidden, item, &t);
   const int64_t slots = a.slots(), src = static_cast<int64_t>(s) * T + t;
   const int64_t here = a.local(s) * T + t;
   const int32_t* ids = a.clean_idx + here * K;
   const int32_t* offsets = a.slot_offset + here * K;
   const Bf16* x = a.x + here * a.hidden;
-  for (int c = lane; c < R * K; c += lanes) {  // cell (d, k), the lanes sharing them
+  for (int c = lane; seg.first == 0 && c < R * K; c += lanes) {  // cell (d, k), lanes sharing
     const int d = c / K, k = c % K;
     const int32_t e = ids[k];
     int32_t row = -1;
@@ -1586,7 +1634,7 @@ JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int
     }
     store_to(peers, a.src_row, slots * K, d, src * K + k, row);
   }
-  ll_send_rows<kFp8>(a, peers, s, t, ids, offsets, x, lane, lanes);
+  ll_send_rows<kFp8>(a, peers, s, t, ids, offsets, x + seg.first, seg, lane, lanes);
 }
 
 // Phase 3 (the receive), items (d, r) for r in [0, E/R * R*T): compact slot r of receiver d.
@@ -1642,23 +1690,6 @@ JAX_EP_HOST_DEVICE void ll_finish(const LowLatencyArgs& a, const Peers& peers, i
       to[k] = row;
     }
   }
-}
-
-// Low-latency rows are split into column segments, one warp each: at decode sizes a rank's
-// tokens alone are too few warps to fill a GPU (T = 128: 128 warps, where an H100 wants 528),
-// so a row is cut into segments of whole 128-channel blocks, enough that T tokens give
-// kLlWarps warps per rank. ll_segment_cols: the columns of each segment but the last.
-constexpr int kLlWarps = 1024;
-JAX_EP_HOST_DEVICE int ll_segment_cols(int num_tokens, int hidden) {
-  if (hidden % kFp8Block != 0 || num_tokens <= 0) return hidden > 0 ? hidden : 1;
-  const int blocks = hidden / kFp8Block;
-  const int wanted = (kLlWarps + num_tokens - 1) / num_tokens;
-  const int segments = wanted < blocks ? wanted : blocks;
-  return (blocks + segments - 1) / segments * kFp8Block;
-}
-JAX_EP_HOST_DEVICE int ll_segments(int num_tokens, int hidden) {
-  const int cols = ll_segment_cols(num_tokens, hidden);
-  return (hidden + cols - 1) / cols;
 }
 
 struct LowLatencyCombineArgs {
@@ -1729,10 +1760,9 @@ JAX_EP_HOST_DEVICE void ll_combine_stage(const LowLatencyCombineArgs& a, int d, 
 JAX_EP_HOST_DEVICE void ll_combine_token(const LowLatencyCombineArgs& a, int s, int64_t item,
                                          int lane, int lanes) {
   const int T = a.num_tokens, K = a.top_k, H = a.hidden, El = a.num_experts / a.num_ranks;
-  const int cols = ll_segment_cols(T, H), segments = ll_segments(T, H);
-  const int t = static_cast<int>(item / segments);
-  const int64_t first = static_cast<int64_t>(item % segments) * cols;
-  const int64_t n = H - first < cols ? H - first : cols;
+  int t = 0;
+  const LlSegment seg = ll_segment(T, H, item, &t);
+  const int64_t first = seg.first, n = seg.n;
   const int64_t slots = static_cast<int64_t>(a.num_ranks) * T;
   const int64_t here = a.local(s) * T + t, src = static_cast<int64_t>(s) * T + t;
   const int32_t* ids = a.clean_idx + here * K;

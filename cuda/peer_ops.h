@@ -500,9 +500,12 @@ PeerError run_op(Platform& p, int op, const LowLatencyArgs& out) {
       // The count numbers this rank's messages; the send needs no other rank's counts.
       p.per_warp(LowLatencyCount{a}, a.num_chunks, Meet{Wait::kStart, false, {}, use.last_use},
                  LowLatencyTotals<Peers>{a, a.first_rank, 1, peers});
-      if constexpr (Peers::kPuts) p.per_warp(LowLatencyStage{a}, a.num_tokens, Meet{});
+      if constexpr (Peers::kPuts) {
+        const LowLatencyStage stage{a};
+        p.per_warp(stage, stage.items(), Meet{});
+      }
       with_ll_send(a, peers,
-                   [&](const auto& send) { p.per_warp(send, a.num_tokens, Meet{{}, true, {}}); });
+                   [&](const auto& send) { p.per_warp(send, send.items(), Meet{{}, true, {}}); });
     } else {
       // Once every message has arrived (the peers sent it in their send).
       p.per_warp(LowLatencyFinish<Peers>{a, peers}, a.experts_per_rank() * a.slots(),

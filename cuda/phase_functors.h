@@ -186,9 +186,10 @@ struct LowLatencySend {
   static constexpr bool kCopy = true;
   LowLatencyArgs a;
   Peers peers{};
-  JAX_EP_HOST_DEVICE void operator()(int s, int64_t t, int lane, int lanes) const {
-    ll_send<kFp8>(a, peers, s, static_cast<int>(t), lane, lanes);
+  JAX_EP_HOST_DEVICE void operator()(int s, int64_t item, int lane, int lanes) const {
+    ll_send<kFp8>(a, peers, s, item, lane, lanes);
   }
+  int64_t items() const { return ll_row_items(a.num_tokens, a.hidden); }
 };
 template <typename Peers, typename Launch>
 void with_ll_send(const LowLatencyArgs& a, const Peers& peers, const Launch& launch) {
@@ -202,13 +203,14 @@ void with_ll_send(const LowLatencyArgs& a, const Peers& peers, const Launch& lau
 struct LowLatencyStage {
   static constexpr bool kCopy = true;
   LowLatencyArgs a;
-  JAX_EP_HOST_DEVICE void operator()(int s, int64_t t, int lane, int lanes) const {
+  JAX_EP_HOST_DEVICE void operator()(int s, int64_t item, int lane, int lanes) const {
     if (a.use_fp8) {
-      ll_stage<true>(a, s, static_cast<int>(t), lane, lanes);
+      ll_stage<true>(a, s, item, lane, lanes);
     } else {
-      ll_stage<false>(a, s, static_cast<int>(t), lane, lanes);
+      ll_stage<false>(a, s, item, lane, lanes);
     }
   }
+  int64_t items() const { return ll_row_items(a.num_tokens, a.hidden); }
 };
 template <typename Peers>
 struct LowLatencyFinish {
@@ -241,9 +243,7 @@ struct LowLatencyCombineToken {
   JAX_EP_HOST_DEVICE void operator()(int s, int64_t item, int lane, int lanes) const {
     ll_combine_token(a, s, item, lane, lanes);
   }
-  JAX_EP_HOST_DEVICE int64_t items() const {
-    return static_cast<int64_t>(a.num_tokens) * ll_segments(a.num_tokens, a.hidden);
-  }
+  int64_t items() const { return ll_row_items(a.num_tokens, a.hidden); }
 };
 
 }  // namespace jax_ep

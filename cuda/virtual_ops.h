@@ -40,7 +40,7 @@ void run_virtual(L& l, int op, const LowLatencyArgs& a) {
   using Peers = VirtualPeers;
   if (op == kPeerLlDispatchSend) {
     l.per_warp(LowLatencyCount{a}, a.num_chunks, LowLatencyTotals<Peers>{a, 0, a.num_ranks});
-    with_ll_send(a, Peers{}, [&](const auto& send) { l.per_warp(send, a.num_tokens); });
+    with_ll_send(a, Peers{}, [&](const auto& send) { l.per_warp(send, send.items()); });
   } else {
     l.per_warp(LowLatencyFinish<Peers>{a}, a.experts_per_rank() * a.slots());
   }

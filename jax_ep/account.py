@@ -344,11 +344,12 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     message = H + H // BLOCK * SCALE_BYTES if use_fp8 else 2 * H
     # The count (always: its tail publishes the counts), then the send: it reads the token
     # once per FAN_OUT messages and writes each into its slot.
-    chunks, slots = count_chunks(T, K), E // R * R * T
+    # The send's items: every segment of every token (ll_segments).
+    chunks, slots, rows = count_chunks(T, K), E // R * R * T, T * ll_segments(T, H)
     send = Account("ll_dispatch_send", 1 + _launch(T), 0,
                    _fan_out_reads(sent.sum(axis=2)) * 2 * H, m * message,
-                   sources * 2 * H + m * message, _smallest(R, chunks, T, always=1),
-                   _smallest(R, T))
+                   sources * 2 * H + m * message, _smallest(R, chunks, rows, always=1),
+                   _smallest(R, rows))
     recv = Account("ll_dispatch_recv", _launch(slots), 0, 0, 0, 0, _smallest(R, slots))
     if not between:
         return send, recv
@@ -356,13 +357,14 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     # The send's count waits only for its peers to be done with the last op's data, the
     # receive for every message.
     send = dataclasses.replace(send, launches=2, barriers=1,
-                               warps=_smallest(1, chunks, T, always=2), row_warps=_smallest(1, T))
+                               warps=_smallest(1, chunks, rows, always=2),
+                               row_warps=_smallest(1, rows))
     if puts:
         # The stage writes every token once into the send area (cast to FP8 there); the send
         # puts each message from there.
         send = dataclasses.replace(send, launches=3, read=R * T * 2 * H + m * message,
                                    written=R * T * message + m * message,
-                                   warps=_smallest(1, chunks, T, T, always=3))
+                                   warps=_smallest(1, chunks, rows, rows, always=3))
     recv = Account("ll_dispatch_recv", 1, 1, landing, landing, 2 * landing,
                    _smallest(1, slots, always=1), _smallest(1, slots))
     return send, recv
@@ -416,10 +418,9 @@ EXPECTED = {
     "one warp each, so its launch has T/64 warps per rank",
     "combine": "warps: the sums give each of a rank's tokens one warp, T per rank: fewer "
     "than 528 tokens per rank cannot fill an H100",
-    "ll": "warps: the low-latency send gives each token one warp and its count each chunk of "
-    "64 tokens one, so at T = 128 its launches have 2 and 128 warps per rank; the combine's "
-    "receive already splits each row into column segments (1,024 warps); the send's rows "
-    "could be split the same way, and its count folded into it",
+    "ll": "warps: the low-latency count gives each chunk of 64 tokens one warp, 2 per rank "
+    "at T = 128 (the send and the combine's receive give each column segment of a row one "
+    "warp, 1,024 per rank); folding the count into the send would remove that launch",
     "puts": "launches and bytes: over puts each send first copies what it sends into the "
     "symmetric buffer, where a put's source must lie (one launch and one copy more), and the "
     "normal combine's receivers return their rows into the homes' buffers",

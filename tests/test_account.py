@@ -236,9 +236,10 @@ def test_combine_moves_its_minimum():
                 assert a.launches == (2 if between else 1), a
 
 
-def test_low_latency_receive_fills_the_gpu_at_decode_sizes():
-    """At T 128 the combine's receive splits each row into column segments of whole FP8
-    blocks, enough for 1,024 warps per rank (at least 528 fill an H100)."""
+def test_low_latency_rows_fill_the_gpu_at_decode_sizes():
+    """At T 128 the send and the combine's receive split each row into column segments of
+    whole FP8 blocks, enough for 1,024 warps per rank (at least 528 fill an H100); only the
+    send's count, which moves no rows, has fewer."""
     assert account.ll_segments(128, 7168) == 8 and account.ll_segments(4096, 7168) == 1
     assert account.ll_segments(1, 7168) == 56 and account.ll_segments(128, 200) == 1
     for between in (False, True):
@@ -246,3 +247,5 @@ def test_low_latency_receive_fills_the_gpu_at_decode_sizes():
                                              ll_tokens=128)
         (recv,) = [a for a in accounts if a.op == "ll_combine_recv"]
         assert recv.warps >= account.WARPS_TARGET, recv
+        for send in [a for a in accounts if a.op.startswith("ll_dispatch_send")]:
+            assert send.row_warps >= account.WARPS_TARGET > send.warps, send
