@@ -1526,7 +1526,7 @@ struct LlSegment {
 };
 // Item t * segments + g of a low-latency phase over rows: its token t and segment g.
 JAX_EP_HOST_DEVICE LlSegment ll_segment(int num_tokens, int hidden, int64_t item, int* t) {
-  const int cols = ll_segment_cols(num_tokens, hidden), segments = ll_segments(num_tokens, hidden);
+  const int cols = ll_segment_cols(num_tokens, hidden), segments = (hidden + cols - 1) / cols;
   *t = static_cast<int>(item / segments);
   const int first = static_cast<int>(item % segments) * cols;
   return LlSegment{first, hidden - first < cols ? hidden - first : cols};

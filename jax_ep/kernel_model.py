@@ -152,15 +152,26 @@ def prediction_table(accounts: Sequence[account.Account], rate: float) -> str:
     return "\n".join(lines)
 
 
+def todays_accounts(num_ranks: int = R, seed: int = 0) -> list[account.Account]:
+    """Today's ops at the profiled shapes (jax_ep.account)."""
+    return account.deepseek_accounts(num_ranks=num_ranks, seed=seed, tokens=T, ll_tokens=LL_T,
+                                     hidden=H, top_k=K, num_experts=E)
+
+
+def predictions(seed: int = 0) -> str:
+    """The table of today's ops at the profiled shapes, R virtual ranks (the GPU report
+    prints it beside the measured times)."""
+    rate, _ = calibrate(profiled_kernels(seed))
+    return prediction_table(todays_accounts(seed=seed), rate)
+
+
 def report(seed: int = 0) -> str:
     """The calibration and today's predictions, as printed by `perfmodel --ours`."""
     kernels = profiled_kernels(seed)
     rate, zero_rate = calibrate(kernels)
     errors = [abs(e) for k, e in zip(kernels, _errors(kernels, rate, zero_rate), strict=True)
               if k.bytes and not k.zeroing]
-    ll_one = [a for a in account.deepseek_accounts(num_ranks=1, seed=seed, tokens=T,
-                                                   ll_tokens=LL_T, hidden=H, top_k=K,
-                                                   num_experts=E)
+    ll_one = [a for a in todays_accounts(num_ranks=1, seed=seed)
               if a.op.startswith("ll_") and "fp8" not in a.op]
     round_trip = sum(predict_s(a.launches, a.bytes, a.row_warps, rate) for a in ll_one)
     parts = [
@@ -178,9 +189,7 @@ def report(seed: int = 0) -> str:
         f"Today's kernels at the same shapes, R {R} virtual ranks on one H100 (floor: the "
         f"bytes at the {COPY_FLOOR_BPS / 1e12:.1f} TB/s copy rate):",
         "",
-        prediction_table(account.deepseek_accounts(num_ranks=R, seed=seed, tokens=T,
-                                                   ll_tokens=LL_T, hidden=H, top_k=K,
-                                                   num_experts=E), rate),
+        prediction_table(todays_accounts(seed=seed), rate),
         "",
         f"Low latency at R 1 (one GPU, T {LL_T}, bfloat16): a round trip of "
         f"{_us(round_trip)} us predicted, against a goal of 25 us.",

@@ -13,6 +13,14 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def write_report(out, reports):
+    """Runs tools/gpu_report.py on a check's output folder; the folder of its reports."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_report.py"),
+                           str(out), str(reports)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return reports
+
+
 def test_report_from_a_partial_run(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -27,10 +35,7 @@ def test_report_from_a_partial_run(tmp_path):
         {"test": "b", "args": {"case": [2, 3]}, "status": "failed", "error": "boom",
          "retry": "ok"},
         {"test": "c", "args": {}, "status": "ok"}]))
-    reports = tmp_path / "reports"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_report.py"),
-                           str(out), str(reports)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    reports = write_report(out, tmp_path / "reports")
     (md,) = reports.glob("*-nvidia-h100-80gb-hbm3-*.md")
     text = md.read_text()
     assert "| memcheck | 1 | 12 |" in text and "ERROR SUMMARY: 2 errors" in text
@@ -50,10 +55,7 @@ def test_the_report_sets_the_kernel_model_beside_the_profile(tmp_path):
     profile = os.path.join(ROOT, "docs", "gpu", "2026-11-23-nvidia-h100-80gb-hbm3-973005d.json")
     with open(profile) as f:
         (out / "large.json").write_text(json.dumps(json.load(f)["large"]))
-    reports = tmp_path / "reports"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_report.py"),
-                           str(out), str(reports)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    reports = write_report(out, tmp_path / "reports")
     (md,) = reports.glob("*.md")
     text = md.read_text()
     assert "Per-kernel device time, dispatch+combine (per call)" in text
@@ -122,10 +124,7 @@ def test_the_report_of_a_run_stopped_mid_step(tmp_path):
     (out / "steps.tsv").write_text("env\t0\t1\nkernels\t0\t12\nlarge\t")
     (out / "kernels.json").write_text('[{"test": "a", "args": {}, "status": "ok"}, {"te')
     (out / "large.log").write_text("")
-    reports = tmp_path / "reports"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_report.py"),
-                           str(out), str(reports)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    reports = write_report(out, tmp_path / "reports")
     (md,) = reports.glob("*.md")
     record = json.loads(md.with_suffix(".json").read_text())
     assert [s["step"] for s in record["steps"]] == ["env", "kernels"]

@@ -89,17 +89,6 @@ def bench(path: str) -> dict | None:
             "copy_bandwidth_Bps": record["copy_bandwidth_Bps"], "rows": rows}
 
 
-def predictions() -> str:
-    """The kernel model's table for the large case's shapes (8 virtual ranks)."""
-    from jax_ep import account, kernel_model
-
-    m = kernel_model
-    accounts = account.deepseek_accounts(num_ranks=m.R, tokens=m.T, ll_tokens=m.LL_T,
-                                         hidden=m.H, top_k=m.K, num_experts=m.E)
-    rate, _ = m.calibrate(m.profiled_kernels())
-    return m.prediction_table(accounts, rate)
-
-
 def markdown(report: dict) -> str:
     out = [f"# GPU check, {report['date']}", "",
            f"- device: {report['device']}", f"- commit: {report['commit']}",
@@ -128,9 +117,11 @@ def markdown(report: dict) -> str:
             out += [f"| {r['ms_per_call']:.3f} | {r['launches_per_call']:g} | "
                     f"`{r['kernel'][:100]}` |" for r in rows[:12]]
         if large.get("kernels"):
+            from jax_ep import kernel_model  # the report needs jax_ep only for this table
+
             out += ["", "What `python -m jax_ep.perfmodel --ours` predicted for these ops at "
                         "these shapes (per op and call; compare with the kernels above):", "",
-                    predictions()]
+                    kernel_model.predictions()]
     for tool in SANITIZERS:
         if report.get(tool):
             out.append(f"- compute-sanitizer {tool}: {report[tool]}")
