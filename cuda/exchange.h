@@ -1312,8 +1312,20 @@ JAX_EP_HOST_DEVICE int ll_segments(int num_tokens, int hidden) {
   return (hidden + cols - 1) / cols;
 }
 // Items of a low-latency phase over rows: every segment of every token of a rank.
-inline int64_t ll_row_items(int num_tokens, int hidden) {
+JAX_EP_HOST_DEVICE int64_t ll_row_items(int num_tokens, int hidden) {
   return static_cast<int64_t>(num_tokens) * ll_segments(num_tokens, hidden);
+}
+
+// The send numbers its own messages, with no count launch before it, when a source's slots
+// need no other source's counts (between devices, per-source slots; or one rank) and its
+// routing is short: each warp then counts the messages of the tokens before its own to each
+// expert it sends to, at most kSendCountEntries entries, and kSendCountEntries / 32 rounds.
+// Longer routings keep the count launch, whose chunks walk each entry once.
+constexpr int64_t kSendCountEntries = 4096;
+constexpr int kMaxTopK = 32;  // a token's choices in one table of the warp (ChoiceSlots)
+JAX_EP_HOST_DEVICE bool ll_counts_in_send(bool own_slots, int num_tokens, int top_k) {
+  return own_slots && top_k <= kMaxTopK &&
+         static_cast<int64_t>(num_tokens) * top_k <= kSendCountEntries;
 }
 
 struct LowLatencyArgs {
@@ -1324,6 +1336,9 @@ struct LowLatencyArgs {
   int32_t* clean_idx;        // [R, T, K]
   int32_t* num_invalid;      // [R]
   int32_t* counts;           // [R, E] messages of source s to expert e
+  // [V, E/R] the receive's count (messages per local expert), written by the send when all
+  // ranks are here (virtual ranks, or one rank): their receive has nothing else to do.
+  int32_t* count;
   // [R, chunks, E + 1]: per chunk of a source's tokens (count_chunks), its messages to each
   // expert, then its invalid ids; after the count, those of the chunks before it.
   int32_t* chunk_counts;
@@ -1332,7 +1347,6 @@ struct LowLatencyArgs {
   void* recv_x;              // [R, E/R, R*T, H] bf16 or e4m3 bytes
   float* recv_scales;        // [R, E/R, R*T, H/128] (FP8)
   int32_t* src_row;          // [R(expert side), R(source), T, K]
-  int32_t* count;            // [R, E/R]
   // Put views: the send area in this rank's symmetric buffer, [T, H] payload bytes and
   // [T, H/128] scales, where ll_stage puts each token's row once for the send's puts to read.
   char* send_x = nullptr;
@@ -1356,23 +1370,31 @@ struct LowLatencyArgs {
   JAX_EP_HOST_DEVICE int experts_per_rank() const { return num_experts / num_ranks; }
   JAX_EP_HOST_DEVICE int64_t slots() const { return static_cast<int64_t>(num_ranks) * num_tokens; }
   JAX_EP_HOST_DEVICE int64_t row_bytes() const { return use_fp8 ? hidden : 2 * hidden; }
+  JAX_EP_HOST_DEVICE bool counts_in_send() const {
+    return ll_counts_in_send(per_source_slots || num_ranks == 1, num_tokens, top_k);
+  }
   // Source s's messages of the chunks before the chunk of token t (after the count).
   JAX_EP_HOST_DEVICE const int32_t* chunks_before(int s, int t) const {
     return chunk_counts + (local(s) * num_chunks + (t >> chunk_shift)) * (num_experts + 1);
   }
 };
 
-// The low-latency send's workspace, one int32 array (as carve_dispatch_workspace): slot_offset
-// and chunk_counts of the V ranks of this call.
+// The low-latency send's workspace, one int32 array (as carve_dispatch_workspace): with the
+// count launch, slot_offset and chunk_counts of the V ranks of this call; with every rank of
+// the group here (V = R), the counts (between devices they lie in the symmetric buffer).
 inline int64_t carve_ll_workspace(LowLatencyArgs* a, int64_t V, int32_t* work = nullptr) {
+  const bool between = V == 1 && a->num_ranks > 1;
+  const bool counted = !ll_counts_in_send(between || a->num_ranks == 1, a->num_tokens, a->top_k);
   a->chunk_shift = count_chunk_shift(a->top_k);
-  a->num_chunks = count_chunks(a->num_tokens, a->top_k);
-  const int64_t offsets = V * a->num_tokens * a->top_k;
+  a->num_chunks = counted ? count_chunks(a->num_tokens, a->top_k) : 0;
+  const int64_t offsets = counted ? V * a->num_tokens * a->top_k : 0;
+  const int64_t chunks = V * a->num_chunks * (a->num_experts + 1);
   if (work != nullptr) {
     a->slot_offset = work;
     a->chunk_counts = work + offsets;
+    if (!between) a->counts = work + offsets + chunks;
   }
-  return offsets + V * a->num_chunks * (a->num_experts + 1);
+  return offsets + chunks + (between ? 0 : int64_t{a->num_ranks} * a->num_experts);
 }
 
 // True when choice k is the first choice of `ids` equal to ids[k] (duplicates send once).
@@ -1509,12 +1531,6 @@ JAX_EP_HOST_DEVICE void ll_cast_rows(const Bf16* x, int64_t channels, Fan<char>&
   scales.clear();
 }
 
-// The slot offset of message k of token t of source s (`offsets`: the token's in its chunk).
-JAX_EP_HOST_DEVICE int32_t ll_offset(const LowLatencyArgs& a, int s, int t, int32_t e,
-                                     const int32_t* offsets, int k) {
-  return a.chunks_before(s, t)[e] + offsets[k];
-}
-
 // Columns [first, first + n) (a segment, ll_segment_cols) of a low-latency row: where they
 // start in a message's bytes and in its scales, and their bytes.
 struct LlSegment {
@@ -1532,30 +1548,111 @@ JAX_EP_HOST_DEVICE LlSegment ll_segment(int num_tokens, int hidden, int64_t item
   return LlSegment{first, hidden - first < cols ? hidden - first : cols};
 }
 
-// The send's segment `seg` of token t's rows (`ids`, `offsets`: its choices and their slot
-// offsets in its chunk, `x`: the segment's first column of its row): once to each expert it
-// chose, as bf16 or cast to FP8 (one loop nest per case: in one, the two cases hold more
-// registers). A put view sends, instead, the segment ll_stage left in the send area, one put
-// per message.
+// The slot offsets of a token's messages, one per choice k (-1: choice k sends nothing:
+// masked, invalid, or a repeat of an earlier choice), in a table of the warp like Fan's: in
+// shared memory on the GPU, written by lane 0 and read by every lane after fan_sync; each
+// lane's own on the CPU.
+class ChoiceSlots {
+ public:
+  JAX_EP_HOST_DEVICE ChoiceSlots() {
+#if defined(__CUDA_ARCH__)
+    __shared__ int32_t tables[kBlockWarps][kMaxTopK];
+    at_ = tables[threadIdx.x / 32];
+#endif
+  }
+  JAX_EP_HOST_DEVICE void set(int k, int32_t offset, int lane) {
+#if defined(__CUDA_ARCH__)
+    if (lane == 0) at_[k] = offset;
+#else
+    (void)lane;
+    at_[k] = offset;
+#endif
+  }
+  JAX_EP_HOST_DEVICE int32_t operator[](int k) const { return at_[k]; }
+
+ private:
+#if defined(__CUDA_ARCH__)
+  int32_t* at_;
+#else
+  int32_t at_[kMaxTopK];
+#endif
+};
+
+// The number of i in [0, n) for which counted(i) holds, in every lane: on the GPU the lanes
+// split the walk and sum their counts; on the CPU, where lanes run one after another, each
+// lane walks it all (the same number). Every lane of the warp calls it; n is at most
+// kSendCountEntries.
+template <typename Counted>
+JAX_EP_HOST_DEVICE int32_t warp_count(int n, int lane, int lanes, const Counted& counted) {
+  int32_t number = 0;
+#if defined(__CUDA_ARCH__)
+  for (int i = lane; i < n; i += lanes) number += counted(i) ? 1 : 0;
+  JAX_EP_UNROLL for (int offset = 16; offset > 0; offset /= 2) {
+    number += __shfl_xor_sync(0xffffffffu, number, offset);
+  }
+#else
+  (void)lane, (void)lanes;
+  for (int i = 0; i < n; ++i) number += counted(i) ? 1 : 0;
+#endif
+  return number;
+}
+
+// Source s's messages to expert e among its first n routing entries (a token's repeated
+// choices send once), when the send numbers its messages itself (counts_in_send).
+JAX_EP_HOST_DEVICE int32_t ll_messages_before(const LowLatencyArgs& a, int s, int32_t e, int n,
+                                              int lane, int lanes) {
+  const int K = a.top_k;
+  const int32_t* raw = a.topk_idx + a.local(s) * a.num_tokens * K;
+  return warp_count(n, lane, lanes, [&](int i) {
+    return raw[i] == e && first_occurrence(raw + (i - i % K), i % K);
+  });
+}
+
+// Fills `slots` with the slot offsets of token t of source s: from the count launch's
+// numbering (its chunk's offsets, then the token's in the chunk), or counted here; then
+// (`clean`, when counted here) writes the token's clean routing.
+JAX_EP_HOST_DEVICE void ll_choice_slots(const LowLatencyArgs& a, int s, int t, bool clean,
+                                        ChoiceSlots& slots, int lane, int lanes) {
+  const int K = a.top_k, E = a.num_experts;
+  const int64_t here = a.local(s) * a.num_tokens + t;
+  const int32_t* ids = a.topk_idx + here * K;
+  const bool counted_here = a.counts_in_send();
+  fan_sync();  // every lane is done with the table's last use
+  for (int k = 0; k < K; ++k) {  // the same trips in every lane
+    const int32_t e = ids[k];
+    int32_t offset = -1;
+    if (is_choice(e, E) && first_occurrence(ids, k)) {
+      offset = counted_here ? ll_messages_before(a, s, e, t * K, lane, lanes)
+                            : a.chunks_before(s, t)[e] + a.slot_offset[here * K + k];
+    }
+    slots.set(k, offset, lane);
+    if (clean && counted_here && lane == 0) a.clean_idx[here * K + k] = is_choice(e, E) ? e : -1;
+  }
+  fan_sync();
+}
+
+// The send's segment `seg` of token t's rows (`ids`: its routing, `slots`: its messages' slot
+// offsets, `x`: the segment's first column of its row): once to each expert it chose, as
+// bf16 or cast to FP8 (one loop nest per case: in one, the two cases hold more registers). A
+// put view sends, instead, the segment ll_stage left in the send area, one put per message.
 template <bool kFp8, typename Peers>
 JAX_EP_HOST_DEVICE void ll_send_rows(const LowLatencyArgs& a, const Peers& peers, int s, int t,
-                                     const int32_t* ids, const int32_t* offsets, const Bf16* x,
-                                     const LlSegment& seg, int lane, int lanes) {
+                                     const int32_t* ids, const ChoiceSlots& slots,
+                                     const Bf16* x, const LlSegment& seg, int lane, int lanes) {
   const int K = a.top_k, El = a.experts_per_rank(), S = a.hidden / kFp8Block;
-  const int64_t slots = a.slots(), row_bytes = a.row_bytes();
+  const int64_t all_slots = a.slots(), row_bytes = a.row_bytes();
   // The segment's first byte and scale in every row (pointers that only Peers::at moves).
   char* const recv_x = static_cast<char*>(a.recv_x) + seg.byte(kFp8);
   float* const recv_scales = kFp8 ? a.recv_scales + seg.scale() : nullptr;
   // The slot of expert e's rank that message k goes to.
   auto slot_row = [&](int32_t e, int k) {
-    return static_cast<int64_t>(e % El) * slots +
-           ll_slot(a, s, e, ll_offset(a, s, t, e, offsets, k));
+    return static_cast<int64_t>(e % El) * all_slots + ll_slot(a, s, e, slots[k]);
   };
   if constexpr (Peers::kPuts) {
     const int64_t here = a.local(s) * a.num_tokens + t;
     for (int k = 0; k < K; ++k) {
+      if (slots[k] < 0) continue;
       const int32_t e = ids[k];
-      if (e < 0 || !first_occurrence(ids, k)) continue;
       const int64_t row = slot_row(e, k);
       peers.put(recv_x + row * row_bytes, e / El, a.send_x + here * row_bytes + seg.byte(kFp8),
                 seg.bytes(kFp8), lane, lanes);
@@ -1569,12 +1666,12 @@ JAX_EP_HOST_DEVICE void ll_send_rows(const LowLatencyArgs& a, const Peers& peers
     Fan<float> scales(1);
     for (int k = 0; k < K;) {
       for (; k < K && !rows.full(); ++k) {
+        if (slots[k] < 0) continue;
         const int32_t e = ids[k];
-        if (e < 0 || !first_occurrence(ids, k)) continue;
         const int d = e / El;
         const int64_t row = slot_row(e, k);
-        rows.add(peers.at(recv_x, El * slots * row_bytes, d) + row * row_bytes);
-        if (kFp8) scales.add(peers.at(recv_scales, El * slots * S, d) + row * S);
+        rows.add(peers.at(recv_x, El * all_slots * row_bytes, d) + row * row_bytes);
+        if (kFp8) scales.add(peers.at(recv_scales, El * all_slots * S, d) + row * S);
       }
       if (kFp8) {
         ll_cast_rows(x, seg.n, rows, scales, lane, lanes);
@@ -1608,40 +1705,81 @@ JAX_EP_HOST_DEVICE void ll_stage(const LowLatencyArgs& a, int s, int64_t item, i
   }
 }
 
-// Phase 2 (the send), items (s, t * segments + g): segment g of token t of source s goes once
-// to each expert it chose, read once per kFanOut messages; with segment 0, every expert rank
-// learns, per choice, the row that holds it (src_row, -1 elsewhere).
+// The send's first items when it numbers its messages itself (counts_in_send), items
+// c in [0, E]: c < E, source s's messages to expert c, published to every rank (or, with one
+// rank, its receive's count); c == E, its invalid ids.
+template <typename Peers>
+JAX_EP_HOST_DEVICE void ll_send_count(const LowLatencyArgs& a, const Peers& peers, int s, int c,
+                                      int lane, int lanes) {
+  const int E = a.num_experts, entries = a.num_tokens * a.top_k;  // counts_in_send: few
+  if (c == E) {
+    const int32_t* raw = a.topk_idx + a.local(s) * entries;
+    const int32_t invalid =
+        warp_count(entries, lane, lanes, [&](int i) { return is_invalid(raw[i], E); });
+    if (lane == 0) a.num_invalid[a.local(s)] = invalid;
+    return;
+  }
+  const int32_t total = ll_messages_before(a, s, c, entries, lane, lanes);
+  if (lane != 0) return;
+  if (!a.per_source_slots) {  // one rank: its receive's count
+    a.count[c] = total;
+    return;
+  }
+  for (int d = 0; d < a.num_ranks; ++d) {
+    store_to(peers, a.counts + static_cast<int64_t>(s) * E, 0, d, c, total);
+  }
+}
+
+// The send's items per rank: (counts_in_send) the E + 1 of ll_send_count, which walk the
+// most entries and so start first, then every segment of every token.
+JAX_EP_HOST_DEVICE int ll_send_counters(const LowLatencyArgs& a) {
+  return a.counts_in_send() ? a.num_experts + 1 : 0;
+}
+inline int64_t ll_send_items(const LowLatencyArgs& a) {
+  return ll_send_counters(a) + ll_row_items(a.num_tokens, a.hidden);
+}
+
+// Phase 2 (the send), after the items of ll_send_count, items (s, t * segments + g): segment
+// g of token t of source s goes once to each expert it chose, read once per kFanOut
+// messages; with segment 0, every expert rank learns, per choice, the row that holds it
+// (src_row, -1 elsewhere), and (counts_in_send) the clean routing is written.
 template <bool kFp8, typename Peers>
 JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int s,
                                 int64_t item, int lane, int lanes) {
-  const int R = a.num_ranks, T = a.num_tokens, K = a.top_k, El = a.experts_per_rank();
+  const int R = a.num_ranks, T = a.num_tokens, K = a.top_k, E = a.num_experts;
+  const int El = a.experts_per_rank(), counters = ll_send_counters(a);
+  if (item < counters) {
+    ll_send_count(a, peers, s, static_cast<int>(item), lane, lanes);
+    return;
+  }
+  item -= counters;
   int t = 0;
   const LlSegment seg = ll_segment(T, a.hidden, item, &t);
   const int64_t slots = a.slots(), src = static_cast<int64_t>(s) * T + t;
   const int64_t here = a.local(s) * T + t;
-  const int32_t* ids = a.clean_idx + here * K;
-  const int32_t* offsets = a.slot_offset + here * K;
-  const Bf16* x = a.x + here * a.hidden;
+  const int32_t* ids = a.topk_idx + here * K;
+  ChoiceSlots offsets;
+  ll_choice_slots(a, s, t, seg.first == 0, offsets, lane, lanes);
   for (int c = lane; seg.first == 0 && c < R * K; c += lanes) {  // cell (d, k), lanes sharing
     const int d = c / K, k = c % K;
     const int32_t e = ids[k];
     int32_t row = -1;
-    if (e >= 0 && e / El == d) {
+    if (is_choice(e, E) && e / El == d) {
       int first = 0;
       while (ids[first] != e) ++first;
-      row = static_cast<int32_t>((e % El) * slots +
-                                 ll_slot(a, s, e, ll_offset(a, s, t, e, offsets, first)));
+      row = static_cast<int32_t>((e % El) * slots + ll_slot(a, s, e, offsets[first]));
     }
     store_to(peers, a.src_row, slots * K, d, src * K + k, row);
   }
-  ll_send_rows<kFp8>(a, peers, s, t, ids, offsets, x + seg.first, seg, lane, lanes);
+  ll_send_rows<kFp8>(a, peers, s, t, ids, offsets, a.x + here * a.hidden + seg.first, seg,
+                     lane, lanes);
 }
 
-// Phase 3 (the receive), items (d, r) for r in [0, E/R * R*T): compact slot r of receiver d.
-// Rows past their expert's count are left as they are (docs/contract.md, "Padding"); counted
-// rows (and src_row, items r < R*T) move to XLA's results when they arrived in the symmetric
-// buffer, from their per-source slots and with src_row made compact when per_source_slots.
-// The first slot of each expert writes the count.
+// Phase 3 (the receive, between devices; with every rank here the send delivers), items
+// (d, r) for r in [0, E/R * R*T): compact slot r of receiver d. Rows past their expert's count
+// are left as they are (docs/contract.md, "Padding"); counted rows (and src_row, items
+// r < R*T) move from their per-source slots in the symmetric buffer to XLA's results, src_row
+// made compact. The first slot of each expert writes the count.
 template <typename Peers>
 JAX_EP_HOST_DEVICE void ll_finish(const LowLatencyArgs& a, const Peers& peers, int d, int64_t r,
                                   int lane, int lanes) {
@@ -1652,22 +1790,19 @@ JAX_EP_HOST_DEVICE void ll_finish(const LowLatencyArgs& a, const Peers& peers, i
   const int64_t i = r % slots;
   int32_t count = 0;
   for (int q = 0; q < R; ++q) count += a.counts[static_cast<int64_t>(q) * a.num_experts + e];
-  if (i < count && a.out_x) {
-    int64_t from = r;  // where the row arrived
-    if (a.per_source_slots) {  // the source q whose messages hold compact slot i
-      int32_t before = 0;
-      int q = 0;
-      for (; q < R - 1; ++q) {
-        const int32_t c = a.counts[static_cast<int64_t>(q) * a.num_experts + e];
-        if (i < before + c) break;
-        before += c;
-      }
-      from = j * slots + static_cast<int64_t>(q) * T + (i - before);
+  if (i < count) {
+    int32_t before = 0;  // the source q whose messages hold compact slot i
+    int q = 0;
+    for (; q < R - 1; ++q) {
+      const int32_t c = a.counts[static_cast<int64_t>(q) * a.num_experts + e];
+      if (i < before + c) break;
+      before += c;
     }
+    const int64_t from = j * slots + static_cast<int64_t>(q) * T + (i - before);
     const int64_t bytes = a.row_bytes();
     copy_row(static_cast<char*>(a.out_x) + (a.local(d) * El * slots + r) * bytes,
-             own_copy(peers, static_cast<char*>(a.recv_x), El * slots * bytes, d) + from * bytes, bytes,
-             lane, lanes);
+             own_copy(peers, static_cast<char*>(a.recv_x), El * slots * bytes, d) + from * bytes,
+             bytes, lane, lanes);
     if (a.use_fp8) {
       copy_row(a.out_scales + (a.local(d) * El * slots + r) * S,
                own_copy(peers, a.recv_scales, El * slots * S, d) + from * S, S * 4, lane, lanes);
@@ -1675,13 +1810,13 @@ JAX_EP_HOST_DEVICE void ll_finish(const LowLatencyArgs& a, const Peers& peers, i
   }
   if (lane != 0) return;
   if (i == 0) a.count[a.local(d) * El + j] = count;
-  if (r < slots && a.out_src_row) {  // the choices of token r of the group
+  if (r < slots) {  // the choices of token r of the group
     const int K = a.top_k;
     const int32_t* sent = own_copy(peers, a.src_row, slots * K, d) + r * K;
     int32_t* to = a.out_src_row + (a.local(d) * slots + r) * K;
     for (int k = 0; k < K; ++k) {
       int32_t row = sent[k];
-      if (row >= 0 && a.per_source_slots) {
+      if (row >= 0) {
         const int32_t jk = static_cast<int32_t>(row / slots);
         const int32_t slot = static_cast<int32_t>(row % slots);
         row = static_cast<int32_t>(jk * slots) +

@@ -497,15 +497,20 @@ PeerError run_op(Platform& p, int op, const LowLatencyArgs& out) {
   return with_peers(p, [&](const auto& peers) {
     using Peers = std::decay_t<decltype(peers)>;
     if (op == kPeerLlDispatchSend) {
-      // The count numbers this rank's messages; the send needs no other rank's counts.
-      p.per_warp(LowLatencyCount{a}, a.num_chunks, Meet{Wait::kStart, false, {}, use.last_use},
-                 LowLatencyTotals<Peers>{a, a.first_rank, 1, peers});
+      // The count numbers this rank's messages (or, at small sizes, the send does); the send
+      // needs no other rank's counts. What first publishes to the peers waits for them to be
+      // done with the last op on the region.
+      const bool counted = !a.counts_in_send();
+      if (counted) {
+        p.per_warp(LowLatencyCount{a}, a.num_chunks, Meet{Wait::kStart, false, {}, use.last_use},
+                   LowLatencyTotals<Peers>{a, a.first_rank, 1, peers});
+      }
       if constexpr (Peers::kPuts) {
         const LowLatencyStage stage{a};
         p.per_warp(stage, stage.items(), Meet{});
       }
-      with_ll_send(a, peers,
-                   [&](const auto& send) { p.per_warp(send, send.items(), Meet{{}, true, {}}); });
+      const Meet sent = counted ? Meet{{}, true, {}} : Meet{Wait::kStart, true, {}, use.last_use};
+      with_ll_send(a, peers, [&](const auto& send) { p.per_warp(send, send.items(), sent); });
     } else {
       // Once every message has arrived (the peers sent it in their send).
       p.per_warp(LowLatencyFinish<Peers>{a, peers}, a.experts_per_rank() * a.slots(),

@@ -161,7 +161,9 @@ struct LowLatencyCount {
     ll_count(a, s, static_cast<int>(g), lane, lanes);
   }
 };
-// The tail of LowLatencyCount for its sources [first, first + ranks): their totals.
+// The tail of LowLatencyCount for its sources [first, first + ranks): their totals; with
+// every rank of the group here, then the receive's count of each expert (its messages from
+// every source), so that the receive has nothing left to do.
 template <typename Peers>
 struct LowLatencyTotals {
   LowLatencyArgs a;
@@ -170,14 +172,18 @@ struct LowLatencyTotals {
   JAX_EP_HOST_DEVICE int64_t early_items() const {
     return static_cast<int64_t>(ranks) * (a.num_experts + 1);
   }
-  JAX_EP_HOST_DEVICE int64_t items() const { return 0; }
+  JAX_EP_HOST_DEVICE int64_t items() const { return ranks == a.num_ranks ? a.num_experts : 0; }
   JAX_EP_HOST_DEVICE void early(int64_t i) const {
     const int n = a.num_experts + 1, s = first + static_cast<int>(i / n);
     publish_total(peers, a.chunk_counts + a.local(s) * a.num_chunks * n, a.num_chunks, n,
                   static_cast<int>(i % n), a.counts + static_cast<int64_t>(s) * a.num_experts,
                   a.num_ranks, a.num_invalid + a.local(s));
   }
-  JAX_EP_HOST_DEVICE void operator()(int64_t) const {}
+  JAX_EP_HOST_DEVICE void operator()(int64_t e) const {
+    int32_t count = 0;
+    for (int s = 0; s < a.num_ranks; ++s) count += a.counts[s * a.num_experts + e];
+    a.count[e] = count;  // [R, E/R]: expert e's rank, then its index there
+  }
 };
 // One kernel per payload (bf16 rows, or their FP8 cast): in one, the two would hold more
 // registers than either. with_ll_send picks the one of the args.
@@ -189,7 +195,7 @@ struct LowLatencySend {
   JAX_EP_HOST_DEVICE void operator()(int s, int64_t item, int lane, int lanes) const {
     ll_send<kFp8>(a, peers, s, item, lane, lanes);
   }
-  int64_t items() const { return ll_row_items(a.num_tokens, a.hidden); }
+  int64_t items() const { return ll_send_items(a); }
 };
 template <typename Peers, typename Launch>
 void with_ll_send(const LowLatencyArgs& a, const Peers& peers, const Launch& launch) {

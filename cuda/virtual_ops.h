@@ -35,15 +35,15 @@ void run_virtual(L& l, int, const CombineArgs<T>& a) {
   }
 }
 
+// Low-latency dispatch has only its send (`op` kPeerLlDispatchSend): the messages land in
+// their compact slots, and the count's tail (or, with one rank, the send) writes the counts.
 template <typename L>
-void run_virtual(L& l, int op, const LowLatencyArgs& a) {
+void run_virtual(L& l, int, const LowLatencyArgs& a) {
   using Peers = VirtualPeers;
-  if (op == kPeerLlDispatchSend) {
+  if (!a.counts_in_send()) {
     l.per_warp(LowLatencyCount{a}, a.num_chunks, LowLatencyTotals<Peers>{a, 0, a.num_ranks});
-    with_ll_send(a, Peers{}, [&](const auto& send) { l.per_warp(send, send.items()); });
-  } else {
-    l.per_warp(LowLatencyFinish<Peers>{a}, a.experts_per_rank() * a.slots());
   }
+  with_ll_send(a, Peers{}, [&](const auto& send) { l.per_warp(send, send.items()); });
 }
 
 // Low-latency combine has only its receive (`op` kPeerLlCombineRecv): it reads the expert

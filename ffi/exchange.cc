@@ -281,7 +281,9 @@ xffi::Error ParseLowLatencyDispatchSend(xffi::RemainingArgs args, xffi::Remainin
   JAX_EP_RETURN_IF_ERROR(b.Out(2, "src_row", DataType::S32, {V, R, T, K}, &a->src_row));
   JAX_EP_RETURN_IF_ERROR(b.Out(3, "clean_idx", DataType::S32, {V, T, K}, &a->clean_idx));
   JAX_EP_RETURN_IF_ERROR(b.Out(4, "num_invalid", DataType::S32, {V}, &a->num_invalid));
-  JAX_EP_RETURN_IF_ERROR(b.Out(5, "counts", DataType::S32, {R, E}, &a->counts));
+  // With every rank here the send writes the receive's count (it has no receive call).
+  const int64_t counted = Between(V, R) ? 0 : El;
+  JAX_EP_RETURN_IF_ERROR(b.Out(5, "count", DataType::S32, {V, counted}, &a->count));
   int32_t* work = nullptr;
   JAX_EP_RETURN_IF_ERROR(
       b.Out(6, "workspace", DataType::S32, {carve_ll_workspace(a, V)}, &work));
@@ -294,12 +296,16 @@ xffi::Error ParseLowLatencyDispatchRecv(xffi::RemainingArgs args, xffi::Remainin
                                         LowLatencyArgs* a) {
   const std::string_view op = kPeerOpNames[kPeerLlDispatchRecv];
   Buffers b(op, args, rets);
-  JAX_EP_RETURN_IF_ERROR(b.Count(4, 4));
+  JAX_EP_RETURN_IF_ERROR(b.Count(3, 4));
   const AnyBuffer x = b.Arg(0);
   JAX_EP_RETURN_IF_ERROR(CheckRank(op, "recv_x", x, 4));
   const int64_t V = x.dimensions()[0], El = x.dimensions()[1], H = x.dimensions()[3];
   const int64_t R = num_ranks;
   JAX_EP_RETURN_IF_ERROR(CheckStack(op, V, R));
+  if (!Between(V, R)) {
+    return Invalid(op, "with virtual ranks (or one rank) low-latency dispatch has no receive: "
+                       "the send's results are the received data");
+  }
   if (x.dimensions()[2] % R != 0 || El * R != num_experts) {
     return Invalid(op, "recv_x must be [V, E/R, R*T, H] with E = num_experts");
   }
@@ -320,12 +326,10 @@ xffi::Error ParseLowLatencyDispatchRecv(xffi::RemainingArgs args, xffi::Remainin
   const void* in_x = nullptr;
   const float* in_scales = nullptr;
   const int32_t* in_src_row = nullptr;
-  const int32_t* counts = nullptr;
   JAX_EP_RETURN_IF_ERROR(b.In(0, "recv_x", fp8 ? DataType::F8E4M3FN : DataType::BF16,
                               {V, El, R * T, H}, &in_x));
   JAX_EP_RETURN_IF_ERROR(b.In(1, "recv_scales", DataType::F32, {V, El, R * T, S}, &in_scales));
   JAX_EP_RETURN_IF_ERROR(b.In(2, "src_row", DataType::S32, {V, R, T, K}, &in_src_row));
-  JAX_EP_RETURN_IF_ERROR(b.In(3, "counts", DataType::S32, {R, num_experts}, &counts));
   JAX_EP_RETURN_IF_ERROR(b.Out(0, "recv_x", x.element_type(), {V, El, R * T, H}, &a->recv_x));
   JAX_EP_RETURN_IF_ERROR(
       b.Out(1, "recv_scales", DataType::F32, {V, El, R * T, S}, &a->recv_scales));
@@ -336,7 +340,6 @@ xffi::Error ParseLowLatencyDispatchRecv(xffi::RemainingArgs args, xffi::Remainin
     return xffi::Error::Internal(std::string(op) + ": recv_x, recv_scales and src_row must "
                                  "alias the operands (input_output_aliases {1: 0, 2: 1, 3: 2})");
   }
-  a->counts = const_cast<int32_t*>(counts);  // read only in this phase
   return xffi::Error::Success();
 }
 

@@ -68,14 +68,16 @@ CombineArgs<T> Retype(const CombineArgs<float>& a) {
 
 // Operands x bf16 [R,T,H], topk_idx s32 [R,T,K]. Results: recv_x [R,E/R,R*T,H] (bf16, or
 // float8_e4m3fn with use_fp8), recv_scales f32 [R,E/R,R*T,H/128] (or [R,E/R,R*T,0]), src_row
-// s32 [R,R,T,K], clean_idx s32 [R,T,K], num_invalid s32 [R], counts s32 [R,E], workspace s32
+// s32 [R,R,T,K], clean_idx s32 [R,T,K], num_invalid s32 [R], count s32 [R,E/R] (the
+// receive's, written by the send with virtual ranks; [1,0] between devices), workspace s32
 // [W] (W: carve_ll_workspace, cuda/exchange.h).
 xffi::Error ParseLowLatencyDispatchSend(xffi::RemainingArgs args, xffi::RemainingRets rets,
                                         int64_t num_ranks, int64_t num_experts, int64_t use_fp8,
                                         LowLatencyArgs* out);
 
-// Operands recv_x, recv_scales, src_row, counts as returned by the send. Results: recv_x,
-// recv_scales and src_row (aliasing the operands) and count s32 [R,E/R].
+// Between devices only (with virtual ranks the send delivers). Operands recv_x, recv_scales,
+// src_row as returned by the send. Results: recv_x, recv_scales and src_row (aliasing the
+// operands) and count s32 [1,E/R].
 xffi::Error ParseLowLatencyDispatchRecv(xffi::RemainingArgs args, xffi::RemainingRets rets,
                                         int64_t num_ranks, int64_t num_experts,
                                         LowLatencyArgs* out);

@@ -174,7 +174,9 @@ def combine(y, weights, src_row, row_entries, *, num_ranks, top_k, expert_major,
 
 def ll_dispatch_send(x, topk_idx, *, num_ranks, num_experts, use_fp8, axis_name=None,
                      placement=ANYWHERE):
-    """The send half of low-latency dispatch; a dict for `ll_dispatch_recv`."""
+    """The send half of low-latency dispatch; a dict for `ll_dispatch_recv`. With every rank
+    of the group here (virtual ranks, or one rank) the send delivers: its rows land in their
+    slots and it writes the count."""
     _ffi.register()
     V, T, K = topk_idx.shape
     R, E, H = num_ranks, num_experts, x.shape[2]
@@ -183,28 +185,31 @@ def ll_dispatch_send(x, topk_idx, *, num_ranks, num_experts, use_fp8, axis_name=
     shapes = [
         ((*slots, H), fp8.FP8_DTYPE if use_fp8 else jnp.bfloat16),
         ((*slots, H // fp8.BLOCK if use_fp8 else 0), jnp.float32), ((V, R, T, K), i32),
-        ((V, T, K), i32), ((V,), i32), ((R, E), i32),
+        ((V, T, K), i32), ((V,), i32), ((V, E // R if V == R else 0), i32),
         ((_ffi.EXT.workspace("jax_ep_ll_dispatch_send", R, T, K, E, V),), i32),
     ]
-    recv_x, recv_scales, src_row, clean_idx, num_invalid, counts, _ = _exchange_call(
+    recv_x, recv_scales, src_row, clean_idx, num_invalid, count, _ = _exchange_call(
         "jax_ep_ll_dispatch_send", _types(topk_idx, shapes), (x, topk_idx),
         dict(num_ranks=R, num_experts=E, use_fp8=use_fp8, buffer=placement.buffer), placement,
         axis_name=axis_name, stacked=V)
     return {"recv_x": recv_x, "recv_scales": recv_scales, "src_row": src_row,
-            "clean_idx": clean_idx, "num_invalid": num_invalid, "counts": counts}
+            "clean_idx": clean_idx, "num_invalid": num_invalid, "count": count}
 
 
 def ll_dispatch_recv(data, *, num_ranks, num_experts, axis_name=None, placement=ANYWHERE):
-    """The receive half: (recv_x, recv_scales or None, src_row, count [V, E/R])."""
+    """The receive half: (recv_x, recv_scales or None, src_row, count [V, E/R]); no call
+    when every rank is here (the send delivered)."""
     recv_x, recv_scales, src_row = data["recv_x"], data["recv_scales"], data["src_row"]
-    V = recv_x.shape[0]
+    stacked = recv_x.shape[0]
+    if stacked == num_ranks:
+        return recv_x, recv_scales if recv_scales.shape[3] else None, src_row, data["count"]
     recv_x, recv_scales, src_row, count = _exchange_call(
         "jax_ep_ll_dispatch_recv",
         _types(src_row, [(a.shape, a.dtype) for a in (recv_x, recv_scales, src_row)]
-               + [((V, num_experts // num_ranks), jnp.int32)]),
-        (recv_x, recv_scales, src_row, data["counts"]),
+               + [((stacked, num_experts // num_ranks), jnp.int32)]),
+        (recv_x, recv_scales, src_row),
         dict(num_ranks=num_ranks, num_experts=num_experts, buffer=placement.buffer), placement,
-        axis_name=axis_name, stacked=V, aliases={1: 0, 2: 1, 3: 2})
+        axis_name=axis_name, stacked=stacked, aliases={1: 0, 2: 1, 3: 2})
     return recv_x, recv_scales if recv_scales.shape[3] else None, src_row, count
 
 

@@ -177,6 +177,16 @@ def ll_segments(num_tokens: int, hidden: int) -> int:
     return -(-hidden // cols)
 
 
+SEND_COUNT_ENTRIES, MAX_TOP_K = 4096, 32  # cuda/exchange.h kSendCountEntries, kMaxTopK
+
+
+def ll_counts_in_send(own_slots: bool, num_tokens: int, top_k: int) -> bool:
+    """Whether the low-latency send numbers its own messages, with no count launch before it
+    (cuda/exchange.h, ll_counts_in_send): its source's slots need no other source's counts
+    (`own_slots`: between devices, or one rank) and its routing is short."""
+    return own_slots and top_k <= MAX_TOP_K and num_tokens * top_k <= SEND_COUNT_ENTRIES
+
+
 def count_chunks(num_tokens: int, top_k: int) -> int:
     """Items of a count phase: chunks of 2^s tokens, s = 9 - ceil(log2 K) (at least 0),
     about 512 entries each (cuda/exchange.h, count_chunks)."""
@@ -342,31 +352,35 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     sent = messages(topk_idx, E)
     m, sources = int(sent.sum()), int(sent.any(axis=2).sum())
     message = H + H // BLOCK * SCALE_BYTES if use_fp8 else 2 * H
-    # The count (always: its tail publishes the counts), then the send: it reads the token
-    # once per FAN_OUT messages and writes each into its slot.
-    # The send's items: every segment of every token (ll_segments).
-    chunks, slots, rows = count_chunks(T, K), E // R * R * T, T * ll_segments(T, H)
-    send = Account("ll_dispatch_send", 1 + _launch(T), 0,
-                   _fan_out_reads(sent.sum(axis=2)) * 2 * H, m * message,
-                   sources * 2 * H + m * message, _smallest(R, chunks, rows, always=1),
-                   _smallest(R, rows))
-    recv = Account("ll_dispatch_recv", _launch(slots), 0, 0, 0, 0, _smallest(R, slots))
+    # The send reads each token once per FAN_OUT messages and writes each into its slot. Its
+    # items: every segment of every token (ll_segments), then, where it numbers its messages
+    # itself (no count launch before it), E + 1 that count them.
+    read, written = _fan_out_reads(sent.sum(axis=2)) * 2 * H, m * message
+    minimum = sources * 2 * H + m * message
+    rows = T * ll_segments(T, H)
+    own_count = ll_counts_in_send(between or R == 1, T, K)
+    # The count launch, where there is one: it always runs (its tail publishes the counts).
+    counted = [] if own_count else [count_chunks(T, K)]
+    sends = rows + (E + 1 if own_count else 0)
     if not between:
-        return send, recv
-    landing = m * message  # the receive copies the counted rows out of the symmetric buffer
-    # The send's count waits only for its peers to be done with the last op's data, the
-    # receive for every message.
-    send = dataclasses.replace(send, launches=2, barriers=1,
-                               warps=_smallest(1, chunks, rows, always=2),
-                               row_warps=_smallest(1, rows))
+        # Every rank here: the send delivers (the receive has nothing to do).
+        return (Account("ll_dispatch_send", len(counted) + _launch(sends), 0, read, written,
+                        minimum, _smallest(R, *counted, sends, always=len(counted)),
+                        _smallest(R, rows)),
+                Account("ll_dispatch_recv", 0, 0, 0, 0, 0))
+    # Between devices, the launch that first publishes to the peers (the count, or the send)
+    # waits for them to be done with the last op's data, and the send tells them it is done.
+    # Over puts a stage first writes every token once into the send area (cast to FP8 there),
+    # and the send puts each message from there.
+    staged = [rows] if puts and rows else []
     if puts:
-        # The stage writes every token once into the send area (cast to FP8 there); the send
-        # puts each message from there.
-        send = dataclasses.replace(send, launches=3, read=R * T * 2 * H + m * message,
-                                   written=R * T * message + m * message,
-                                   warps=_smallest(1, chunks, rows, rows, always=3))
+        read, written = R * T * 2 * H + m * message, R * T * message + m * message
+    items = [*counted, *staged, sends]
+    send = Account("ll_dispatch_send", len(items), 1, read, written, minimum,
+                   _smallest(1, *items, always=len(items)), _smallest(1, rows))
+    landing = m * message  # the receive copies the counted rows out of the symmetric buffer
     recv = Account("ll_dispatch_recv", 1, 1, landing, landing, 2 * landing,
-                   _smallest(1, slots, always=1), _smallest(1, slots))
+                   _smallest(1, E // R * R * T, always=1), _smallest(1, E // R * R * T))
     return send, recv
 
 
@@ -418,9 +432,10 @@ EXPECTED = {
     "one warp each, so its launch has T/64 warps per rank",
     "combine": "warps: the sums give each of a rank's tokens one warp, T per rank: fewer "
     "than 528 tokens per rank cannot fill an H100",
-    "ll": "warps: the low-latency count gives each chunk of 64 tokens one warp, 2 per rank "
-    "at T = 128 (the send and the combine's receive give each column segment of a row one "
-    "warp, 1,024 per rank); folding the count into the send would remove that launch",
+    "ll": "warps: with virtual ranks the low-latency count gives each chunk of 64 tokens one "
+    "warp, 2 per rank at T = 128: a rank's slots follow every lower rank's messages, which "
+    "only a count before the send knows (between devices, and with one rank, the send numbers "
+    "its own messages and fills the GPU: 1,024 warps per rank for the rows)",
     "puts": "launches and bytes: over puts each send first copies what it sends into the "
     "symmetric buffer, where a put's source must lie (one launch and one copy more), and the "
     "normal combine's receivers return their rows into the homes' buffers",

@@ -220,6 +220,8 @@ def test_several_ranks_lower_for_cuda(expert_major):
     # One rank per device: the operands stack V = 1 rank, the attributes name all R.
     assert "bf16[1,6,128]" in hlo, hlo[:2000]
     assert "num_ranks=4" in hlo.replace(" ", "") or "num_ranks = 4" in hlo
+    # The receive half of low-latency dispatch updates the send's buffers in place.
+    assert "output_to_operand_aliasing" in hlo
 
 
 def _computations(hlo: str) -> dict[str, str]:

@@ -107,6 +107,29 @@ def test_low_latency_split_matches_portable_backend(R, use_fp8):
 
 
 @pytest.mark.parametrize("R", [2, 3])
+def test_low_latency_past_the_sends_own_count(R):
+    """Above 4,096 routing entries per rank the send no longer numbers its own messages: a
+    count launch does (cuda/exchange.h, kSendCountEntries); both sides of the bound."""
+    rng = np.random.default_rng()
+    K, E, H = 8, 4 * R, 128
+
+    def program(backend):
+        def per_shard(x, idx, w):
+            recv, handle = jax_ep.low_latency_dispatch(x, idx, num_experts=E, backend=backend)
+            y = (recv.x.astype(jnp.float32) * 2).astype(jnp.bfloat16)
+            out = jax_ep.low_latency_combine(y, idx, w, handle, backend=backend)
+            return recv.with_zero_padding(), out
+
+        return per_shard
+
+    for T in (4096 // K, 4096 // K + int(rng.integers(1, 9))):
+        idx, w = routing(rng, R, T, K, E, "duplicates", invalid=True)
+        x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+        got, want = both_backends(program, R, x, idx, w)
+        assert_trees_bitwise(got, want)
+
+
+@pytest.mark.parametrize("R", [2, 3])
 def test_two_low_latency_exchanges_in_flight_on_the_two_regions(R):
     """Micro-batches a and b: a's send, b's send, a's receive, b's receive, then their
     combines the same way. Each uses its own low-latency region, so b's send waits only for

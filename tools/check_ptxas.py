@@ -49,6 +49,7 @@ COPY_REGISTERS = 64
 
 ENTRY = re.compile(r"Compiling entry function '(\S+)' for")
 OWNER = re.compile(r"Function properties for (\S+)")
+WARNING = re.compile(r"warning #\d+")
 PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 REGS = re.compile(r"Used (\d+) registers")
 
@@ -169,6 +170,13 @@ def main(argv: list[str]) -> int:
             print(f"check_ptxas: {os.path.relpath(path, ROOT)} does not compile:\n{report}")
             failed = True
             continue
+        # nvcc only warns when device code calls a host function, and the kernel then does
+        # not do what it says (it can compile to almost nothing): any warning fails.
+        warnings = [line for line in report.splitlines() if WARNING.search(line)]
+        if warnings:
+            print(f"check_ptxas: {os.path.relpath(path, ROOT)} compiles with warnings:\n"
+                  + "\n".join(warnings))
+            failed = True
         rows += parse_kernels(os.path.basename(path), report)
 
     width = max([len("kernel"), *(len(k.name) for k in rows)])

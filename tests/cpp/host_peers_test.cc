@@ -253,8 +253,7 @@ void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& 
     run_virtual(l, kPeerDispatch, d.args(s, -1));
     run_virtual(l, kPeerCombine, c.args(s, d, -1));
     const LowLatencyArgs la = ll.dispatch_args(s, -1);
-    run_virtual(l, kPeerLlDispatchSend, la);
-    run_virtual(l, kPeerLlDispatchRecv, la);
+    run_virtual(l, kPeerLlDispatchSend, la);  // it delivers: no receive
     LowLatencyCombineArgs lc = ll.combine_args(s, -1);
     lc.staging = nullptr;  // virtual ranks: the receive reads y in place
     run_virtual(l, kPeerLlCombineRecv, lc);
