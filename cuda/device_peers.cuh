@@ -168,7 +168,15 @@ struct DeviceMeet {
 
   __device__ void first() const {
     if (blockIdx.x == 0 && threadIdx.x == 0) check_rank();
-    if (before_ns != 0) wait_for_peers(before_ns, before_code, before_arrivals);
+    // Every thread stores the block's one answer (wait_for_peers returns it to all).
+    gave_up() = before_ns != 0 && !wait_for_peers(before_ns, before_code, before_arrivals);
+  }
+  // Whether this block's wait gave up (a peer timed out, or a failure reported earlier): the
+  // peers' data may not be there, and the op fails anyway. After first().
+  __device__ bool failed() const { return gave_up(); }
+  __device__ static bool& gave_up() {
+    __shared__ bool flag;
+    return flag;
   }
   // Every thread after its items. NVSHMEM specifies nvshmem_quiet per PE; each thread quiets
   // its own puts anyway, so that the arrival's signal follows every put of the launch however
@@ -213,25 +221,30 @@ struct DeviceMeet {
 
   // Every thread of the block: until each peer arrived as often as this rank (or `arrivals`
   // times), thread p watching peer p, bounded by `timeout_ns`; then the peers' writes are
-  // visible to the block.
-  __device__ void wait_for_peers(uint64_t timeout_ns, int timeout_code,
+  // visible to the block. Returns, in every thread, whether every peer arrived.
+  __device__ bool wait_for_peers(uint64_t timeout_ns, int timeout_code,
                                  uint64_t arrivals) const {
     __syncthreads();  // the block's reads of *epoch come after tell_peers' write
     const uint64_t target = arrivals == kAllEarlier ? *epoch : arrivals;
+    int gave_up = 0;
     for (int p = threadIdx.x; p < n; p += blockDim.x) {
       volatile uint64_t* arrived = signals + p;
       const uint64_t start = global_ns();
       while (*arrived < target) {
-        if (static_cast<volatile PeerStatus*>(status)->code != 0) break;
+        if (static_cast<volatile PeerStatus*>(status)->code != 0) {
+          gave_up = 1;
+          break;
+        }
         if (global_ns() - start > timeout_ns) {
           report(timeout_code, p);
+          gave_up = 1;
           break;
         }
         __nanosleep(200);
       }
     }
     __threadfence_system();
-    __syncthreads();
+    return __syncthreads_or(gave_up) == 0;
   }
 };
 

@@ -26,14 +26,15 @@ struct NoTail {
 // has first(), run by every block before its items, done(), by every thread after its items
 // (over NVSHMEM's puts: each completes its own before its block counts itself finished), and
 // last(), by the block that finishes last after every block's items; waits_first() and
-// has_last() say whether first() and last() do anything.
+// has_last() say whether first() and last() do anything; failed(), whether a wait gave up
+// (the op fails, the peers' data may not be there): the items and the tail then do not run.
 struct NoMeet {
   JAX_EP_HOST_DEVICE bool waits_first() const { return false; }
   JAX_EP_HOST_DEVICE bool has_last() const { return false; }
   JAX_EP_HOST_DEVICE void first() const {}
   JAX_EP_HOST_DEVICE void done() const {}
   JAX_EP_HOST_DEVICE void last() const {}
-  bool failed() const { return false; }  // host launches only (cuda/host_launch.h)
+  JAX_EP_HOST_DEVICE bool failed() const { return false; }
 };
 
 // The copy phases (they move rows and little else) declare kCopy: their kernels are built for

@@ -61,19 +61,24 @@ template <typename Phase, typename Tail, typename Meeting>
 __global__ void __launch_bounds__(kPhaseThreads, MinBlocksPerSm<Phase>::value)
     per_warp_kernel(Phase phase, Tail tail, Meeting meet, unsigned* ticket, int first_rank,
                     int ranks, int64_t items) {
+  // A block whose wait gave up (meet.failed(): the op fails, and the peers' data may not be
+  // there) skips its items and, as the last block, the tail's; it still meets the peers.
   meet.first();
   const int64_t total = static_cast<int64_t>(ranks) * items;
   const int lane = threadIdx.x % kWarpSize;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(kPhaseWarps) + threadIdx.x / kWarpSize;
-       i < total; i += static_cast<int64_t>(gridDim.x) * kPhaseWarps) {
+       i < total && !meet.failed(); i += static_cast<int64_t>(gridDim.x) * kPhaseWarps) {
     phase(first_rank + static_cast<int>(i / items), i % items, lane, kWarpSize);
   }
   meet.done();
   if (ticket == nullptr || !is_last_block(ticket)) return;  // no ticket: nothing comes after
-  for (int64_t i = threadIdx.x; i < tail.early_items(); i += kPhaseThreads) tail.early(i);
+  const bool skip = meet.failed();
+  for (int64_t i = threadIdx.x; !skip && i < tail.early_items(); i += kPhaseThreads) {
+    tail.early(i);
+  }
   __syncthreads();  // the early items' writes before the meet and the other items
   meet.last();
-  for (int64_t i = threadIdx.x; i < tail.items(); i += kPhaseThreads) tail(i);
+  for (int64_t i = threadIdx.x; !skip && i < tail.items(); i += kPhaseThreads) tail(i);
 }
 
 // One launch of `phase` over ranks x items, then `tail`, meeting as `meet` says, on at most
