@@ -1448,10 +1448,10 @@ struct alignas(8) CastWord {
   uint32_t v[2];
 };
 
-// |v| if it is larger than amax (NaN never is), else amax.
+// The larger of amax and |v|; NaN once either is NaN (a NaN makes its block NaN).
 JAX_EP_HOST_DEVICE float larger_abs(float amax, float v) {
   const float m = v < 0.0f ? -v : v;
-  return m > amax ? m : amax;
+  return m > amax || m != m ? m : amax;
 }
 
 // Channel i of a part held as a word of bfloat16 bits.
@@ -1493,8 +1493,7 @@ JAX_EP_HOST_DEVICE void ll_cast_rows(const Bf16* x, int64_t channels, Fan<char>&
       amax = larger_abs(amax, part_channel(v, i));
     }
     JAX_EP_UNROLL for (int offset = kCastParts / 2; offset > 0; offset /= 2) {
-      const float other = __shfl_xor_sync(0xffffffffu, amax, offset);
-      amax = other > amax ? other : amax;
+      amax = larger_abs(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     }
 #else
     const Bf16* block = x + static_cast<int64_t>(part / kCastParts) * kFp8Block;

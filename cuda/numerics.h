@@ -136,13 +136,14 @@ JAX_EP_HOST_DEVICE uint8_t to_e4m3(float f) {
 }
 
 // The FP8 rule of docs/contract.md for one block of 128 channels with absolute maximum `amax`:
-// scale = max(amax, 1e-4) * float32(1/448); the values are multiplied by reciprocal_rn(scale).
+// scale = max(amax, 1e-4) * float32(1/448) (NaN when amax is: a NaN makes its block NaN); the
+// values are multiplied by reciprocal_rn(scale).
 constexpr int kFp8Block = 128;
 constexpr float kFp8AmaxFloor = 1e-4f;
 constexpr float kFp8InvMax = static_cast<float>(1.0 / 448.0);
 
 JAX_EP_HOST_DEVICE float fp8_scale(float amax) {
-  return mul_rn(amax > kFp8AmaxFloor ? amax : kFp8AmaxFloor, kFp8InvMax);
+  return mul_rn(amax > kFp8AmaxFloor || amax != amax ? amax : kFp8AmaxFloor, kFp8InvMax);
 }
 
 }  // namespace jax_ep

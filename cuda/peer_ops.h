@@ -111,7 +111,8 @@ struct Timeouts {
   uint64_t of(Wait wait) const { return wait == Wait::kStart ? start_ns : in_op_ns; }
 };
 
-// The timeouts of the environment (positive seconds; others keep the defaults).
+// The timeouts of the environment, in positive seconds (jax_ep.initialize() refuses other values
+// before this reads them; unset: the defaults).
 inline Timeouts timeouts_from_env() {
   Timeouts t;
   auto read = [](const char* name, uint64_t* ns) {

@@ -133,6 +133,13 @@ def check_num_experts(op: str, num_experts: Any, num_ranks: int, axis_name: str)
     return num_experts // num_ranks
 
 
+def _cast_hint(name: str, x: Any, dtype: Any) -> str:
+    """How to fix an array of another dtype (nothing for other problems)."""
+    if hasattr(x, "dtype") and jnp.dtype(x.dtype) != jnp.dtype(dtype):
+        return f"Cast with {name}.astype(jnp.{jnp.dtype(dtype).name})."
+    return ""
+
+
 def check_topk_idx(op: str, topk_idx: Any) -> tuple[int, int]:
     """topk_idx must be int32 [T, K]; returns (T, K)."""
     check_array(
@@ -142,7 +149,7 @@ def check_topk_idx(op: str, topk_idx: Any) -> tuple[int, int]:
         ndim=2,
         dtypes=(jnp.int32,),
         expect="int32 [T, K] (expert ids in [-1, num_experts))",
-        fix="Cast with topk_idx.astype(jnp.int32)." if hasattr(topk_idx, "ndim") else "",
+        fix=_cast_hint("topk_idx", topk_idx, jnp.int32),
     )
     return topk_idx.shape
 
@@ -156,7 +163,7 @@ def check_topk_weights(op: str, topk_weights: Any, num_tokens: int, top_k: int) 
         dtypes=(jnp.float32,),
         shape=(num_tokens, top_k),
         expect=f"float32 [T, K] = [{num_tokens}, {top_k}] like topk_idx",
-        fix="Cast with topk_weights.astype(jnp.float32).",
+        fix=_cast_hint("topk_weights", topk_weights, jnp.float32),
     )
 
 

@@ -47,6 +47,20 @@ def overflow(op: str, needed: jax.Array, *, capacity: int, what: str, default: s
     )
 
 
+def same_routing(op: str, topk_idx: jax.Array, handle_idx: jax.Array, *,
+                 num_experts: int) -> None:
+    """Checks that `topk_idx` is the routing of the dispatch whose handle holds `handle_idx`
+    (its clean routing: invalid ids as -1)."""
+    clean = jnp.where((topk_idx >= 0) & (topk_idx < num_experts), topk_idx, -1)
+    checkify.debug_check(
+        jnp.all(clean == handle_idx),
+        f"{op}: topk_idx differs from the routing of the dispatch that made the handle (in "
+        f"{{n}} choice(s) on this rank). Pass the topk_idx given to that low_latency_dispatch, "
+        f"with its handle.",
+        n=jnp.sum(clean != handle_idx),
+    )
+
+
 def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` (jitted here) with jax_ep's value checks raised: ValueError after the call.
 
@@ -62,7 +76,17 @@ def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
         # checkify cannot trace shard_map under a context mesh of explicit axes (JAX 0.10,
         # 0.11): run without one, so `fn`'s shard_maps must name their mesh.
         with jax.set_mesh(None):
-            error, out = run(*args, **kwargs)
+            try:
+                error, out = run(*args, **kwargs)
+            except ValueError as e:
+                if "context mesh cannot be empty" not in str(e):
+                    raise
+                raise ValueError(
+                    f"jax_ep.checked({getattr(fn, '__name__', 'fn')}): the step runs outside "
+                    f"any jax.set_mesh context (checkify cannot trace shard_map under one), so "
+                    f"its jax.shard_map calls must name their mesh: pass "
+                    f"jax.shard_map(..., mesh=mesh)."
+                ) from e
         # On the host first: reading the error of a sharded program indexes its per-shard
         # arrays, which explicitly sharded arrays refuse.
         message = jax.tree.map(np.asarray, error).get()

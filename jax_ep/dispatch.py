@@ -17,6 +17,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_ep import _checks, backends, checks, fp8
 from jax_ep.profile import scoped
@@ -68,10 +69,11 @@ def capacity_from_factor(capacity_factor: float, *, num_ranks: int, num_tokens: 
                           math.comb(num_experts, top_k))
         average = num_ranks * num_tokens * (1 - misses)
     # The factor as its shortest decimal (1.1, not the binary float above it): 1.1 * 300
-    # gives 330 entries, as written.
-    factor = Fraction(repr(float(capacity_factor)))
+    # gives 330 entries, as written; a NumPy float32 1.1 too (its own shortest decimal).
+    factor = Fraction(str(capacity_factor) if isinstance(capacity_factor, np.floating)
+                      else repr(float(capacity_factor)))
     default = default_capacity(num_ranks, num_tokens, top_k, num_experts, expert_major)
-    return max(1, min(default, math.ceil(factor * average)))
+    return min(default, math.ceil(factor * average))  # at least 1 when T > 0
 
 
 def _check_x(op: str, x, num_tokens: int) -> tuple[jax.Array, jax.Array | None]:
@@ -351,9 +353,10 @@ def _combine_bwd(backend, placement, residuals, d_out):
     if weights is None:
         return rows.astype(y.dtype), None, None
     rows = rows.astype(jnp.float32)
-    d_y = (rows * weights[:, None]).astype(y.dtype)
-    # Rows of y past the count may hold anything (docs/contract.md, "Padding"): select.
+    # Rows past the count may hold anything, their weights too (docs/contract.md, "Padding"):
+    # select, so that their cotangents are +0 whatever the weight (-0.0 or NaN otherwise).
     carried = (handle.entry_row if handle.expert_major else handle.recv_src) >= 0
+    d_y = jnp.where(carried[:, None], rows * weights[:, None], 0.0).astype(y.dtype)
     d_weights = jnp.where(carried, jnp.sum(rows * y.astype(jnp.float32), axis=1), 0.0)
     return d_y, d_weights, None
 

@@ -3,10 +3,10 @@
 Per block of 128 channels, in float32: `scale = max(amax, 1e-4) * float32(1/448)`, then
 `x_fp8 = float8_e4m3fn(x * (1 / scale))` (the reciprocal rounded to float32 once per block,
 the cast rounding to nearest even); 448 is the largest e4m3 value, so the cast never
-saturates. Both are products with a rounded reciprocal, not quotients, because compilers
-rewrite a division by a constant or by a broadcast value into exactly such a product;
-writing the products out keeps every backend bit-identical. The low-latency kernels' in-kernel
-cast uses the same rule.
+saturates. A NaN in a block makes its scale NaN and every value of the block NaN. Both are
+products with a rounded reciprocal, not quotients, because compilers rewrite a division by a
+constant or by a broadcast value into exactly such a product; writing the products out keeps
+every backend bit-identical. The low-latency kernels' in-kernel cast uses the same rule.
 """
 
 from __future__ import annotations
@@ -27,12 +27,16 @@ def _blocks(x: jax.Array) -> jax.Array:
     return x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
 
 
-def check_hidden(op: str, name: str, hidden: int) -> None:
+def check_hidden(op: str, name: str, hidden: int, low_latency: bool = False) -> None:
+    """H must be a multiple of 128: for FP8 (a scale per 128 channels), and for the
+    low-latency ops, whose messages go in 128-channel blocks whether cast or not."""
     if hidden % BLOCK != 0:
+        why = (f"for the low-latency ops (their messages go in blocks of {BLOCK} channels, "
+               f"FP8 or not). Pad the hidden dimension" if low_latency else
+               f"for FP8 (one scale per {BLOCK} channels). Pad the hidden dimension or "
+               f"dispatch in bf16")
         raise ValueError(
-            f"{op}: the hidden size of {name} ({hidden}) must be a multiple of {BLOCK} for FP8 "
-            f"(one scale per {BLOCK} channels). Pad the hidden dimension or dispatch in bf16."
-        )
+            f"{op}: the hidden size of {name} ({hidden}) must be a multiple of {BLOCK} {why}.")
 
 
 def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -48,6 +52,9 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     check_hidden(op, "x", x.shape[-1])
     blocks = _blocks(x.astype(jnp.float32))
     amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), jnp.float32(AMAX_FLOOR))
+    # A NaN makes its block's scale NaN (so every value of the block NaN), whatever XLA's
+    # reduction does with NaN (it kept it at some sizes and dropped it at others).
+    amax = jnp.where(jnp.isnan(blocks).any(axis=-1), jnp.float32(jnp.nan), amax)
     scales = amax * jnp.float32(INV_FP8_MAX)
     x_fp8 = (blocks * (1.0 / scales)[..., None]).astype(FP8_DTYPE)
     return x_fp8.reshape(x.shape), scales

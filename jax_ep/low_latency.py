@@ -67,7 +67,7 @@ def low_latency_dispatch_send(
         expect=f"bfloat16 [T, H] with T={num_tokens} like topk_idx",
         fix="Cast with x.astype(jnp.bfloat16).",
     )
-    fp8.check_hidden(op, "x", x.shape[1])
+    fp8.check_hidden(op, "x", x.shape[1], low_latency=True)
     _checks.check_num_experts(op, num_experts, num_ranks, axis_name)
     _checks.check_top_k(op, top_k, num_experts)
     _checks.check_choice(op, "on_invalid", on_invalid, _checks.INVALID_POLICIES)
@@ -217,6 +217,7 @@ def low_latency_combine_send(
         expect=f"int32 [T, K] = [{num_tokens}, {top_k}], the topk_idx given to dispatch",
     )
     _checks.check_topk_weights(op, topk_weights, num_tokens, top_k)
+    checks.same_routing(op, topk_idx, handle.topk_idx, num_experts=handle.num_experts)
     placement = _checks.placement(op, num_sms, stream, handle.buffer)
     name = backends.resolve(backend)
     send = backends.function(name, "low_latency_combine", "low_latency_combine_send",

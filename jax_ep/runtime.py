@@ -39,6 +39,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import itertools
+import math
 import os
 import socket
 import sys
@@ -46,6 +47,9 @@ import threading
 from collections.abc import Sequence
 
 import jax
+import numpy as np
+
+from jax_ep._checks import MAX_TOP_K
 
 SIGNAL_BYTES = 4096  # the peers' signals at the start of the buffer (cuda/peer_ops.h)
 PEER_ACCESS = ("store", "put")
@@ -87,19 +91,27 @@ class BufferConfig:
         return jax.device_count() if self.num_ranks is None else self.num_ranks
 
     def check(self) -> None:
-        for name in ("num_tokens", "hidden", "top_k", "num_experts", "dtype_bytes"):
+        def is_int(value) -> bool:
+            return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+        for name in ("num_tokens", "hidden", "top_k", "num_experts", "dtype_bytes",
+                     "num_ranks", "capacity"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if value is None and name in ("num_ranks", "capacity"):
+                continue
+            if not is_int(value) or value < 1:
                 raise ValueError(f"BufferConfig.{name} must be a positive int; got {value!r}.")
+        if not is_int(self.low_latency_tokens) or self.low_latency_tokens < 0:
+            raise ValueError(f"BufferConfig.low_latency_tokens must be an int >= 0 (0: no "
+                             f"low-latency ops); got {self.low_latency_tokens!r}.")
         if self.hidden % 128:
             raise ValueError(f"BufferConfig.hidden must be a multiple of 128; got {self.hidden}.")
         if self.num_experts % self.ranks():
             raise ValueError(f"BufferConfig.num_experts ({self.num_experts}) must be a multiple "
                              f"of the number of ranks ({self.ranks()}).")
-        if self.capacity is not None and self.capacity < 1:
-            raise ValueError(f"BufferConfig.capacity must be positive; got {self.capacity}.")
-        if self.low_latency_tokens < 0:
-            raise ValueError("BufferConfig.low_latency_tokens must be >= 0.")
+        if self.top_k > min(MAX_TOP_K, self.num_experts):
+            raise ValueError(f"BufferConfig.top_k must be at most min({MAX_TOP_K}, num_experts="
+                             f"{self.num_experts}), as in the ops; got {self.top_k}.")
 
 
 def peer_access() -> str:
@@ -110,6 +122,25 @@ def peer_access() -> str:
         raise ValueError(f"$JAX_EP_PEER_ACCESS={value!r} is not one of {PEER_ACCESS}: "
                          f"'store' reaches peers with loads and stores (NVLink, the default), "
                          f"'put' with puts only (as between nodes).")
+    return value
+
+
+# The waits' timeouts (cuda/peer_ops.h reads the first two) and finalize's at exit.
+TIMEOUT_VARS = ("JAX_EP_START_TIMEOUT_S", "JAX_EP_TIMEOUT_S", "JAX_EP_EXIT_TIMEOUT_S")
+
+
+def env_seconds(name: str) -> float | None:
+    """`$name` as a positive, finite number of seconds; None when unset or empty."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"${name}={text!r} is not a positive number of seconds (e.g. 30); "
+                         f"unset it for the default.")
     return value
 
 
@@ -210,9 +241,16 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
         ($JAX_EP_RANKS_PER_NODE or several hosts, with $JAX_EP_PEER_ACCESS=store), hosts
         not in node order, or NVSHMEM failed (the message says which step).
       ValueError: a bad config, both config and buffer_bytes, low_latency_bytes without
-        buffer_bytes, or a bad $JAX_EP_PEER_ACCESS or $JAX_EP_RANKS_PER_NODE.
+        buffer_bytes, or a bad $JAX_EP_PEER_ACCESS, $JAX_EP_RANKS_PER_NODE or timeout
+        ($JAX_EP_START_TIMEOUT_S, $JAX_EP_TIMEOUT_S, $JAX_EP_EXIT_TIMEOUT_S: positive seconds).
+      TypeError: a config that is not a BufferConfig.
     """
     op = "jax_ep.initialize"
+    if config is not None and not isinstance(config, BufferConfig):
+        raise TypeError(f"{op}: config must be a jax_ep.runtime.BufferConfig (the largest call "
+                        f"of this process), or buffer_bytes= an explicit size; got {config!r}.")
+    for name in TIMEOUT_VARS:
+        env_seconds(name)
     if config is not None and buffer_bytes is not None:
         raise ValueError(f"{op}: pass config or buffer_bytes, not both.")
     if low_latency_bytes and buffer_bytes is None:
@@ -368,7 +406,11 @@ def _finalize_at_exit(timeout_s: float | None = None) -> bool:
     if not _state:
         return True
     if timeout_s is None:
-        timeout_s = float(os.environ.get("JAX_EP_EXIT_TIMEOUT_S", EXIT_TIMEOUT_S))
+        try:
+            timeout_s = env_seconds("JAX_EP_EXIT_TIMEOUT_S") or EXIT_TIMEOUT_S
+        except ValueError as error:  # set after initialize(), which checks it
+            print(f"jax_ep: {error} Using {EXIT_TIMEOUT_S:g} s.", file=sys.stderr)
+            timeout_s = EXIT_TIMEOUT_S
     errors: list[BaseException] = []
 
     def run():

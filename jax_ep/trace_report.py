@@ -681,6 +681,9 @@ def resolve_window(device_trace: DeviceTrace, trace: dict[str, Any],
             offset = float(value)
         except ValueError:
             offset = None
+        if offset is not None and not math.isfinite(offset):
+            raise ValueError(f"trace_report: {argument}: {value!r} is not a finite number of "
+                             "microseconds after the first kernel (or an annotation name).")
         if offset is not None:
             return first + offset, f"{offset:g} us after the first kernel"
         spans = [(k.start, k.end) for k in kernels if k.phase == value]
@@ -1139,6 +1142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
+        for flag, out in (("--json", args.json), ("--png", args.png)):
+            if out is not None and not Path(out).resolve().parent.is_dir():
+                raise ValueError(f"{flag} {out}: the folder {Path(out).resolve().parent} "
+                                 f"does not exist")
         trace, path = load_trace(args.trace)
         classifier = Classifier(tuple(args.comm), tuple(args.compute), not args.no_builtin)
         device_trace = extract(trace, events=args.events, device=args.gpu,
@@ -1157,12 +1164,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if skipped:
         reasons = "; ".join(f"{n} with {why}" for why, n in sorted(skipped.items()))
         print(f"\nskipped {sum(skipped.values())} malformed events: {reasons}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({**to_json(report), "skipped_events": skipped},
-                                              indent=1))
-    if args.png:
-        plot_timeline(device_trace, report, args.png)
-        print(f"\ntimeline: {args.png}")
+    try:
+        if args.json:
+            Path(args.json).write_text(json.dumps({**to_json(report),
+                                                   "skipped_events": skipped}, indent=1))
+        if args.png:
+            plot_timeline(device_trace, report, args.png)
+            print(f"\ntimeline: {args.png}")
+    except OSError as error:  # a file that cannot be written, like a bad flag
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

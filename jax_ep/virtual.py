@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from jax_ep import _checks, _exchange_ffi, _ffi, fp8
 from jax_ep.backends import xla
-from jax_ep.dispatch import default_capacity
+from jax_ep.dispatch import _no_tokens, default_capacity
 from jax_ep.structs import (
     DispatchHandle,
     DispatchLayout,
@@ -136,7 +136,12 @@ def dispatch(
     placement = _checks.placement(op, num_sms, None)
     if capacity is None:
         capacity = default_capacity(num_ranks, num_tokens, top_k, num_experts, expert_major)
-    if _backend(op, backend) == "xla":
+    name = _backend(op, backend)
+    if num_tokens == 0:  # nothing to send: the per-shard op's empty results, every rank
+        return jax.vmap(lambda xs, ss, idx: _no_tokens(
+            xs, ss, idx, num_experts, num_ranks, AXIS, capacity, expert_major))(
+                data, scales, topk_idx)
+    if name == "xla":
         def run(xs, ss, idx, w):
             received, handle, _ = xla.dispatch(
                 xs, ss, idx, w, num_experts=num_experts, axis_name=AXIS, capacity=capacity,
@@ -169,7 +174,10 @@ def combine(y, handle: DispatchHandle, *, topk_weights=None, backend: str = "cud
     if topk_weights is not None:
         _checks.check_array(op, "topk_weights", topk_weights, ndim=2, dtypes=(jnp.float32,),
                             shape=(R, cap), expect=f"float32 [R, capacity] = [{R}, {cap}]")
-    if _backend(op, backend) == "xla":
+    name = _backend(op, backend)
+    if handle.topk_idx.shape[1] == 0:  # a dispatch of no tokens: nothing comes home
+        return jax.lax.full_like(y, 0, shape=(R, 0, y.shape[2]))
+    if name == "xla":
         return jax.vmap(xla.combine, axis_name=AXIS, axis_size=R)(y, topk_weights, handle)
     if y.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise ValueError(f"{op}: the cuda backend combines float32, bfloat16 or float16 rows; "
@@ -192,7 +200,7 @@ def low_latency_dispatch_send(x, topk_idx, *, num_experts: int, use_fp8: bool = 
     R, T, K = _check_routing(op, topk_idx, num_experts)
     _checks.check_array(op, "x", x, ndim=3, dtypes=(jnp.bfloat16,), shape=(R, T, None),
                         expect=f"bfloat16 [R, T, H] = [{R}, {T}, H]")
-    fp8.check_hidden(op, "x", x.shape[2])
+    fp8.check_hidden(op, "x", x.shape[2], low_latency=True)
     name = _backend(op, backend)
     if name == "xla":
         data = jax.vmap(

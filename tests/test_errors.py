@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import sharded
+from harness import checked, sharded
 
 import jax_ep
 
@@ -186,3 +186,140 @@ def test_layout_errors():
         jax_ep.get_dispatch_layout(jnp.asarray(idx[0]), num_experts=E)
     with pytest.raises(ValueError, match=r"num_experts \(3\) must be a multiple"):
         _call(lambda i: jax_ep.get_dispatch_layout(i, num_experts=3).num_invalid, idx)
+
+
+# --- Values the configuration classes and the runtime used to accept, or refuse opaquely ---
+
+
+def test_router_config_refuses_non_ints_and_a_bad_scaling():
+    from jax_ep.nn import RouterConfig
+
+    with pytest.raises(TypeError, match="RouterConfig.top_k must be an int; got 2.0"):
+        RouterConfig(num_experts=8, top_k=2.0)
+    for bad in (float("nan"), float("inf"), 0.0, -1.0):
+        with pytest.raises(ValueError, match="routed_scaling must be a positive finite"):
+            RouterConfig(num_experts=8, top_k=2, routed_scaling=bad)
+
+
+def test_moe_refuses_a_bad_bias_rate_and_a_load_of_another_size():
+    from flax import nnx
+
+    from jax_ep.nn import MoE, RouterConfig
+
+    mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2])
+    config = RouterConfig(num_experts=16, top_k=2)
+    for bad in (float("nan"), -1e-3):
+        with pytest.raises(ValueError, match="MoE: bias_rate must be a finite number >= 0"):
+            MoE(16, 12, config, mesh=mesh, bias_rate=bad, backend="xla", rngs=nnx.Rngs(0))
+    model = MoE(16, 12, config, mesh=mesh, backend="xla", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"load must be \[num_experts\] = \[16\].*float32 \[7\]"):
+        model.update_bias(jnp.ones(7))
+
+
+def test_capacity_factor_reads_numpy_floats_as_written():
+    """np.float32(1.1) is 1.1, as the user wrote it (it gave 221 entries where 1.1 gives 220)."""
+    for factor in (1.1, np.float32(1.1), np.float64(1.1), np.float16(1.1)):
+        got = jax_ep.capacity_from_factor(factor, num_ranks=2, num_tokens=100, top_k=2,
+                                          num_experts=4, expert_major=True)
+        assert got == 220, (factor, got)
+
+
+def test_buffer_config_checks_every_field():
+    from jax_ep.runtime import BufferConfig
+
+    with pytest.raises(ValueError, match=r"top_k must be at most min\(32, num_experts=8\)"):
+        BufferConfig(top_k=40, num_experts=8, num_ranks=2).check()
+    with pytest.raises(ValueError, match="low_latency_tokens must be an int >= 0.*2.5"):
+        BufferConfig(low_latency_tokens=2.5, num_ranks=2).check()
+    with pytest.raises(ValueError, match="capacity must be a positive int"):
+        BufferConfig(capacity=1.5, num_ranks=2).check()
+
+
+def test_initialize_refuses_a_config_of_another_type_and_bad_timeouts(monkeypatch):
+    with pytest.raises(TypeError, match="config must be a jax_ep.runtime.BufferConfig"):
+        jax_ep.initialize("big")
+    for name in ("JAX_EP_TIMEOUT_S", "JAX_EP_START_TIMEOUT_S", "JAX_EP_EXIT_TIMEOUT_S"):
+        for bad in ("abc", "-1", "0", "nan", "inf"):
+            monkeypatch.setenv(name, bad)
+            with pytest.raises(ValueError, match=rf"\${name}='{bad}' is not a positive number"):
+                jax_ep.initialize()
+        monkeypatch.delenv(name)
+
+
+def test_a_bad_exit_timeout_set_later_keeps_the_default(monkeypatch, capsys):
+    """Set after initialize() checked it: finalize at exit says so and waits 10 s, instead of
+    an exception at exit."""
+    from jax_ep import runtime
+
+    monkeypatch.setattr(runtime, "_state", {"pretend": "initialized"})
+    monkeypatch.setattr(runtime, "finalize", lambda: None)
+    monkeypatch.setenv("JAX_EP_EXIT_TIMEOUT_S", "abc")
+    assert runtime._finalize_at_exit()
+    assert "is not a positive number of seconds" in capsys.readouterr().err
+
+
+def test_checked_says_the_shard_maps_need_their_mesh():
+    mesh = jax.make_mesh((R,), ("ep",), devices=jax.devices()[:R],
+                         axis_types=(jax.sharding.AxisType.Explicit,))
+    x, idx, w = _inputs()
+
+    def step(x, idx, w):
+        return jax.shard_map(_dispatch(), in_specs=jax.P("ep"), out_specs=jax.P("ep"))(
+            x, idx, w)
+
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"must name their mesh: pass "
+                                                            r"jax.shard_map\(\.\.\., mesh=mesh\)"):
+        jax_ep.checked(step)(x.reshape(R * T, H), idx.reshape(R * T, K), w.reshape(R * T, K))
+
+
+def test_wrong_rank_of_topk_idx_says_the_shape_not_a_cast():
+    x, idx, w = _inputs()
+    with pytest.raises(ValueError, match=r"topk_idx must be int32 \[T, K\]") as info:
+        _call(lambda x, idx, w: jax_ep.dispatch(x, idx[:, 0], w, num_experts=E)[0].x, x, idx, w)
+    assert "astype" not in str(info.value)
+    with pytest.raises(TypeError, match=r"Cast with topk_idx.astype\(jnp.int32\)"):
+        _call(lambda x, idx, w: jax_ep.dispatch(x, idx.astype(jnp.int16), w,
+                                                num_experts=E)[0].x, x, idx, w)
+
+
+def test_low_latency_hidden_size_message_without_fp8():
+    x, idx, _ = _inputs()
+    x = np.zeros((R, T, 100), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"multiple of 128 for the low-latency ops") as info:
+        _call(lambda x, idx: jax_ep.low_latency_dispatch(x, idx, num_experts=E)[0].x, x, idx)
+    assert "FP8 or not" in str(info.value) and "dispatch in bf16" not in str(info.value)
+
+
+def test_environment_values_follow_one_case_rule(monkeypatch):
+    """`PUT` is `put` for every variable (JAX_EP_XLA_TRANSPORT=RAGGED was refused)."""
+    from jax_ep import backends, runtime
+    from jax_ep.backends import xla
+
+    monkeypatch.setenv("JAX_EP_PEER_ACCESS", " PUT ")
+    assert runtime.peer_access() == "put"
+    monkeypatch.setenv(xla.TRANSPORT_ENV_VAR, "RAGGED")
+    assert xla.transport() == "ragged"
+    monkeypatch.setenv(backends.ENV_VAR, "Xla")
+    assert backends.resolve("auto") == "xla"
+    monkeypatch.setenv(xla.TRANSPORT_ENV_VAR, "rag")
+    with pytest.raises(ValueError, match=r"\$JAX_EP_XLA_TRANSPORT='rag' is not one of"):
+        xla.transport()
+
+
+def test_low_latency_combine_checks_the_routing_of_its_handle():
+    """A handle of another dispatch: with low-latency combine, whose topk_idx the handle's
+    routing must match, a value check under jax_ep.checked (invalid ids read as -1)."""
+    x, idx, w = _inputs()
+    x = x.astype(jnp.bfloat16)
+    other = np.roll(idx, 1, axis=1)
+    invalid = np.where(np.arange(K) == 0, E + 3, idx).astype(np.int32)  # an id out of range
+
+    def per_shard(x, idx, w, combine_idx):
+        recv, handle = jax_ep.low_latency_dispatch(x, idx, num_experts=E, on_invalid="mask")
+        return jax_ep.low_latency_combine(recv.x, combine_idx, w, handle)
+
+    run = checked(per_shard, R)
+    run(x, invalid, w, invalid)
+    run(x, invalid, w, np.where(invalid < E, invalid, -1).astype(np.int32))
+    with pytest.raises(ValueError, match="topk_idx differs from the routing of the dispatch"):
+        run(x, idx, w, other)

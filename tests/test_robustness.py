@@ -33,6 +33,14 @@ def _use(monkeypatch, backend, num_ranks, transport):
                     "JAX_EP_BACKEND=cuda")
 
 
+def _random_inputs(num_ranks, T, K, E, H, dtype):
+    """x [R, T, H] of `dtype`, uniform routing and weights."""
+    rng = np.random.default_rng()
+    return (rng.standard_normal((num_ranks, T, H)).astype(dtype),
+            rng.integers(0, E, (num_ranks, T, K)).astype(np.int32),
+            rng.random((num_ranks, T, K)).astype(np.float32))
+
+
 @pytest.mark.parametrize("backend,num_ranks,transport", BACKENDS)
 def test_no_tokens(monkeypatch, backend, num_ranks, transport):
     """T = 0: empty results, zero counts, zero gradients, on every backend."""
@@ -75,10 +83,7 @@ def test_low_latency_ops_refuse_differentiation(monkeypatch, backend, num_ranks,
     JAX's "cannot be differentiated" on the other)."""
     _use(monkeypatch, backend, num_ranks, transport)
     T, K, E, H = 5, 2, 4, 128
-    rng = np.random.default_rng()
-    x = rng.standard_normal((num_ranks, T, H)).astype(ml_dtypes.bfloat16)
-    idx = rng.integers(0, E, (num_ranks, T, K)).astype(np.int32)
-    w = rng.random((num_ranks, T, K)).astype(np.float32)
+    x, idx, w = _random_inputs(num_ranks, T, K, E, H, ml_dtypes.bfloat16)
 
     def through_dispatch(x, idx, w):
         def loss(x):
@@ -246,3 +251,115 @@ def test_moe_statistics_survive_a_nan_token():
     assert int(clean_stats.nonfinite) == 0
     np.testing.assert_array_equal(stats.load, clean_stats.load)  # routed as the zero row
     assert np.isfinite(np.asarray(g["router"][...])).all()
+
+
+@pytest.mark.parametrize("backend,num_ranks,transport", BACKENDS)
+def test_combine_cotangent_is_plus_zero_past_the_count(monkeypatch, backend, num_ranks,
+                                                       transport):
+    """docs/contract.md: the backward of combine gives zero in the rows of y past the count,
+    +0 whatever the weight there (a negative weight gave -0.0, a NaN weight NaN)."""
+    _use(monkeypatch, backend, num_ranks, transport)
+    T, K, E, H = 6, 2, 4, 16
+    x, idx, w = _random_inputs(num_ranks, T, K, E, H, np.float32)
+    rng = np.random.default_rng()
+    bad = np.where(rng.random((num_ranks, 64)) < 0.5, -1.5, np.nan).astype(np.float32)
+
+    def per_shard(x, idx, w, bad):
+        grads = []
+        for expert_major in (False, True):
+            recv, handle = jax_ep.dispatch(x, idx, w, num_experts=E, expert_major=expert_major,
+                                           backend=backend)
+            rows = recv.x.shape[0]
+            past = jnp.arange(rows) >= recv.num_tokens
+            weights = jnp.where(past, bad[:rows], 2.0)  # -1.5 or NaN in every padding row
+
+            def loss(y, weights=weights, handle=handle):
+                return jnp.sum(jax_ep.combine(y, handle, topk_weights=weights,
+                                              backend=backend))
+
+            d_y = jax.grad(loss)(recv.with_zero_padding().x)
+            grads.append(jnp.where(past[:, None], d_y, 1.0))  # past the count, else 1
+        return grads
+
+    for d_y in to_numpy(sharded(per_shard, num_ranks)(x, idx, w, bad)):
+        bits = d_y.view(np.uint32)
+        assert ((bits == 0) | (d_y == 1.0)).all(), "a cotangent past the count is not +0"
+
+
+def _with_a_nan(rng, shape, H):
+    x = rng.standard_normal(shape + (H,)).astype(np.float32)
+    x.reshape(-1, H)[0, int(rng.integers(H))] = np.nan  # one NaN in the first row's block
+    return x
+
+
+@pytest.mark.parametrize("H", [128, 1024, 7168])
+def test_fp8_quantize_a_block_with_a_nan_is_nan(H):
+    """docs/contract.md ("FP8"): a NaN makes its block's scale NaN and every value of the
+    block NaN, at every H; the other blocks are as without it."""
+    from jax_ep import fp8, reference
+
+    rng = np.random.default_rng()
+    x = _with_a_nan(rng, (3,), H)
+    q, s = (np.asarray(a) for a in jax.jit(fp8.quantize)(x))
+    want_q, want_s = reference.quantize(x)
+    first = int(np.flatnonzero(np.isnan(x[0]))[0]) // 128
+    assert np.isnan(s[0, first]) and np.isnan(q[0, first * 128:(first + 1) * 128]
+                                              .astype(np.float32)).all()
+    nan_block = np.zeros(s.shape, bool)
+    nan_block[0, first] = True
+    np.testing.assert_array_equal(s[~nan_block], want_s[~nan_block])
+    assert np.isnan(want_s[0, first])  # the reference follows the same rule
+    blocks = lambda a: a.astype(np.float32).reshape(3, H // 128, 128)  # noqa: E731
+    np.testing.assert_array_equal(blocks(q)[~nan_block], blocks(want_q)[~nan_block])
+
+
+@pytest.mark.parametrize("backend", ["xla", pytest.param("cuda", marks=_EXT)])
+def test_low_latency_fp8_cast_of_a_nan_block(backend):
+    """The low-latency in-kernel cast follows the same rule as jax_ep.fp8.quantize."""
+    from jax_ep import fp8, virtual
+
+    rng = np.random.default_rng()
+    R, T, K, E, H = 2, 5, 2, 4, 256
+    x = _with_a_nan(rng, (R, T), H).astype(ml_dtypes.bfloat16)
+    idx = np.tile(np.arange(K, dtype=np.int32), (R, T, 1))  # every token to experts 0, 1
+    recv, _ = virtual.low_latency_dispatch(x, idx, num_experts=E, use_fp8=True,
+                                           backend=backend)
+    q, s = (np.asarray(a) for a in jax.jit(fp8.quantize)(x[0, 0]))
+    got_q, got_s = np.asarray(recv.x)[0, 0, 0], np.asarray(recv.scales)[0, 0, 0]
+    np.testing.assert_array_equal(np.isnan(got_s), np.isnan(s))
+    np.testing.assert_array_equal(got_s[~np.isnan(s)], s[~np.isnan(s)])
+    np.testing.assert_array_equal(np.isnan(got_q.astype(np.float32)),
+                                  np.isnan(q.astype(np.float32)))
+    finite = ~np.isnan(q.astype(np.float32))
+    np.testing.assert_array_equal(got_q.astype(np.float32)[finite], q.astype(np.float32)[finite])
+
+
+@pytest.mark.parametrize("backend", ["xla", pytest.param("cuda", marks=_EXT)])
+def test_virtual_ranks_with_no_tokens(backend):
+    """T = 0 on virtual ranks, as in shard_map: empty rows and the padding of a given
+    capacity, zero counts (never uninitialized), eager and jitted."""
+    from jax_ep import virtual
+
+    R, K, E, H = 2, 2, 4, 128
+    x = np.zeros((R, 0, H), np.float32)
+    idx, w = np.zeros((R, 0, K), np.int32), np.zeros((R, 0, K), np.float32)
+    for run in (lambda f, *a, **k: f(*a, **k), lambda f, *a, **k: jax.jit(
+            lambda *a: f(*a, **k))(*a)):
+        recv, handle = run(virtual.dispatch, x, idx, w, num_experts=E, capacity=3,
+                           backend=backend)
+        assert recv.x.shape == (R, 3, H) and not np.asarray(recv.num_tokens).any()
+        assert (np.asarray(recv.topk_idx) == -1).all()
+        out = run(virtual.combine, recv.x, handle, backend=backend)
+        assert out.shape == (R, 0, H)
+        ll, ll_handle = run(virtual.low_latency_dispatch, x.astype(ml_dtypes.bfloat16), idx,
+                            num_experts=E, backend=backend)
+        assert ll.x.shape == (R, E // R, 0, H)
+        np.testing.assert_array_equal(np.asarray(ll.count), 0)
+        np.testing.assert_array_equal(np.asarray(ll.num_invalid), 0)
+
+
+def test_capacity_factor_of_no_tokens_is_zero():
+    """The contract's formula at T = 0 gives a capacity of 0 (it gave 1)."""
+    for expert_major in (False, True):
+        assert jax_ep.capacity_from_factor(1.5, num_ranks=2, num_tokens=0, top_k=2,
+                                           num_experts=4, expert_major=expert_major) == 0

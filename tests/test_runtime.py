@@ -44,7 +44,7 @@ def test_expert_major_and_capacity_change_the_size():
     ("hidden", 100, "multiple of 128"),
     ("num_experts", 6, "multiple of the number of ranks"),
     ("top_k", 0, "positive int"),
-    ("capacity", 0, "capacity must be positive"),
+    ("capacity", 0, "capacity must be a positive int"),
 ])
 def test_bad_config_names_the_field(field, value, message):
     config = runtime.BufferConfig(num_ranks=4, **{field: value})

@@ -481,3 +481,20 @@ def test_unreadable_traces_name_the_file(tmp_path, capsys):
         assert trace_report.main([str(path)]) == 2
         err = capsys.readouterr().err
         assert str(path) in err and "Traceback" not in err, err
+
+
+def test_cli_refuses_a_window_that_is_not_a_number_and_unwritable_outputs(tmp_path, capsys):
+    """A bound of NaN or infinity is an error (it printed a "nan ms" window), and so is an
+    output in a folder that does not exist (it was an uncaught FileNotFoundError)."""
+    source = tmp_path / "trace.json"
+    source.write_text(json.dumps(torch_trace()))
+    for flags in (["--window-from=-1e9", "--window-to=nan"], ["--window-from=inf"]):
+        assert trace_report.main([str(source), *flags]) == 2
+        err = capsys.readouterr().err
+        assert "error:" in err and "is not a finite number of microseconds" in err
+    for flag in ("--png", "--json"):
+        missing = tmp_path / "missing" / "out.x"
+        assert trace_report.main([str(source), flag, str(missing)]) == 2
+        err = capsys.readouterr().err
+        assert f"error: {flag} {missing}: the folder" in err and "does not exist" in err
+    assert trace_report.main([str(source), "--window-from=-1e9"]) == 0  # before the first kernel

@@ -49,7 +49,7 @@ ANYWHERE = Placement()  # every SM, on XLA's compute stream, low-latency region 
 def resolve(backend: str = "auto") -> str:
     """The backend name that `backend` stands for (observable, so tests can assert it)."""
     if backend == "auto":
-        from_env = os.environ.get(ENV_VAR)
+        from_env = os.environ.get(ENV_VAR, "").strip().lower()  # as every variable's value
         if from_env:
             if from_env not in BACKENDS:
                 raise ValueError(f"${ENV_VAR}={from_env!r} is not one of {list(BACKENDS)}.")

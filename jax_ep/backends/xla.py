@@ -62,7 +62,7 @@ def transport() -> str:
     """The transport the portable backend's exchanges use, chosen when an op is traced:
     $JAX_EP_XLA_TRANSPORT if set, else "all_gather" where JAX compiles for the CPU by default
     (XLA:CPU cannot run ragged_all_to_all) and "ragged" elsewhere."""
-    name = os.environ.get(TRANSPORT_ENV_VAR)
+    name = os.environ.get(TRANSPORT_ENV_VAR, "").strip().lower()  # as every variable's value
     if name:
         if name not in TRANSPORTS:
             raise ValueError(

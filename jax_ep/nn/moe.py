@@ -17,6 +17,8 @@ for each call (the FSDP pattern).
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from functools import partial
 from typing import Literal
 
@@ -29,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import backends, eplb, fp8
+from jax_ep import _checks, backends, eplb, fp8
 from jax_ep.nn import router as routing
 from jax_ep.nn.router import RouterConfig
 from jax_ep.overlap import Comm, Compute
@@ -192,6 +194,10 @@ class MoE(nnx.Module):
                  num_sms: int | None = jax_ep.DEFAULT_NUM_SMS,
                  sharding_rules=None, param_dtype=jnp.float32, dtype=None,
                  rngs: nnx.Rngs):
+        if (isinstance(bias_rate, bool) or not isinstance(bias_rate, numbers.Real)
+                or not math.isfinite(bias_rate) or bias_rate < 0):
+            raise ValueError(f"MoE: bias_rate must be a finite number >= 0 (0: no bias "
+                             f"update); got {bias_rate!r}.")
         if ep_axis not in mesh.axis_names:
             raise ValueError(f"MoE: ep_axis {ep_axis!r} is not an axis of the mesh "
                              f"{mesh.axis_names}.")
@@ -387,5 +393,10 @@ class MoE(nnx.Module):
 
     def update_bias(self, load: jax.Array) -> None:
         """Moves the selection bias toward balance from an observed `MoEStats.load`."""
+        E = self.config.num_experts
+        if getattr(load, "shape", None) != (E,):
+            raise ValueError(f"MoE.update_bias: load must be [num_experts] = [{E}] (the "
+                             f"MoEStats.load of a step of this layer); got "
+                             f"{_checks.describe(load)}.")
         self.expert_bias[...] = routing.updated_bias(self.expert_bias[...], load,
                                                       self.bias_rate)

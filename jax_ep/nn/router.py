@@ -11,10 +11,13 @@ bias toward balance) and the optional auxiliary balance loss.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +44,15 @@ class RouterConfig:
 
     def __post_init__(self):
         E, K, G = self.num_experts, self.top_k, self.num_groups
+        for name in ("num_experts", "top_k", "num_groups", "top_groups"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"RouterConfig.{name} must be an int; got {value!r}.")
+        scaling = self.routed_scaling
+        if (isinstance(scaling, bool) or not isinstance(scaling, numbers.Real)
+                or not math.isfinite(scaling) or scaling <= 0):
+            raise ValueError(f"RouterConfig.routed_scaling must be a positive finite number; "
+                             f"got {scaling!r}.")
         if self.score not in ("softmax", "sigmoid"):
             raise ValueError(f"score must be 'softmax' or 'sigmoid'; got {self.score!r}.")
         if not 1 <= K <= E:

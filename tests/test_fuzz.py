@@ -1,0 +1,255 @@
+"""A differential fuzz of the ops against a NumPy model of docs/contract.md written here (not
+jax_ep.reference): random shapes (T and H not powers of two), routings with masked, invalid
+and repeated choices, a hot expert and ranks nobody picks, capacities that cut, both layouts,
+row weights, the FP8 pair and the low-latency ops, through whatever path the run takes
+($JAX_EP_BACKEND, $JAX_EP_XLA_TRANSPORT, $JAX_EP_TEST_MESH, host peers over stores, puts or
+nodes, $JAX_EP_CPU_GRID). Seeded by the suite's seed (tests/conftest.py); each test draws
+cases until its time budget is spent, so it stays within a minute on CI's machine.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from harness import sharded, to_numpy
+
+import jax_ep
+from jax_ep import _ffi, runtime
+
+BUDGET_S = 12.0  # per test
+MAX_CASES = 200
+F32 = np.float32
+DTYPES = (np.float32, ml_dtypes.bfloat16, np.float16)
+
+
+def draw_path(rng) -> tuple[str, int]:
+    """A backend and R the run can exchange with: the run's backend ($JAX_EP_BACKEND), and
+    besides the portable one the cuda backend's CPU handlers at R = 1 (between devices they
+    need host peers, which `JAX_EP_BACKEND=cuda` sets up)."""
+    paths = [("cuda" if runtime.is_initialized() else "xla", int(rng.integers(1, 5)))]
+    if jax_ep.backends.resolve("auto") == "xla" and _ffi.EXT is not None:
+        paths.append(("cuda", 1))
+    return paths[int(rng.integers(len(paths)))]
+
+
+def draw_routing(rng, R: int, T: int, K: int, E: int) -> tuple[np.ndarray, np.ndarray]:
+    """int32 [R, T, K] ids and float32 weights: uniform, a hot expert, ranks nobody picks,
+    repeated choices; masked (-1) and invalid ids sprinkled over any of them."""
+    kind = rng.choice(["uniform", "hot", "empty_ranks", "repeats"])
+    idx = rng.integers(0, E, (R, T, K))
+    if kind == "hot":
+        idx = np.where(rng.random(idx.shape) < 0.6, int(rng.integers(E)), idx)
+    elif kind == "empty_ranks" and R > 1:
+        El = E // R
+        live = rng.choice(R, size=int(rng.integers(1, R)), replace=False)
+        idx = live[rng.integers(0, len(live), idx.shape)] * El + rng.integers(0, El, idx.shape)
+    elif kind == "repeats" and K > 1:
+        idx[..., 1] = np.where(rng.random((R, T)) < 0.5, idx[..., 0], idx[..., 1])
+    idx = np.where(rng.random(idx.shape) < 0.15, -1, idx)
+    idx = np.where(rng.random(idx.shape) < 0.05, rng.choice([E, E + 5, -2]), idx)
+    w = rng.standard_normal((R, T, K)).astype(F32)
+    return idx.astype(np.int32), w
+
+
+# ---------------------------------------------------------------------------------------------
+# The model, from docs/contract.md
+
+
+def model_normal(x, idx, w, E: int, capacity: int, expert_major: bool):
+    """Per receiver d: (x rows zero-padded, topk_idx, topk_weights, num_tokens, num_dropped),
+    and the map from each kept row (entry) to its (s, t, weight of the row)."""
+    R, T, K = idx.shape
+    El = E // R
+    valid = (idx >= 0) & (idx < E)
+    out = []
+    for d in range(R):
+        on_d = valid & (idx // El == d)
+        rows = [(s, t) for s in range(R) for t in range(T) if on_d[s, t].any()]
+        rx = np.zeros((capacity, x.shape[-1]), x.dtype)
+        if not expert_major:
+            kept = rows[:capacity]
+            ridx = np.full((capacity, K), -1, np.int32)
+            rw = np.zeros((capacity, K), F32)
+            for i, (s, t) in enumerate(kept):
+                rx[i] = x[s, t]
+                ridx[i] = np.where(on_d[s, t], idx[s, t] - d * El, -1)
+                rw[i] = np.where(on_d[s, t], w[s, t], 0)
+            out.append(dict(x=rx, topk_idx=ridx, topk_weights=rw, num_tokens=len(kept),
+                            num_dropped=len(rows) - len(kept), source=kept))
+            continue
+        entries = [(int(idx[s, t, k] - d * El), i, k, s, t) for i, (s, t) in enumerate(rows)
+                   for k in range(K) if on_d[s, t, k]]
+        entries.sort(key=lambda e: e[0])  # stable: by expert, then row, then k
+        kept = entries[:capacity]
+        ridx = np.full((capacity,), -1, np.int32)
+        rw = np.zeros((capacity,), F32)
+        for n, (j, _, k, s, t) in enumerate(kept):
+            rx[n], ridx[n], rw[n] = x[s, t], j, w[s, t, k]
+        out.append(dict(x=rx, topk_idx=ridx, topk_weights=rw, num_tokens=len(kept),
+                        num_dropped=len(entries) - len(kept),
+                        source=[(s, t, i) for (_, i, _, s, t) in kept]))
+    return out
+
+
+def model_combine(received, ys, weights, R: int, T: int, expert_major: bool):
+    """The home sums of docs/contract.md ("combine"), [R, T, H] in y's dtype."""
+    H, dtype = ys[0].shape[-1], ys[0].dtype
+    acc = np.zeros((R, T, H), F32)
+    for d in range(R):  # rank order
+        if not expert_major:
+            for i, (s, t) in enumerate(received[d]["source"]):
+                acc[s, t] += ys[d][i].astype(F32) * weights[d][i]
+            continue
+        partial: dict[tuple[int, int], np.ndarray] = {}  # per rank-major row, in entry order
+        for n, (s, t, _) in enumerate(received[d]["source"]):
+            row = partial.setdefault((s, t), np.zeros(H, F32))
+            row += ys[d][n].astype(F32) * weights[d][n]
+        for (s, t), row in partial.items():
+            acc[s, t] += row.astype(dtype).astype(F32)
+    return acc.astype(dtype)
+
+
+def model_low_latency(x, idx, w, E: int, y_scale: float):
+    """Low-latency dispatch (x zero-padded, count) per receiver, and the combine of the
+    experts' outputs y = x * y_scale."""
+    R, T, K = idx.shape
+    El, H = E // R, x.shape[-1]
+    valid = (idx >= 0) & (idx < E)
+    slots = [[[] for _ in range(El)] for _ in range(R)]
+    for s in range(R):
+        for t in range(T):
+            for e in dict.fromkeys(idx[s, t][valid[s, t]].tolist()):  # once per expert
+                slots[e // El][e % El].append((s, t))
+    rx = np.zeros((R, El, R * T, H), x.dtype)
+    for d in range(R):
+        for j in range(El):
+            for i, (s, t) in enumerate(slots[d][j]):
+                rx[d, j, i] = x[s, t]
+    y = (rx.astype(F32) * F32(y_scale)).astype(x.dtype)
+    out = np.zeros((R, T, H), F32)
+    for s in range(R):
+        for t in range(T):
+            for k in range(K):  # in k order; a repeated choice adds its row again
+                e = idx[s, t, k]
+                if valid[s, t, k]:
+                    i = slots[e // El][e % El].index((s, t))
+                    out[s, t] += w[s, t, k] * y[e // El, e % El, i].astype(F32)
+    count = np.array([[len(slots[d][j]) for j in range(El)] for d in range(R)], np.int32)
+    return rx, count, out.astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tests
+
+
+def assert_same(got, want, what: str):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape)
+    g = got.view(np.uint8).reshape(got.shape + (-1,))
+    w = want.view(np.uint8).reshape(want.shape + (-1,))
+    bad = np.argwhere((g != w).any(axis=-1))
+    assert bad.size == 0, f"{what}: {len(bad)} elements differ, first at {bad[0].tolist()}"
+
+
+def cases(rng):
+    """Yields a fresh rng per case until the budget is spent."""
+    start = time.monotonic()
+    for n in range(MAX_CASES):
+        if n and time.monotonic() - start > BUDGET_S:
+            return
+        yield np.random.default_rng(rng.integers(2**32))
+
+
+def test_normal_mode_against_the_model():
+    rng = np.random.default_rng()
+    for case in cases(rng):
+        backend, R = draw_path(case)
+        E = R * int(case.integers(1, 4))
+        T, K, H = int(case.integers(1, 23)), int(case.integers(1, min(5, E) + 1)), \
+            int(case.choice([8, 13, 40, 128]))
+        expert_major, fp8 = bool(case.integers(2)), bool(case.integers(4) == 0) and H % 128 == 0
+        dtype = ml_dtypes.float8_e4m3fn if fp8 else DTYPES[int(case.integers(len(DTYPES)))]
+        idx, w = draw_routing(case, R, T, K, E)
+        full = R * T * (min(K, E // R) if expert_major else 1)
+        capacity = int(case.integers(1, full + 1)) if case.integers(2) else full
+        x = case.standard_normal((R, T, H)).astype(dtype)
+        scales = case.random((R, T, H // 128)).astype(F32) + 0.5 if fp8 else None
+        want = model_normal(x, idx, w, E, capacity, expert_major)
+        what = f"{backend} R {R} T {T} K {K} E {E} H {H} {np.dtype(dtype).name} capacity " \
+               f"{capacity} expert_major {expert_major}"
+
+        def per_shard(x, scales, idx, w, expert_major=expert_major, capacity=capacity,
+                      fp8=fp8, E=E, backend=backend):
+            recv, handle = jax_ep.dispatch((x, scales) if fp8 else x, idx, w, num_experts=E,
+                                           capacity=capacity, expert_major=expert_major,
+                                           on_overflow="drop", on_invalid="mask",
+                                           backend=backend)
+            rows = recv.x.astype(jnp.float32) if fp8 else recv.x
+            weights = recv.topk_weights if expert_major else recv.topk_weights.sum(axis=1)
+            out = jax_ep.combine(rows, handle, topk_weights=weights, backend=backend)
+            return recv.with_zero_padding(), out
+
+        scales_in = scales if fp8 else np.zeros((R, T, 1), F32)
+        recv, out = to_numpy(sharded(per_shard, R)(x, scales_in, idx, w))
+        for d in range(R):
+            for key in ("x", "topk_idx", "topk_weights"):
+                assert_same(recv.x[d] if key == "x" else getattr(recv, key)[d], want[d][key],
+                            f"{what}: rank {d} {key}")
+            for key in ("num_tokens", "num_dropped"):
+                assert int(getattr(recv, key)[d]) == want[d][key], (what, d, key)
+        ys = [want[d]["x"].astype(F32) if fp8 else want[d]["x"] for d in range(R)]
+        weights = [want[d]["topk_weights"] if expert_major else want[d]["topk_weights"].sum(1)
+                   for d in range(R)]
+        assert_same(out, model_combine(want, ys, weights, R, T, expert_major), f"{what}: combine")
+
+
+def test_low_latency_against_the_model():
+    rng = np.random.default_rng()
+    for case in cases(rng):
+        backend, R = draw_path(case)
+        E = R * int(case.integers(1, 4))
+        T, K, H = int(case.integers(1, 21)), int(case.integers(1, min(5, E) + 1)), \
+            int(case.choice([128, 256]))
+        idx, w = draw_routing(case, R, T, K, E)
+        x = case.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+        want_x, want_count, want_out = model_low_latency(x, idx, w, E, 0.5)
+
+        def per_shard(x, idx, w, E=E, backend=backend):
+            recv, handle = jax_ep.low_latency_dispatch(x, idx, num_experts=E, on_invalid="mask",
+                                                       backend=backend)
+            y = (recv.x.astype(jnp.float32) * 0.5).astype(jnp.bfloat16)
+            out = jax_ep.low_latency_combine(y, idx, w, handle, backend=backend)
+            return recv.with_zero_padding(), out
+
+        recv, out = to_numpy(sharded(per_shard, R)(x, idx, w))
+        what = f"{backend} R {R} T {T} K {K} E {E} H {H}"
+        assert_same(recv.x, want_x, f"{what}: x")
+        assert_same(recv.count, want_count, f"{what}: count")
+        assert_same(out, want_out, f"{what}: combine")
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.1, 2.0])
+def test_capacity_factor_against_the_model(factor):
+    """The capacity a factor stands for (docs/contract.md), from its shortest decimal."""
+    from fractions import Fraction
+    from math import ceil, comb
+
+    rng = np.random.default_rng()
+    for _ in range(20):
+        R = int(rng.integers(1, 9))
+        E, T = R * int(rng.integers(1, 5)), int(rng.integers(0, 300))
+        K = int(rng.integers(1, E + 1))
+        f = Fraction(str(factor))
+        rows = R * T * (1 - Fraction(comb(E - E // R, K), comb(E, K)))
+        want = min(R * T, ceil(f * rows))
+        got = jax_ep.capacity_from_factor(factor, num_ranks=R, num_tokens=T, top_k=K,
+                                          num_experts=E)
+        assert got == want, (R, E, T, K, factor)
+        want = min(R * T * min(K, E // R), ceil(f * T * K))
+        got = jax_ep.capacity_from_factor(factor, num_ranks=R, num_tokens=T, top_k=K,
+                                          num_experts=E, expert_major=True)
+        assert got == want, (R, E, T, K, factor, "expert-major")
