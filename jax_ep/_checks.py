@@ -8,6 +8,8 @@ can only be seen at run time; see ``jax_ep.checks``.
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import jax
@@ -66,6 +68,12 @@ def check_float(op: str, name: str, x: Any, *, ndim: int, expect: str) -> None:
             f"{op}: {name} must be {expect} with a floating dtype of 16 bits or more; got "
             f"{describe(x)}. Pass FP8 data as the pair (x_fp8, scales) from jax_ep.fp8.quantize."
         )
+
+
+def is_finite_number(value: Any) -> bool:
+    """A real number (Python or NumPy, not a bool) that is finite."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+            and math.isfinite(value))
 
 
 def check_choice(op: str, name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from fractions import Fraction
 from functools import partial
 from typing import Literal
@@ -162,8 +161,7 @@ def dispatch(
         if capacity is not None:
             raise ValueError(f"{op}: pass capacity or capacity_factor, not both; got "
                              f"capacity={capacity!r} and capacity_factor={capacity_factor!r}.")
-        if (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real)
-                or not math.isfinite(capacity_factor) or capacity_factor <= 0):
+        if not _checks.is_finite_number(capacity_factor) or capacity_factor <= 0:
             raise ValueError(f"{op}: capacity_factor must be a positive finite Python float "
                              f"(a static value); got {capacity_factor!r}.")
     if not isinstance(expert_major, bool):

@@ -17,8 +17,6 @@ for each call (the FSDP pattern).
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from functools import partial
 from typing import Literal
 
@@ -194,8 +192,7 @@ class MoE(nnx.Module):
                  num_sms: int | None = jax_ep.DEFAULT_NUM_SMS,
                  sharding_rules=None, param_dtype=jnp.float32, dtype=None,
                  rngs: nnx.Rngs):
-        if (isinstance(bias_rate, bool) or not isinstance(bias_rate, numbers.Real)
-                or not math.isfinite(bias_rate) or bias_rate < 0):
+        if not _checks.is_finite_number(bias_rate) or bias_rate < 0:
             raise ValueError(f"MoE: bias_rate must be a finite number >= 0 (0: no bias "
                              f"update); got {bias_rate!r}.")
         if ep_axis not in mesh.axis_names:

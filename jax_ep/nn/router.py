@@ -11,13 +11,13 @@ bias toward balance) and the optional auxiliary balance loss.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax_ep import _checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +48,9 @@ class RouterConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise TypeError(f"RouterConfig.{name} must be an int; got {value!r}.")
-        scaling = self.routed_scaling
-        if (isinstance(scaling, bool) or not isinstance(scaling, numbers.Real)
-                or not math.isfinite(scaling) or scaling <= 0):
+        if not _checks.is_finite_number(self.routed_scaling) or self.routed_scaling <= 0:
             raise ValueError(f"RouterConfig.routed_scaling must be a positive finite number; "
-                             f"got {scaling!r}.")
+                             f"got {self.routed_scaling!r}.")
         if self.score not in ("softmax", "sigmoid"):
             raise ValueError(f"score must be 'softmax' or 'sigmoid'; got {self.score!r}.")
         if not 1 <= K <= E:
