@@ -4,7 +4,7 @@ The DeepEP contract (layout, dispatch, combine, low-latency dispatch/combine, FP
 backward) as shard_map-friendly functions with static shapes. See docs/contract.md.
 """
 
-from jax_ep import backends, checks, eplb, fp8, overlap, profile, runtime, virtual
+from jax_ep import backends, checks, eplb, fp8, overlap, profile, quant, runtime, virtual
 from jax_ep.checks import checked
 from jax_ep.dispatch import DEFAULT_NUM_SMS, capacity_from_factor, combine, dispatch
 from jax_ep.layout import get_dispatch_layout
@@ -75,6 +75,7 @@ __all__ = [
     "perfmodel",
     "pipeline",
     "profile",
+    "quant",
     "reference",
     "runtime",
     "trace_report",

@@ -1,0 +1,211 @@
+"""Wire formats: token rows quantized for the wire, with their scales (docs/contract.md, "Wire
+formats").
+
+`quantize(x, format)` returns a `Quantized` pytree (`data`, `scales`, `global_scale` or None,
+static `format`); `dequantize(q)` returns floats. The rules are float32 arithmetic in which a
+quotient is a product with a float32 reciprocal rounded once (as in `jax_ep.fp8`), and the
+scales that are powers of two are built from their exponent bits, so every backend and the
+NumPy reference give the same bytes:
+
+- "e4m3": `jax_ep.fp8.quantize` (blocks of 128 channels, a float32 scale each).
+- "e4m3_ue8m0": blocks of 128; `s = max(amax, 1e-4) * float32(1/448)`, `scale = 2^ceil(log2 s)`
+  (the smallest power of two >= s), stored as its biased exponent `e` (uint8, the value
+  2^(e - 127)); data `e4m3(x * (1/scale))`. `packed=True` packs 4 exponents per int32 (block
+  j in byte j % 4 of word j // 4, little-endian; a last word short of 4 blocks is 0 there).
+- "mxfp8" (OCP Microscaling v1.0, e4m3 elements): blocks of 32; `scale = 2^(floor(log2 amax)
+  - 8)`, the exponent clamped to [-127, 127] (a block of zeros gets 2^-127); data
+  `e4m3(clamp(x * (1/scale), -448, 448))`; scales uint8 biased exponents.
+- "nvfp4": per row `g = amax_row * float32(1/2688)` (2688 = 448 * 6); blocks of 16 with
+  `s_b = e4m3(min(amax_b * float32(1 / float32(6 g)), 448))`; elements
+  `e2m1(clamp(x * float32(1 / float32(float32(s_b) * g)), -6, 6))`, two per uint8 (the even
+  channel in the low nibble); `scales` float8_e4m3fn [..., H/16], `global_scale` float32 [...].
+
+Edge values, the same on every path (docs/contract.md): inputs below 2^-126 in magnitude
+count as 0; a block (nvfp4: a row) holding a NaN or an infinity dequantizes to NaN (UE8M0 and
+MX scales 0xFF, E8M0's NaN); nvfp4 rows and blocks too small for float32's normal range are
+quantized as zeros.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep import _checks, fp8
+from jax_ep.structs import _pytree, static
+
+FORMATS = ("e4m3", "e4m3_ue8m0", "mxfp8", "nvfp4")
+BLOCKS = {"e4m3": 128, "e4m3_ue8m0": 128, "mxfp8": 32, "nvfp4": 16}
+SMALLEST_NORMAL = 2.0**-126
+E4M3_MAX, E2M1_MAX = 448.0, 6.0
+NAN_EXPONENT = 0xFF  # E8M0's NaN
+
+
+@_pytree
+class Quantized:
+    """Rows in a wire format.
+
+    Attributes:
+      data: the elements: float8_e4m3fn [..., H] ("e4m3", "e4m3_ue8m0", "mxfp8"), or uint8
+        [..., H/2] ("nvfp4", two e2m1 elements a byte).
+      scales: one per block: float32 [..., H/128] ("e4m3"), uint8 biased exponents
+        [..., H/128] or, packed, int32 [..., ceil(H/512)] ("e4m3_ue8m0"), uint8 [..., H/32]
+        ("mxfp8"), float8_e4m3fn [..., H/16] ("nvfp4").
+      global_scale: float32 [...] per row ("nvfp4"), else None.
+      format: one of FORMATS.
+      packed: "e4m3_ue8m0" scales packed four to an int32.
+    """
+
+    data: jax.Array
+    scales: jax.Array
+    global_scale: jax.Array | None = None
+    format: str = static("e4m3")
+    packed: bool = static(False)
+
+
+def quantize(x: jax.Array, format: str, *, packed: bool = False) -> Quantized:
+    """Quantizes `x` [..., H] (any float dtype, H a multiple of the format's block) to
+    `format` (FORMATS; the rules in the module's docstring)."""
+    op = "jax_ep.quant.quantize"
+    _checks.check_choice(op, "format", format, FORMATS)
+    _checks.check_array(op, "x", x, expect="a float array [..., H]")
+    if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{op}: x must be a float array [..., H]; got {_checks.describe(x)}.")
+    block = BLOCKS[format]
+    if x.shape[-1] % block:
+        raise ValueError(f"{op}: format {format!r} quantizes blocks of {block} channels: the "
+                         f"hidden size ({x.shape[-1]}) must be a multiple of {block}. Pad the "
+                         f"hidden dimension.")
+    if packed and format != "e4m3_ue8m0":
+        raise ValueError(f"{op}: packed=True packs UE8M0 exponents: it goes with format "
+                         f"'e4m3_ue8m0'; got format {format!r}.")
+    if format == "e4m3":
+        data, scales = fp8.quantize(x)
+        return Quantized(data, scales, None, format)
+    x = x.astype(jnp.float32)
+    x = jnp.where(jnp.abs(x) < SMALLEST_NORMAL, jnp.float32(0), x)
+    if format == "nvfp4":
+        return _nvfp4(x)
+    blocks = x.reshape(*x.shape[:-1], -1, block)
+    amax = _amax(blocks)
+    if format == "e4m3_ue8m0":
+        s = jnp.maximum(amax, jnp.float32(fp8.AMAX_FLOOR)) * jnp.float32(fp8.INV_FP8_MAX)
+        biased = _exponent(s) + (_mantissa(s) != 0)  # 2^ceil(log2 s): s is normal here
+        limit = None
+    else:
+        floor_log2 = _exponent(amax) - 127  # amax is 0 or normal
+        biased = jnp.where(amax > 0, jnp.clip(floor_log2 - 8, -127, 127) + 127, 0)
+        limit = E4M3_MAX
+    finite = jnp.isfinite(amax)
+    biased = jnp.where(finite, biased, NAN_EXPONENT).astype(jnp.uint8)
+    # 1/scale = 2^(127 - e): a normal float32 for every e a finite block gets.
+    inverse = jax.lax.bitcast_convert_type((254 - biased.astype(jnp.int32)) << 23, jnp.float32)
+    inverse = jnp.where(finite, inverse, jnp.float32(jnp.nan))
+    scaled = blocks * inverse[..., None]
+    if limit is not None:
+        scaled = jnp.clip(scaled, -limit, limit)
+    data = scaled.astype(fp8.FP8_DTYPE).reshape(x.shape)
+    scales = _pack(biased) if packed else biased
+    return Quantized(data, scales, None, format, packed)
+
+
+def dequantize(q: Quantized, dtype: Any = jnp.float32) -> jax.Array:
+    """`q` back to floats [..., H] in `dtype`: each element times its block's scale (and, for
+    nvfp4, the row's global scale), in float32."""
+    op = "jax_ep.quant.dequantize"
+    if not isinstance(q, Quantized):
+        raise TypeError(f"{op}: q must be a jax_ep.quant.Quantized; got {type(q).__name__}.")
+    block = BLOCKS[q.format]
+    if q.format == "e4m3":
+        return fp8.dequantize(q.data, q.scales, dtype)
+    if q.format == "nvfp4":
+        values = _unpack_e2m1(q.data)
+        scale = q.scales.astype(jnp.float32) * q.global_scale[..., None]
+    else:
+        values = q.data.astype(jnp.float32)
+        biased = _unpack(q.scales, q.data.shape[-1] // block) if q.packed else q.scales
+        scale = _power_of_two(biased.astype(jnp.int32))
+    blocks = values.reshape(*values.shape[:-1], -1, block) * scale[..., None]
+    return blocks.reshape(values.shape).astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces
+
+
+def _amax(blocks: jax.Array) -> jax.Array:
+    """max |x| over the last axis, NaN when the block holds a NaN (whatever the reduction does
+    with NaN)."""
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    return jnp.where(jnp.isnan(blocks).any(axis=-1), jnp.float32(jnp.nan), amax)
+
+
+def _bits(v: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(v, jnp.int32)
+
+
+def _exponent(v: jax.Array) -> jax.Array:
+    """The biased exponent field of float32 `v` (floor(log2 v) + 127 for a normal v > 0)."""
+    return (_bits(v) >> 23) & 0xFF
+
+
+def _mantissa(v: jax.Array) -> jax.Array:
+    return _bits(v) & 0x7FFFFF
+
+
+def _power_of_two(biased: jax.Array) -> jax.Array:
+    """2^(biased - 127) in float32; NaN for 0xFF. 2^-127 (biased 0) is a subnormal, built as
+    0.5 * 2^-126."""
+    normal = jax.lax.bitcast_convert_type(jnp.maximum(biased, 1) << 23, jnp.float32)
+    value = jnp.where(biased == 0, normal * jnp.float32(0.5), normal)
+    return jnp.where(biased == NAN_EXPONENT, jnp.float32(jnp.nan), value)
+
+
+def _pack(biased: jax.Array) -> jax.Array:
+    """uint8 [..., n] -> int32 [..., ceil(n / 4)]: byte j in byte j % 4 of word j // 4."""
+    n = biased.shape[-1]
+    padded = jnp.pad(biased, [(0, 0)] * (biased.ndim - 1) + [(0, -n % 4)])
+    quads = padded.reshape(*biased.shape[:-1], -1, 4).astype(jnp.uint32)
+    words = quads[..., 0] | quads[..., 1] << 8 | quads[..., 2] << 16 | quads[..., 3] << 24
+    return jax.lax.bitcast_convert_type(words, jnp.int32)
+
+
+def _unpack(words: jax.Array, n: int) -> jax.Array:
+    """The inverse of _pack: uint8 [..., n]."""
+    u = jax.lax.bitcast_convert_type(words, jnp.uint32)
+    quads = jnp.stack([(u >> (8 * j)) & 0xFF for j in range(4)], axis=-1)
+    return quads.reshape(*words.shape[:-1], -1)[..., :n].astype(jnp.uint8)
+
+
+def _nvfp4(x: jax.Array) -> Quantized:
+    rows = _amax(x)
+    g = rows * jnp.float32(1 / 2688)
+    zero_row = (rows == 0) | (g < SMALLEST_NORMAL)
+    finite_row = jnp.isfinite(rows)
+    g = jnp.where(zero_row | ~finite_row, jnp.float32(1), g)
+    blocks = x.reshape(*x.shape[:-1], -1, BLOCKS["nvfp4"])
+    r = jnp.float32(1) / (jnp.float32(6) * g)
+    s = jnp.minimum(_amax(blocks) * r[..., None], jnp.float32(E4M3_MAX))
+    s_b = s.astype(fp8.FP8_DTYPE)
+    q = s_b.astype(jnp.float32) * g[..., None]
+    empty = (s_b.astype(jnp.float32) == 0) | (q < SMALLEST_NORMAL) | zero_row[..., None]
+    inverse = jnp.where(empty, jnp.float32(0), jnp.float32(1) / jnp.where(empty, 1, q))
+    e = jnp.clip(blocks * inverse[..., None], -E2M1_MAX, E2M1_MAX)
+    e = jnp.where(finite_row[..., None, None], e, jnp.float32(0))
+    codes = jax.lax.bitcast_convert_type(e.astype(jnp.float4_e2m1fn), jnp.uint4)
+    codes = codes.astype(jnp.uint8).reshape(*x.shape[:-1], -1, 2)
+    data = codes[..., 0] | codes[..., 1] << 4
+    nan = jnp.float32(jnp.nan)
+    scales = jnp.where(finite_row[..., None], s_b.astype(jnp.float32), nan)
+    return Quantized(data, scales.astype(fp8.FP8_DTYPE),
+                     jnp.where(finite_row, g, nan), "nvfp4")
+
+
+def _unpack_e2m1(data: jax.Array) -> jax.Array:
+    """uint8 [..., H/2] -> float32 [..., H]: the low nibble first."""
+    codes = jnp.stack([data & 0xF, data >> 4], axis=-1).reshape(*data.shape[:-1], -1)
+    magnitude = jnp.asarray(np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32))[codes & 7]
+    return jnp.where(codes & 8, -magnitude, magnitude)

@@ -1,0 +1,190 @@
+"""jax_ep.quant against a NumPy reference written here from the rules of docs/contract.md
+("Wire formats"): random rows of every magnitude, blocks of zeros, values at each format's
+largest value and at rounding ties, subnormal-range inputs, NaN and infinity."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jax_ep import fp8, quant
+
+F32 = np.float32
+E4M3 = ml_dtypes.float8_e4m3fn
+NORMAL = F32(2.0**-126)
+
+
+def _flush(x):
+    x = np.asarray(x, F32)
+    return np.where(np.abs(x) < NORMAL, F32(0), x).astype(F32)
+
+
+def _amax(blocks):
+    with np.errstate(invalid="ignore"):
+        return np.max(np.abs(blocks), axis=-1)  # NaN propagates in NumPy
+
+
+def _exponent_field(v):
+    return (np.asarray(v, F32).view(np.int32) >> 23) & 0xFF
+
+
+def _pow2(k):
+    """2^k in float32 for k in [-149, 127] (NumPy keeps subnormals)."""
+    return np.ldexp(F32(1), np.asarray(k, np.int32)).astype(F32)
+
+
+def reference(x, format, packed=False):
+    """(data, scales, global_scale) by the contract's rules."""
+    x = _flush(x)
+    block = quant.BLOCKS[format]
+    if format == "nvfp4":
+        return _reference_nvfp4(x)
+    blocks = x.reshape(*x.shape[:-1], -1, block)
+    amax = _amax(blocks)
+    finite = np.isfinite(amax)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if format == "e4m3_ue8m0":
+            s = (np.maximum(amax, F32(1e-4)) * F32(1 / 448)).astype(F32)
+            mant, exp = np.frexp(np.where(finite, s, F32(1)))  # s = mant * 2^exp, mant in [0.5, 1)
+            k = np.where(mant == 0.5, exp - 1, exp)  # ceil(log2 s)
+        else:
+            _, exp = np.frexp(np.where(finite & (amax > 0), amax, F32(1)))
+            k = np.where(amax > 0, np.clip(exp - 1 - 8, -127, 127), -127)
+        biased = np.where(finite, k + 127, 255).astype(np.uint8)
+        scaled = (blocks * np.where(finite, _pow2(-k), F32(np.nan))[..., None]).astype(F32)
+        if format == "mxfp8":
+            scaled = np.clip(scaled, -448, 448)
+    data = scaled.astype(E4M3).reshape(x.shape)
+    if packed:
+        n = biased.shape[-1]
+        padded = np.concatenate([biased, np.zeros(biased.shape[:-1] + (-n % 4,), np.uint8)], -1)
+        return data, padded.view("<i4"), None
+    return data, biased, None
+
+
+def _e2m1_code(v):
+    """e2m1 codes of float32 v in [-6, 6], rounding to nearest, ties to the even code."""
+    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], F32)
+    d = np.abs(np.abs(v)[..., None] - grid)  # exact: every term is a float32 of few bits
+    nearest = d == d.min(axis=-1, keepdims=True)
+    even = nearest & (np.arange(8) % 2 == 0)
+    best = np.where(even.any(-1), np.argmax(even, -1), np.argmax(nearest, -1))
+    return (best | np.where(np.signbit(v), 8, 0)).astype(np.uint8)
+
+
+def _reference_nvfp4(x):
+    rows = _amax(x)
+    finite = np.isfinite(rows)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        g = (rows * F32(1 / 2688)).astype(F32)
+        zero = (rows == 0) | (g < NORMAL)
+        g = np.where(zero | ~finite, F32(1), g).astype(F32)
+        blocks = x.reshape(*x.shape[:-1], -1, 16)
+        r = (F32(1) / (F32(6) * g).astype(F32)).astype(F32)
+        s_b = np.minimum((_amax(blocks) * r[..., None]).astype(F32), F32(448)).astype(E4M3)
+        q = (s_b.astype(F32) * g[..., None]).astype(F32)
+        empty = (s_b.astype(F32) == 0) | (q < NORMAL) | zero[..., None]
+        inv = np.where(empty, F32(0), (F32(1) / np.where(empty, F32(1), q)).astype(F32))
+        e = np.clip((blocks * inv[..., None]).astype(F32), -6, 6)
+        e = np.where(finite[..., None, None], e, F32(0))
+    codes = _e2m1_code(e).reshape(*x.shape[:-1], -1, 2)
+    data = (codes[..., 0] | codes[..., 1] << 4).astype(np.uint8)
+    scales = np.where(finite[..., None], s_b.astype(F32), F32(np.nan)).astype(E4M3)
+    return data, scales, np.where(finite, g, F32(np.nan)).astype(F32)
+
+
+def assert_bytes(got, want, what):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape,
+                                                                 got.dtype, want.dtype)
+    g, w = got.view(np.uint8), want.view(np.uint8)
+    bad = np.argwhere(g != w)
+    assert bad.size == 0, f"{what}: {len(bad)} bytes differ, first at {bad[0].tolist()}"
+
+
+def rows_of_every_kind(rng, n, H):
+    """Rows of random magnitudes with, mixed in: blocks of zeros, subnormal-range and
+    near-subnormal values, values at 448 and 6 times a power of two (each format's largest),
+    rounding ties, a NaN and an infinity."""
+    x = rng.standard_normal((n, H)) * 10.0 ** rng.uniform(-8, 8, (n, 1))
+    x = x.astype(F32)
+    x[0, :32] = 0  # zero blocks
+    x[1] = 0  # a row of zeros
+    x[2, :16] = rng.choice([1e-40, -3e-39, 2.0**-126, 2.0**-125], 16)  # subnormal range
+    x[3, :8] = [448, -448, 6, 0.25, 0.75, 2.5, 5.0, 3.5]  # largest values, e2m1 ties
+    x[4, 5] = np.nan
+    x[5, 40] = np.inf
+    x[6] = rng.standard_normal(H) * 2.0**-118  # rows near the bottom of the normal range
+    return x
+
+
+@pytest.mark.parametrize("format", quant.FORMATS)
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_quantize_against_the_reference(format, dtype):
+    rng = np.random.default_rng()
+    H = 128 * int(rng.integers(1, 5))
+    x = rows_of_every_kind(rng, 9, H).astype(dtype)
+    for packed in (False, True) if format == "e4m3_ue8m0" else (False,):
+        q = jax.jit(lambda x, packed=packed: quant.quantize(x, format, packed=packed))(x)
+        assert q.format == format and q.packed == packed
+        if format == "e4m3":
+            want = (*fp8.quantize(x), None)
+        else:
+            want = reference(np.asarray(x, F32), format, packed)
+        assert_bytes(q.data, want[0], f"{format} data")
+        assert_bytes(q.scales, want[1], f"{format} scales")
+        if want[2] is None:
+            assert q.global_scale is None
+        else:
+            assert_bytes(q.global_scale, want[2], f"{format} global_scale")
+
+
+@pytest.mark.parametrize("format", quant.FORMATS)
+def test_dequantize_is_close_and_nan_where_the_input_was(format):
+    """Round trip: within the format's relative step of each block's largest value, NaN
+    exactly in the blocks (nvfp4: rows) that held a NaN or an infinity."""
+    rng = np.random.default_rng()
+    H = 256
+    x = (rng.standard_normal((6, H)) * 10.0 ** rng.uniform(-3, 3, (6, 1))).astype(F32)
+    x[2, 17], x[4, 100] = np.nan, -np.inf
+    q = quant.quantize(x, format)
+    back = np.asarray(quant.dequantize(q))
+    block = quant.BLOCKS[format]
+    unit = H if format == "nvfp4" else block
+    poisoned = np.repeat(~np.isfinite(x).reshape(6, -1, unit).all(-1), unit, axis=-1)
+    np.testing.assert_array_equal(np.isnan(back), poisoned)
+    step = {"e4m3": 2**-3, "e4m3_ue8m0": 2**-3, "mxfp8": 2**-3, "nvfp4": 0.5}[format]
+    blocks = np.abs(np.where(poisoned, 0, x)).reshape(6, -1, block).max(-1, keepdims=True)
+    bound = np.repeat(blocks * step * 2, block, axis=-1).reshape(6, H)
+    ok = ~poisoned
+    assert (np.abs(back - x)[ok] <= bound[ok]).all(), format
+    if format == "e4m3_ue8m0":
+        packed = quant.quantize(x, format, packed=True)
+        np.testing.assert_array_equal(np.asarray(quant.dequantize(packed)), back)
+
+
+def test_quantized_is_a_pytree_with_a_static_format():
+    q = quant.quantize(jnp.ones((2, 64)), "mxfp8")
+    leaves, tree = jax.tree.flatten(q)
+    assert len(leaves) == 2 and jax.tree.unflatten(tree, leaves).format == "mxfp8"
+    out = jax.jit(lambda q: q)(q)
+    assert out.format == "mxfp8" and out.data.dtype == E4M3 and out.scales.dtype == np.uint8
+    q4 = quant.quantize(jnp.ones((3, 32)), "nvfp4")
+    assert q4.data.shape == (3, 16) and q4.scales.shape == (3, 2) and q4.global_scale.shape == (3,)
+
+
+def test_bad_arguments_name_the_rule():
+    with pytest.raises(ValueError, match="format must be one of"):
+        quant.quantize(jnp.ones((2, 128)), "fp4")
+    with pytest.raises(ValueError, match=r"blocks of 32 channels: the hidden size \(48\) must "
+                                         r"be a multiple of 32"):
+        quant.quantize(jnp.ones((2, 48)), "mxfp8")
+    with pytest.raises(ValueError, match="packed=True packs UE8M0 exponents"):
+        quant.quantize(jnp.ones((2, 128)), "mxfp8", packed=True)
+    with pytest.raises(TypeError, match="x must be a float array"):
+        quant.quantize(jnp.ones((2, 128), jnp.int32), "nvfp4")
+    with pytest.raises(TypeError, match="q must be a jax_ep.quant.Quantized"):
+        quant.dequantize((jnp.ones((2, 128)), jnp.ones((2, 1))))
