@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _checks, backends, checks, fp8
+from jax_ep import _checks, backends, checks, fp8, quant
 from jax_ep.profile import scoped
 from jax_ep.structs import DispatchHandle, Received
 
@@ -76,8 +76,12 @@ def capacity_from_factor(capacity_factor: float, *, num_ranks: int, num_tokens: 
 
 
 def _check_x(op: str, x, num_tokens: int) -> tuple[jax.Array, jax.Array | None]:
-    """x is [T, H] floating, or the FP8 pair; returns (x or x_fp8, scales or None)."""
-    if isinstance(x, (tuple, list)):
+    """x is [T, H] floating, the FP8 pair or a Quantized; returns (x or its data, scales or
+    the Quantized's other bytes (quant.to_rows), or None)."""
+    if isinstance(x, quant.Quantized):
+        _checks.check_array(op, "x.data", x.data, ndim=2, expect="[T, ...] (one row a token)")
+        data, scales = quant.to_rows(x)
+    elif isinstance(x, (tuple, list)):
         if len(x) != 2:
             raise ValueError(
                 f"{op}: x must be an array [T, H] or the pair (x_fp8, scales); got a "
@@ -100,7 +104,7 @@ def _check_x(op: str, x, num_tokens: int) -> tuple[jax.Array, jax.Array | None]:
 
 @scoped("jax_ep.dispatch")
 def dispatch(
-    x: jax.Array | tuple[jax.Array, jax.Array],
+    x: jax.Array | tuple[jax.Array, jax.Array] | quant.Quantized,
     topk_idx: jax.Array,
     topk_weights: jax.Array,
     *,
@@ -118,8 +122,9 @@ def dispatch(
     """Sends each token to the ranks that hold its chosen experts (per shard, in shard_map).
 
     Args:
-      x: [T, H] tokens of this rank (any float dtype of 16 bits or more), or the FP8 pair
-        `(x_fp8 float8_e4m3fn [T, H], scales float32 [T, H/128])` from `jax_ep.fp8.quantize`.
+      x: [T, H] tokens of this rank (any float dtype of 16 bits or more), the FP8 pair
+        `(x_fp8 float8_e4m3fn [T, H], scales float32 [T, H/128])` from `jax_ep.fp8.quantize`,
+        or a `jax_ep.quant.Quantized` of any wire format (received as one, bit for bit).
       topk_idx: int32 [T, K] expert ids in [0, E); -1 masks a choice.
       topk_weights: float32 [T, K].
       num_experts: E, a multiple of the EP axis size R.
@@ -186,8 +191,8 @@ def dispatch(
             f"{capacity * row_bytes / 2**30:.1f} GiB per rank. Pass capacity<={worst_case}, "
             f"or leave it unset for the default ({default}).")
     if num_tokens == 0:  # nothing to send: the same empty results on every backend
-        return _no_tokens(data, scales, topk_idx, num_experts, num_ranks, axis_name, capacity,
-                          expert_major)
+        return _as_sent(x, _no_tokens(data, scales, topk_idx, num_experts, num_ranks,
+                                      axis_name, capacity, expert_major))
 
     config = _DispatchConfig(
         backend=backends.resolve(backend),
@@ -207,6 +212,16 @@ def dispatch(
             note = (f"the default, R*T*min(K, E/R) = {default}, holds every entry unless tokens "
                     f"choose the same expert more than once; R*T*K = {worst_case} always does")
         checks.overflow(op, needed, capacity=capacity, what=what, default=note)
+    return _as_sent(x, (received, handle))
+
+
+def _as_sent(x, result: tuple[Received, DispatchHandle]) -> tuple[Received, DispatchHandle]:
+    """The received rows in the form `x` was given: a Quantized arrives as one (its format,
+    bit for bit), the FP8 pair and floats as they are."""
+    received, handle = result
+    if isinstance(x, quant.Quantized):
+        rows = quant.from_rows(received.x, received.scales, x)
+        received = dataclasses.replace(received, x=rows, scales=None)
     return received, handle
 
 

@@ -209,3 +209,46 @@ def _unpack_e2m1(data: jax.Array) -> jax.Array:
     codes = jnp.stack([data & 0xF, data >> 4], axis=-1).reshape(*data.shape[:-1], -1)
     magnitude = jnp.asarray(np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32))[codes & 7]
     return jnp.where(codes & 8, -magnitude, magnitude)
+
+
+# ---------------------------------------------------------------------------------------------
+# On the wire: dispatch moves a Quantized as its data rows and one float32 array of the rest
+
+
+def to_rows(q: Quantized) -> tuple[jax.Array, jax.Array]:
+    """(data [T, ...], float32 [T, W]) that dispatch moves as it moves the FP8 pair: the data
+    rows, and every other byte of a row (its block scales, then its global scale) in float32
+    words, bit for bit (dispatch copies them, never computes with them)."""
+    if q.format == "e4m3":
+        return q.data, q.scales
+    parts = [q.scales] + ([q.global_scale[..., None]] if q.global_scale is not None else [])
+    row = jnp.concatenate([_as_bytes(p) for p in parts], axis=-1)
+    row = jnp.pad(row, [(0, 0)] * (row.ndim - 1) + [(0, -row.shape[-1] % 4)])
+    words = row.reshape(*row.shape[:-1], -1, 4)
+    return q.data, jax.lax.bitcast_convert_type(words, jnp.float32)
+
+
+def from_rows(data: jax.Array, words: jax.Array, like: Quantized) -> Quantized:
+    """The inverse of `to_rows` for rows of `like`'s format and sizes (any number of rows)."""
+    if like.format == "e4m3":
+        return Quantized(data, words, None, like.format)
+    row = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(*words.shape[:-1], -1)
+    n = like.scales.shape[-1] * like.scales.dtype.itemsize
+    scales = _from_bytes(row[..., :n], like.scales.dtype)
+    global_scale = None
+    if like.global_scale is not None:
+        global_scale = _from_bytes(row[..., n:n + 4], jnp.float32)[..., 0]
+    return Quantized(data, scales, global_scale, like.format, like.packed)
+
+
+def _as_bytes(a: jax.Array) -> jax.Array:
+    """[..., n] of any dtype -> uint8 [..., n * itemsize] (little-endian bytes)."""
+    b = jax.lax.bitcast_convert_type(a, jnp.uint8)
+    return b.reshape(*a.shape[:-1], -1)
+
+
+def _from_bytes(b: jax.Array, dtype: Any) -> jax.Array:
+    size = jnp.dtype(dtype).itemsize
+    if size == 1:
+        return jax.lax.bitcast_convert_type(b, dtype)
+    return jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], -1, size), dtype)

@@ -59,8 +59,9 @@ class Received:
     """What normal dispatch delivers to this rank (docs/contract.md, "dispatch").
 
     Attributes:
-      x: [capacity, H] in the input dtype, or float8_e4m3fn when FP8 was dispatched; rows
-        past num_tokens are unspecified (see with_zero_padding).
+      x: [capacity, H] in the input dtype, or float8_e4m3fn when FP8 was dispatched, or a
+        jax_ep.quant.Quantized of capacity rows when one was; rows past num_tokens are
+        unspecified (see with_zero_padding).
       scales: float32 [capacity, H/128] for FP8 dispatch, else None; likewise.
       topk_idx: int32 local expert ids, [capacity, K] (rank-major) or [capacity]
         (expert-major, one entry per row); -1 where masked or past the count.
@@ -85,8 +86,13 @@ class Received:
     def with_zero_padding(self) -> Received:
         """These results with zeros in the rows of x and scales past num_tokens, which are
         otherwise unspecified (docs/contract.md, "Padding"): for consumers that read every
-        row, at the cost of one pass over x."""
-        return dataclasses.replace(self, x=_zero_past(self.x, self.num_tokens),
+        row, at the cost of one pass over x (every array of a Quantized x)."""
+        def zero(rows):
+            if rows.ndim == jnp.ndim(self.num_tokens) + 1:  # one value a row
+                return _zero_past(rows[..., None], self.num_tokens)[..., 0]
+            return _zero_past(rows, self.num_tokens)
+
+        return dataclasses.replace(self, x=jax.tree.map(zero, self.x),
                                    scales=_zero_past(self.scales, self.num_tokens))
 
 
