@@ -480,6 +480,21 @@ def deepseek_accounts(num_ranks: int = 8, between: bool = False, seed: int = 0,
     return accounts
 
 
+def wire_formats(num_ranks: int = 8, between: bool = True, seed: int = 0, tokens: int = 4096,
+                 hidden: int = 7168, top_k: int = 8, num_experts: int = 256
+                 ) -> list[tuple[str, int, Account]]:
+    """Rank-major dispatch at DeepSeek's shapes in bfloat16 and in every wire format of
+    jax_ep.quant: (format, bytes per token row, its account)."""
+    from jax_ep import quant
+
+    idx = uniform_routing(np.random.default_rng(seed), num_ranks, tokens, top_k, num_experts)
+    rows = [("bfloat16", 2 * hidden, 0)] + [(f, *quant.wire_bytes(f, hidden))
+                                             for f in quant.FORMATS]
+    return [(name, data + rest, dispatch(idx, num_experts=num_experts, row_bytes=data,
+                                         scale_bytes=rest, between=between))
+            for name, data, rest in rows]
+
+
 def meets(account: Account) -> tuple[bool, bool, bool]:
     """(bytes within BYTES_TARGET of the minimum, launches within the op's target, every
     launch with at least WARPS_TARGET warps of work)."""
@@ -566,6 +581,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if missed:
         print("Expected misses:")
         print("\n".join(missed))
+    formats = wire_formats(args.ranks, True, args.seed, tokens=args.tokens)
+    print(f"\nDispatch (rank-major, between GPUs) by wire format (jax_ep.quant), R = "
+          f"{args.ranks}, T {args.tokens}:\n")
+    print("| format | bytes per token row | GB moved | x bfloat16 |\n|---|---:|---:|---:|")
+    for name, row, a in formats:
+        print(f"| {name} | {row} | {a.bytes / 1e9:.3f} | {a.bytes / formats[0][2].bytes:.2f} |")
 
 
 if __name__ == "__main__":

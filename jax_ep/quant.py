@@ -215,6 +215,17 @@ def _unpack_e2m1(data: jax.Array) -> jax.Array:
 # On the wire: dispatch moves a Quantized as its data rows and one float32 array of the rest
 
 
+def wire_bytes(format: str, hidden: int) -> tuple[int, int]:
+    """Bytes of one row of H channels as dispatch moves it: (its data, its other bytes in
+    float32 words, to_rows)."""
+    block = BLOCKS[format]
+    if format == "e4m3":
+        return hidden, hidden // block * 4
+    data = hidden // 2 if format == "nvfp4" else hidden
+    rest = hidden // block + (4 if format == "nvfp4" else 0)
+    return data, -(-rest // 4) * 4
+
+
 def to_rows(q: Quantized) -> tuple[jax.Array, jax.Array]:
     """(data [T, ...], float32 [T, W]) that dispatch moves as it moves the FP8 pair: the data
     rows, and every other byte of a row (its block scales, then its global scale) in float32

@@ -20,7 +20,7 @@ from harness import sharded, to_numpy
 import jax_ep
 from jax_ep import _ffi, runtime
 
-BUDGET_S = 12.0  # per test
+BUDGET_S = 8.0  # per test
 MAX_CASES = 200
 F32 = np.float32
 DTYPES = (np.float32, ml_dtypes.bfloat16, np.float16)

@@ -229,3 +229,25 @@ def test_dispatch_carries_every_format_bit_for_bit(format, expert_major):
         for d in range(R):
             expect = want[d]["x"] if leaf.ndim == 3 else want[d]["x"][..., 0]
             assert_bytes(getattr(got, name)[d], expect, f"{format} {name} on rank {d}")
+
+
+@pytest.mark.parametrize("format", quant.FORMATS)
+def test_wire_bytes_are_what_dispatch_moves(format):
+    """quant.wire_bytes (the account's row size per format) is the size of quant.to_rows."""
+    H = 7168
+    data, rest = quant.to_rows(quant.quantize(jnp.ones((3, H)), format,
+                                              packed=format == "e4m3_ue8m0"))
+    assert quant.wire_bytes(format, H) == (data.shape[1] * data.dtype.itemsize,
+                                           rest.shape[1] * rest.dtype.itemsize)
+
+
+def test_the_account_shows_each_format_s_wire(capsys):
+    from jax_ep import account
+
+    account.main(["--ranks", "4", "--tokens", "256", "--ll-tokens", "16"])
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip() in
+            ("bfloat16", *quant.FORMATS)}
+    assert set(rows) == {"bfloat16", *quant.FORMATS}
+    assert "| nvfp4 | 4036 |" in rows["nvfp4"] and "| 1.00 |" in rows["bfloat16"]
