@@ -87,3 +87,10 @@ def test_across_nodes_rehearses_on_cpu_devices_in_nodes():
             "dispatch)") in out, out
     assert "first step equals jax_ep.reference bit for bit: True" in out, out
     assert "median step" in out, out
+
+
+def test_wire_formats_states_its_error_against_bfloat16():
+    for fmt, bound in (("mxfp8", 0.05), ("nvfp4", 0.15)):
+        out = _run_example("wire_formats.py", "--format", fmt, "--tokens", "24")
+        error = float(re.search(r"against bfloat16 dispatch = (\S+)", out).group(1))
+        assert 0 < error < bound, out
