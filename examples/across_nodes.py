@@ -31,17 +31,18 @@ import time
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="Dispatch, experts and combine over every GPU of every node.")
+        description="Dispatch, experts and combine over every GPU of every node.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--coordinator", help="HOST:PORT of process 0 (jax.distributed); "
                         "without it, one process on CPU devices")
-    parser.add_argument("--num-processes", type=int, default=1)
-    parser.add_argument("--process-id", type=int, default=0)
+    parser.add_argument("--num-processes", type=int, default=1, help="processes in all")
+    parser.add_argument("--process-id", type=int, default=0, help="this process")
     parser.add_argument("--cpu-devices", type=int, default=8,
                         help="ranks of the one-process run on CPU")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per rank")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--experts-per-rank", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256, help="H")
+    parser.add_argument("--top-k", type=int, default=4, help="K experts per token")
+    parser.add_argument("--experts-per-rank", type=int, default=2, help="E / R")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     args = parser.parse_args()
     if args.coordinator is None and args.num_processes != 1:

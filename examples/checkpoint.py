@@ -74,9 +74,12 @@ def checkpoint_paths(folder: str) -> tuple[str, str]:
     return os.path.join(folder, "state"), os.path.join(folder, "progress.json")
 
 
+class Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The description as written, and every option's default."""
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     parser.add_argument("action", choices=("save", "restore"),
                         help="save: train from scratch and save; restore: load and go on")
     parser.add_argument("--dir", required=True, help="the checkpoint folder")

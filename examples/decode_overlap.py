@@ -96,14 +96,16 @@ def dense_reference(x, params, top_k):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--ranks", type=int, default=8, help="EP ranks (CPU devices)")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per rank (even)")
     parser.add_argument("--hidden", type=int, default=256, help="H, a multiple of 128")
-    parser.add_argument("--experts", type=int, default=32)
-    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=32, help="E")
+    parser.add_argument("--top-k", type=int, default=4, help="K experts per token")
     parser.add_argument("--repeat", type=int, default=20, help="timed calls per order")
-    parser.add_argument("--backend", default="auto", choices=("auto", "xla", "cuda"))
+    parser.add_argument("--backend", default="auto", choices=("auto", "xla", "cuda"),
+                        help="jax_ep backend")
     parser.add_argument("--profile", metavar="DIR", help="write a trace of the overlapped step")
     args = parser.parse_args()
     R, T, H, E, K = args.ranks, args.tokens, args.hidden, args.experts, args.top_k

@@ -28,15 +28,17 @@ from jax_ep.overlap import Comm, Compute, describe, schedule
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--data", type=int, default=2, help="data-parallel mesh axis size")
     parser.add_argument("--ep", type=int, default=4, help="expert-parallel mesh axis size")
     parser.add_argument("--tokens", type=int, default=512, help="tokens in the batch")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--experts", type=int, default=32)
-    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256, help="H")
+    parser.add_argument("--experts", type=int, default=32, help="E")
+    parser.add_argument("--top-k", type=int, default=4, help="K experts per token")
     parser.add_argument("--repeat", type=int, default=10, help="timed calls per variant")
-    parser.add_argument("--backend", default="auto", choices=("auto", "xla", "cuda"))
+    parser.add_argument("--backend", default="auto", choices=("auto", "xla", "cuda"),
+                        help="jax_ep backend")
     parser.add_argument("--profile", metavar="DIR", help="write a trace of the overlapped layer")
     args = parser.parse_args()
     if args.data * args.ep > len(jax.devices()):

@@ -1,5 +1,6 @@
 """Dispatch tokens to experts and combine them back, on 8 CPU devices (the README example)."""
 
+import argparse
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -10,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 
+argparse.ArgumentParser(description=__doc__).parse_args()  # --help says what this runs
 R, T, H, E, K = 8, 64, 256, 32, 4  # ranks, tokens per rank, hidden, experts, top-k
 mesh = jax.make_mesh((R,), ("ep",))
 experts = jax.random.normal(jax.random.key(0), (E, H, H)) / H**0.5  # expert e on rank e // 4

@@ -31,18 +31,20 @@ from jax_ep import pipeline
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--schedule", default="dualpipe", choices=sorted(pipeline.SCHEDULES))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--schedule", default="dualpipe", choices=sorted(pipeline.SCHEDULES),
+                   help="pipeline schedule")
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks")
     p.add_argument("--ep", type=int, default=4, help="expert-parallel ranks")
-    p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step")
     p.add_argument("--tokens", type=int, default=64, help="tokens per micro-batch")
-    p.add_argument("--hidden", type=int, default=32)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--hidden", type=int, default=32, help="model width")
+    p.add_argument("--experts", type=int, default=8, help="E")
+    p.add_argument("--top-k", type=int, default=2, help="K experts per token")
+    p.add_argument("--steps", type=int, default=60, help="training steps")
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate")
+    p.add_argument("--log-every", type=int, default=10, help="steps between log lines")
     return p
 
 

@@ -94,30 +94,32 @@ class Model(nnx.Module):
 
 
 def parse_args(argv) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=300)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=300, help="training steps at most")
     p.add_argument("--minutes", type=float, default=4.5, help="stop training after this long")
     p.add_argument("--batch", type=int, default=16, help="sequences per step")
     p.add_argument("--seq", type=int, default=64, help="bytes per sequence")
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--width", type=int, default=64, help="model width")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--ffn", type=int, default=64, help="width of each expert")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--layers", type=int, default=2, help="transformer layers")
+    p.add_argument("--experts", type=int, default=16, help="E")
+    p.add_argument("--top-k", type=int, default=2, help="K experts per token")
     p.add_argument("--groups", type=int, default=4, help="expert groups (group-limited routing)")
     p.add_argument("--ep", type=int, default=4, help="devices on the expert-parallel axis")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate")
     p.add_argument("--aux-loss", type=float, default=0.0, help="weight of the balance loss")
     p.add_argument("--bias-rate", type=float, default=1e-2, help="balancing bias step")
-    p.add_argument("--backend", default="auto", choices=("auto", "xla", "cuda"))
+    p.add_argument("--backend", default="auto", choices=("auto", "xla", "cuda"),
+                   help="jax_ep backend")
     p.add_argument("--fp8", action="store_true",
                    help="dispatch tokens to the experts in FP8 (needs a --width that is a "
                    "multiple of 128)")
-    p.add_argument("--corpus-mb", type=float, default=8.0)
-    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--corpus-mb", type=float, default=8.0, help="training text to read (MB)")
+    p.add_argument("--log-every", type=int, default=25, help="steps between log lines")
     p.add_argument("--png", default="train_moe_loss.png", help="loss curve ('' for none)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed")
     args = p.parse_args(argv)
     if args.fp8 and args.width % 128:
         p.error(f"--fp8 needs a --width that is a multiple of 128 (one FP8 scale per 128 "

@@ -94,3 +94,17 @@ def test_wire_formats_states_its_error_against_bfloat16():
         out = _run_example("wire_formats.py", "--format", fmt, "--tokens", "24")
         error = float(re.search(r"against bfloat16 dispatch = (\S+)", out).group(1))
         assert 0 < error < bound, out
+
+
+def test_every_example_s_help_shows_its_defaults_and_runs_nothing():
+    """`--help` prints the usage and each option's default, and exits before any work."""
+    no_default = ("-h", "--dir", "--coordinator")  # required, or None by design
+    for name in sorted(os.listdir(os.path.join(ROOT, "examples"))):
+        if not name.endswith(".py"):
+            continue
+        out = _run_example(name, "--help")
+        assert out.startswith("usage:"), (name, out[:200])
+        entries = re.split(r"\n  (?=-)", out.split("options:", 1)[1])[1:]
+        for entry in entries:
+            if not entry.startswith(no_default):
+                assert "(default:" in entry, (name, entry)
