@@ -530,7 +530,8 @@ def run(args: argparse.Namespace) -> int:
     add_ratios(rows, bandwidth, setup.ranks if shared else 1)
     hardware = model_hardware(args.model, shared, devices[0].device_kind, bandwidth)
     add_predictions(rows, setup, hardware)
-    notes = readings(rows, setup, hardware, on_cpu, args.virtual) + notes_for(rows, unavailable)
+    notes = readings(rows, setup, hardware, on_cpu, args.virtual)
+    not_timed = notes_for(rows, unavailable)
     elapsed = time.perf_counter() - started
 
     print(f"\njax_ep.bench on {device}, jax {jax.__version__}, jax_ep {jax_ep.__version__}")
@@ -544,6 +545,12 @@ def run(args: argparse.Namespace) -> int:
     if transports:
         print(f"xla backend's transport: {', '.join(sorted(transports))}")
     print(f"rerun: {command}\n")
+    if not_timed:  # before the table, so that its n/a rows are explained where they are read
+        print("Not timed (n/a or error in the table below):")
+        for paragraph in not_timed:
+            print(textwrap.fill(paragraph, width=100, initial_indent="- ",
+                                subsequent_indent="  "))
+        print()
     print_table(rows)
     print()
     print_wire(wire)
@@ -571,7 +578,7 @@ def run(args: argparse.Namespace) -> int:
             "model_hardware": hardware.name,
             "rows": rows,
             "wire_bytes_per_rank": wire,
-            "notes": notes,
+            "notes": notes + not_timed,
             "total_s": elapsed,
         }
         with open(args.json, "w") as f:
