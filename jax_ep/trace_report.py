@@ -942,8 +942,29 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
     return lines
 
 
+# A trace of XLA:CPU has operations on host threads, not kernels on streams and SMs.
+_HOST_WORDS = ((r"\bkernels\b", "operations"), (r"\bkernel\b", "operation"),
+               (r"\bStreams\b", "Threads"), (r"\bstreams\b", "threads"),
+               (r"\bstream\b", "thread"))
+
+
 def format_report(report: Report) -> str:
-    """The report as Markdown-flavoured plain text."""
+    """The report as Markdown-flavoured plain text (in a host trace's words for one)."""
+    text = _format_report(report)
+    if report.events != _EVENT_WORDS["host-xla"]:
+        return text
+    lines, in_table = [], False
+    for line in text.split("\n"):
+        data_row = in_table and line.startswith("|")  # names from the trace stay as they are
+        in_table = line.startswith("|") and (in_table or line.startswith("|---"))
+        if not data_row:
+            for pattern, word in _HOST_WORDS:
+                line = re.sub(pattern, word, line)
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _format_report(report: Report) -> str:
     w = report.window
     lines = [
         f"trace: {report.source}",

@@ -11,6 +11,7 @@ JSON output; error messages; and invariants on DeepSeek's train.json when it is 
 import gzip
 import json
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -345,6 +346,11 @@ def test_host_xla_trace_drops_container_ops():
     assert phases["mb0/experts"].span_us == 60 + 30
     with pytest.raises(ValueError, match="no GPU kernels"):
         trace_report.extract(trace, events="gpu")
+    # In a host trace's words: operations on threads, not kernels on streams.
+    text = trace_report.format_report(report)
+    assert "## Threads (busy = time with at least one operation running" in text
+    assert "| thread | operations |" in text and "first operation start" in text
+    assert not re.search(r"\b(kernels?|streams?)\b", text, re.IGNORECASE), text
 
 
 def test_real_jax_profiler_capture(tmp_path):
