@@ -1049,8 +1049,9 @@ def to_json(report: Report) -> dict[str, Any]:
 _COLORS = {"comm": "#d62728", "compute": "#1f77b4", "other": "#9e9e9e"}
 
 
-def plot_timeline(device_trace: DeviceTrace, report: Report, path: str | Path) -> None:
-    """Writes a PNG: one row per stream (comm/compute/other coloured), phases on top."""
+def plot_timeline(device_trace: DeviceTrace, report: Report, path: str | Path) -> Any:
+    """Writes a PNG: one row per stream (comm/compute/other coloured), phases on top; returns
+    the matplotlib Figure."""
     # A Figure of its own, not pyplot: drawing must not switch the caller's matplotlib backend.
     from matplotlib import colormaps
     from matplotlib.figure import Figure
@@ -1069,11 +1070,15 @@ def plot_timeline(device_trace: DeviceTrace, report: Report, path: str | Path) -
     palette = colormaps["tab20"]
     names = list(dict.fromkeys(o.phase for o in report.occurrences))
     for occurrence, lane in zip(report.occurrences, lanes, strict=True):
-        x0, x1 = to_ms(occurrence.start), to_ms(occurrence.end)
+        # The part inside the window, where the label goes (centred on what is drawn).
+        x0 = max(to_ms(occurrence.start), 0.0)
+        x1 = min(to_ms(occurrence.end), window.duration / 1e3)
         color = palette(names.index(occurrence.phase) % 20)
         band.broken_barh([(x0, max(x1 - x0, 1e-6))], (lane + 0.1, 0.8), facecolors=color,
                          edgecolors="black", linewidth=0.3)
-        if (x1 - x0) > 0.0025 * len(occurrence.phase) * (window.duration / 1e3):  # fits
+        # A label only where it fits inside its box: a 6.5 pt character takes about 0.004 of
+        # the axis' width (a 16 in figure), and half a character of margin on each side.
+        if (x1 - x0) > 0.004 * (len(occurrence.phase) + 1) * (window.duration / 1e3):
             band.text((x0 + x1) / 2, lane + 0.5, occurrence.phase, ha="center", va="center",
                       fontsize=6.5, clip_on=True)
     band.set_ylim(n_lanes, 0) if n_lanes else band.set_ylim(1, 0)
@@ -1100,6 +1105,7 @@ def plot_timeline(device_trace: DeviceTrace, report: Report, path: str | Path) -
                    "compute", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
+    return fig
 
 
 def _lanes(occurrences: Sequence[Occurrence]) -> list[int]:

@@ -504,3 +504,42 @@ def test_cli_refuses_a_window_that_is_not_a_number_and_unwritable_outputs(tmp_pa
         err = capsys.readouterr().err
         assert f"error: {flag} {missing}: the folder" in err and "does not exist" in err
     assert trace_report.main([str(source), "--window-from=-1e9"]) == 0  # before the first kernel
+
+
+def test_timeline_labels_fit_inside_their_phases(tmp_path):
+    """Every phase label drawn lies inside its box and inside the axis, so none overlaps a
+    neighbour or the window's edge; boxes too narrow get none. Adjacent phases of every
+    width, one kernel each, the window starting inside the first."""
+    rng = np.random.default_rng()
+    events, start = [], 0.0
+    for i in range(40):
+        width = float(rng.choice([60.0, 400.0, 1200.0, 1400.0, 1700.0, 4000.0]))
+        events += [annotation(f"phase_{i % 7}({'FBW'[i % 3]})", start, width),
+                   launch(i + 1, start + 1), kernel("gemm", 7, start + 2, width - 4, corr=i + 1)]
+        start += width
+    trace = {"traceEvents": events}
+    device_trace = trace_report.extract(trace)
+    window = trace_report.resolve_window(device_trace, trace, start="30")
+    report = trace_report.analyze(device_trace, window)
+    assert len(report.occurrences) > 30
+    fig = trace_report.plot_timeline(device_trace, report, tmp_path / "t.png")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    band = fig.axes[0]
+    boxes = []  # each phase's box in display coordinates: (x0, x1, y0, y1)
+    for collection in band.collections:
+        for path in collection.get_paths():
+            xy = band.transData.transform(path.vertices)
+            boxes.append((xy[:, 0].min(), xy[:, 0].max(), xy[:, 1].min(), xy[:, 1].max()))
+    labels = [t for t in band.texts if t.get_text()]
+    assert labels, "no label drawn at all"
+    axis = band.get_window_extent(renderer)
+    for text in labels:
+        e = text.get_window_extent(renderer)
+        assert axis.x0 - 0.5 <= e.x0 and e.x1 <= axis.x1 + 0.5, (text.get_text(), e, axis)
+        inside = [b for b in boxes if b[0] - 0.5 <= e.x0 and e.x1 <= b[1] + 0.5
+                  and b[2] <= (e.y0 + e.y1) / 2 <= b[3]]
+        assert inside, f"label {text.get_text()!r} at {e} sticks out of its phase"
