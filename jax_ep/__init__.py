@@ -29,7 +29,8 @@ __version__ = "0.1.0"
 
 # Modules reached as attributes on first use (`jax_ep.pipeline`, `jax_ep.nn`, ...): importing
 # them here would slow `import jax_ep` (Flax) or run them twice under `python -m`.
-_ON_FIRST_USE = ("account", "bench", "nn", "perfmodel", "pipeline", "reference", "trace_report")
+_ON_FIRST_USE = ("account", "bench", "doctor", "nn", "perfmodel", "pipeline", "reference",
+                 "trace_report")
 
 
 def __getattr__(name: str):
@@ -57,6 +58,7 @@ __all__ = [
     "capacity_from_factor",
     "checked",
     "checks",
+    "doctor",
     "combine",
     "dispatch",
     "eplb",

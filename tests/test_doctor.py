@@ -1,0 +1,76 @@
+"""python -m jax_ep.doctor: on this CPU machine it passes; with GPU facts faked, each check
+fails where it should and names its fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from jax_ep import doctor
+from jax_ep.runtime import BufferConfig
+
+BUILD = {"ffi_api_version": "0.3", "cuda": True, "cuda_arch": "sm_90a",
+         "nvshmem_version": "3.4.5"}
+H100 = doctor.Device("gpu", "NVIDIA H100 80GB HBM3", (9, 0), 70 * 2**30)
+
+
+def facts(**changes) -> doctor.Facts:
+    base = doctor.Facts(jax_version="0.11.2", jaxlib_version="0.11.2",
+                        cuda_plugin="jax-cuda13-plugin 0.11.2", build=BUILD, build_error=None,
+                        devices=(H100,), process_count=1, variables={})
+    return dataclasses.replace(base, **changes)
+
+
+def by_name(checks):
+    return {c.name: c for c in checks}
+
+
+CONFIG = BufferConfig(num_ranks=1)
+
+
+def test_a_good_gpu_machine_passes_every_check():
+    checks = by_name(doctor.check_facts(facts(), CONFIG))
+    assert all(c.status == doctor.OK for c in checks.values()), checks
+    assert "compute capability 9.0; built for sm_90a" in checks["architectures (GPU 0)"].detail
+
+
+@pytest.mark.parametrize("change, name, fix", [
+    (dict(devices=(dataclasses.replace(H100, compute_capability=(8, 0)),)),
+     "architectures (GPU 0)", "rebuild for sm_80"),
+    (dict(devices=(dataclasses.replace(H100, compute_capability=(10, 0)),)),
+     "architectures (GPU 0)", "rebuild for sm_100"),
+    (dict(build={**BUILD, "cuda": False, "cuda_arch": None}), "CUDA kernels", "nvcc on PATH"),
+    (dict(cuda_plugin=None), "CUDA plugin", "jax[cuda13]"),
+    (dict(devices=(dataclasses.replace(H100, free_bytes=2**20),)), "device memory (GPU 0)",
+     "BufferConfig smaller"),
+    (dict(build=None, build_error="No module named 'jax_ep._ext'"), "extension", "pip install ."),
+    (dict(jax_version="0.9.0"), "jax", "jax>=0.10.2"),
+])
+def test_each_failure_names_its_fix(change, name, fix):
+    checks = by_name(doctor.check_facts(facts(**change), CONFIG))
+    assert checks[name].status == doctor.FAIL and fix in checks[name].fix, checks[name]
+
+
+def test_bad_variables_fail_with_the_variable_named(monkeypatch):
+    monkeypatch.setenv("JAX_EP_TIMEOUT_S", "soon")
+    check = by_name(doctor.check_facts(facts(variables={"JAX_EP_TIMEOUT_S": "soon"}),
+                                       CONFIG))["environment"]
+    assert check.status == doctor.FAIL and "$JAX_EP_TIMEOUT_S='soon'" in check.fix
+    assert "JAX_EP_TIMEOUT_S=soon" in check.detail
+
+
+def test_architecture_rules():
+    assert doctor._arch_runs("sm_90a", (9, 0)) and not doctor._arch_runs("sm_90a", (10, 0))
+    assert doctor._arch_runs("sm_80", (8, 6)) and not doctor._arch_runs("sm_80", (9, 0))
+    assert doctor._arch_runs("sm_100a", (10, 0)) and not doctor._arch_runs("sm_100a", (10, 3))
+
+
+def test_on_this_machine_it_runs_the_cpu_checks_and_exits_0():
+    proc = subprocess.run([sys.executable, "-m", "jax_ep.doctor", "--timeout", "120"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert "[skip] architectures: no GPU in this process" in proc.stdout
+    assert "0 failed" in proc.stdout and "self-test" in proc.stdout
