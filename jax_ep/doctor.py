@@ -255,7 +255,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds the self-test may take")
     args = parser.parse_args(argv)
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
     from jax_ep.runtime import BufferConfig
 
     facts = gather()
