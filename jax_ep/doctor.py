@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from importlib import metadata
 from typing import Any
 
 OK, SKIP, FAIL = "ok", "skip", "FAIL"
@@ -59,17 +60,12 @@ def gather() -> Facts:
     from jax_ep import _ffi
 
     plugin = None
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-
-        for name in ("jax-cuda13-plugin", "jax-cuda12-plugin"):
-            try:
-                plugin = f"{name} {version(name)}"
-                break
-            except PackageNotFoundError:
-                continue
-    except ImportError:  # pragma: no cover - always there on Python >= 3.8
-        pass
+    for name in ("jax-cuda13-plugin", "jax-cuda12-plugin"):
+        try:
+            plugin = f"{name} {metadata.version(name)}"
+            break
+        except metadata.PackageNotFoundError:
+            continue
     devices = []
     for d in jax.local_devices():
         capability = getattr(d, "compute_capability", None)
