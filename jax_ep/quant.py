@@ -102,7 +102,7 @@ def quantize(x: jax.Array, format: str, *, packed: bool = False) -> Quantized:
     finite = jnp.isfinite(amax)
     biased = jnp.where(finite, biased, NAN_EXPONENT).astype(jnp.uint8)
     # 1/scale = 2^(127 - e): a normal float32 for every e a finite block gets.
-    inverse = jax.lax.bitcast_convert_type((254 - biased.astype(jnp.int32)) << 23, jnp.float32)
+    inverse = _power_of_two(254 - biased.astype(jnp.int32))
     inverse = jnp.where(finite, inverse, jnp.float32(jnp.nan))
     scaled = blocks * inverse[..., None]
     if limit is not None:
