@@ -233,6 +233,27 @@ def test_eager_and_jit_agree():
         _assert_bitwise(a, b, "eager vs jit")
 
 
+@pytest.mark.parametrize("expert_major", [False, True])
+@pytest.mark.parametrize("num_ranks", [1, 2])
+def test_combine_sums_from_positive_zero(num_ranks, expert_major):
+    """A single term of -0.0 (a zero row times a negative weight, or a -0.0 row) sums from
+    +0.0 to +0.0 (docs/contract.md, "combine"), also where only one term is summed."""
+    T, H, E = 3, 8, num_ranks
+    idx = np.zeros((num_ranks, T, 1), np.int32)  # every token to expert 0 on rank 0
+    w = -np.ones((num_ranks, T, 1), np.float32)
+    x = np.zeros((num_ranks, T, H), np.float32)
+    x[:, :, H // 2:] = -0.0
+
+    def per_shard(x, idx, w):
+        recv, handle = jax_ep.dispatch(x, idx, w, num_experts=E, expert_major=expert_major)
+        weights = recv.topk_weights if expert_major else recv.topk_weights.sum(axis=1)
+        return (jax_ep.combine(recv.x, handle, topk_weights=weights),
+                jax_ep.combine(recv.x, handle))
+
+    for out in to_numpy(sharded(per_shard, num_ranks)(x, idx, w)):
+        assert not np.signbit(out).any(), out
+
+
 def test_expert_major_feeds_ragged_dot():
     """The expert-major rows and group sizes drive jax.lax.ragged_dot directly."""
     rng = np.random.default_rng()

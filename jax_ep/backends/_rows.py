@@ -31,9 +31,12 @@ def sum_in_order(count: int, term) -> jax.Array:
 
     The sum runs in a loop, so the additions stay in a computation of their own: XLA then
     cannot fuse a product computed outside into an addition as a fused multiply-add (which
-    rounds once instead of twice and would change the bits).
+    rounds once instead of twice and would change the bits). The start is hidden from XLA's
+    simplifier too, which would drop `0.0 + term(0)` when the loop runs once and so keep a
+    -0.0 that the sum from +0.0 turns into +0.0.
     """
     zero = jnp.zeros_like(term(0), jnp.float32)  # typed like the terms (shard_map varying axes)
+    zero = lax.optimization_barrier(zero)
     return lax.fori_loop(0, count, lambda i, acc: acc + term(i).astype(jnp.float32), zero)
 
 
