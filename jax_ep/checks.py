@@ -33,14 +33,16 @@ def invalid_ids(op: str, num_invalid: jax.Array, *, num_experts: int) -> None:
     )
 
 
-def overflow(op: str, needed: jax.Array, *, capacity: int, what: str, default: str) -> None:
+def overflow(op: str, needed: jax.Array, *, capacity: int, what: str, default: str,
+             at_least: bool = False) -> None:
     """Checks that this rank needed at most `capacity` rows (or entries); `default` says what
-    the default capacity holds, for the message."""
+    the default capacity holds, for the message; `at_least`: `needed` may be a lower bound."""
     needed = jnp.sum(needed)
+    bound = "at least " if at_least else ""
     checkify.debug_check(
         needed <= capacity,
-        f"{op}: capacity={capacity} is too small: this rank needs {{needed}} {what}, so "
-        f"{{dropped}} would be dropped. Pass capacity>={{needed}} ({default}), or "
+        f"{op}: capacity={capacity} is too small: this rank needs {bound}{{needed}} {what}, "
+        f"so {bound}{{dropped}} would be dropped. Pass capacity>={{needed}} ({default}), or "
         f"on_overflow='drop' to drop them and read the count in num_dropped.",
         needed=needed,
         dropped=needed - capacity,

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _checks, backends, checks, fp8, quant
+from jax_ep import _checks, alignment, backends, checks, fp8, quant
 from jax_ep.profile import scoped
 from jax_ep.structs import DispatchHandle, Received
 
@@ -113,6 +113,7 @@ def dispatch(
     capacity: int | None = None,
     capacity_factor: float | None = None,
     expert_major: bool = False,
+    expert_alignment: int | None = None,
     on_overflow: Literal["error", "drop"] = "error",
     on_invalid: Literal["error", "mask"] = "error",
     backend: str = "auto",
@@ -138,6 +139,12 @@ def dispatch(
         the default (see `capacity_from_factor`).
       expert_major: return one row per (token, local expert) choice grouped by expert, with
         `group_sizes` for `jax.lax.ragged_dot`, instead of one row per token.
+      expert_alignment: A (expert-major only): every local expert's entries start at a
+        multiple of A rows, `group_sizes` are rounded up to multiples of A (the padding rows
+        are zero, with topk_idx -1 and weight 0) and `tokens_per_expert` stays the real
+        counts. The capacity must be a multiple of A; the default (and a capacity_factor's)
+        grows by E/R*(A - 1) rows for the padding, rounded up to a multiple of A. Costs one
+        local pass over the received rows in dispatch and one in combine.
       on_overflow: what a rank that needs more than `capacity` does: it keeps the first
         `capacity` rows and reports the rest in `num_dropped` either way; "error" also
         records a check that `jax_ep.checks.checked` raises (free otherwise); "drop" does not.
@@ -171,16 +178,25 @@ def dispatch(
                              f"(a static value); got {capacity_factor!r}.")
     if not isinstance(expert_major, bool):
         raise TypeError(f"{op}: expert_major must be a bool; got {expert_major!r}.")
+    align = alignment.check(op, expert_alignment, expert_major)
     _checks.check_choice(op, "on_overflow", on_overflow, _checks.OVERFLOW_POLICIES)
     _checks.check_choice(op, "on_invalid", on_invalid, _checks.INVALID_POLICIES)
     placement = _checks.placement(op, num_sms, stream)
     # Rows (entries) a rank can need at most; a capacity that large never overflows.
     worst_case = num_ranks * num_tokens * (top_k if expert_major else 1)
+    default = default_capacity(num_ranks, num_tokens, top_k, num_experts, expert_major)
     if capacity_factor is not None:
         capacity = capacity_from_factor(
             float(capacity_factor), num_ranks=num_ranks, num_tokens=num_tokens, top_k=top_k,
             num_experts=num_experts, expert_major=expert_major)
-    default = default_capacity(num_ranks, num_tokens, top_k, num_experts, expert_major)
+    if align:  # room for the padding, in whole multiples of the alignment
+        def padded(rows):
+            return alignment.with_padding(rows, num_experts // num_ranks, align)
+
+        worst_case, default = padded(worst_case), padded(default)
+        if capacity_factor is not None:
+            capacity = padded(capacity)
+        alignment.check_capacity(op, capacity, align, default)
     if capacity is None:
         capacity = default
     row_bytes = data.shape[1] * data.dtype.itemsize
@@ -191,8 +207,11 @@ def dispatch(
             f"{capacity * row_bytes / 2**30:.1f} GiB per rank. Pass capacity<={worst_case}, "
             f"or leave it unset for the default ({default}).")
     if num_tokens == 0:  # nothing to send: the same empty results on every backend
-        return _as_sent(x, _no_tokens(data, scales, topk_idx, num_experts, num_ranks,
-                                      axis_name, capacity, expert_major))
+        received, handle = _no_tokens(data, scales, topk_idx, num_experts, num_ranks,
+                                      axis_name, capacity, expert_major)
+        if align:
+            received, handle = alignment.align(received, handle, align)
+        return _as_sent(x, (received, handle))
 
     config = _DispatchConfig(
         backend=backends.resolve(backend),
@@ -203,6 +222,9 @@ def dispatch(
         placement=placement,
     )
     received, handle, needed = _dispatch(config, data, scales, topk_idx, topk_weights)
+    if align:
+        needed = alignment.needed_rows(received, jnp.sum(needed), align)
+        received, handle = alignment.align(received, handle, align)
     if on_invalid == "error":
         checks.invalid_ids(op, received.num_invalid, num_experts=num_experts)
     if on_overflow == "error" and capacity < worst_case:
@@ -211,7 +233,12 @@ def dispatch(
         if expert_major:
             note = (f"the default, R*T*min(K, E/R) = {default}, holds every entry unless tokens "
                     f"choose the same expert more than once; R*T*K = {worst_case} always does")
-        checks.overflow(op, needed, capacity=capacity, what=what, default=note)
+        if align:
+            what = f"rows (expert entries and their padding to multiples of {align})"
+            note = (f"the default, {default}, holds every entry and its padding unless tokens "
+                    f"choose the same expert more than once; {worst_case} always does")
+        checks.overflow(op, needed, capacity=capacity, what=what, default=note,
+                        at_least=bool(align))
     return _as_sent(x, (received, handle))
 
 
@@ -344,6 +371,8 @@ def combine(
         )
     if handle.num_tokens == 0:  # a dispatch of no tokens: nothing comes home
         return jax.lax.full_like(y, 0, shape=(0, y.shape[1]))
+    if handle.alignment is not None:
+        y, topk_weights = alignment.unalign(y, topk_weights, handle)
     return _combine(backends.resolve(backend), placement, y, topk_weights, handle)
 
 

@@ -66,11 +66,13 @@ class Received:
       topk_idx: int32 local expert ids, [capacity, K] (rank-major) or [capacity]
         (expert-major, one entry per row); -1 where masked or past the count.
       topk_weights: float32, same shape as topk_idx; 0 where topk_idx is -1.
-      num_tokens: int32 [], rows (entries, when expert-major) kept.
+      num_tokens: int32 [], rows (entries, when expert-major) kept; with
+        `expert_alignment`, the rows in use, padding included (sum(group_sizes)).
       tokens_per_expert: int32 [E_local], kept choices per local expert.
       num_dropped: int32 [], rows (entries) that did not fit in the capacity.
       num_invalid: int32 [], ids outside [-1, E) in this rank's own topk_idx.
-      group_sizes: int32 [E_local] for expert-major (== tokens_per_expert), else None.
+      group_sizes: int32 [E_local] for expert-major (== tokens_per_expert; with
+        `expert_alignment`, each rounded up to a multiple of it), else None.
     """
 
     x: jax.Array
@@ -115,6 +117,22 @@ class RaggedRows:
 
 
 @_pytree
+class AlignedEntries:
+    """Where `jax_ep.alignment` moved a dispatch's expert-major entries.
+
+    Attributes:
+      rows: int32 [capacity], the unaligned entry in each aligned row, -1 in the padding.
+      entries: int32 [capacity], the aligned row of each unaligned entry, -1 where the
+        alignment did not keep it (or past the count).
+      alignment: A, the multiple every local expert's entries start at.
+    """
+
+    rows: jax.Array
+    entries: jax.Array
+    alignment: int = static()
+
+
+@_pytree
 class DispatchHandle:
     """Everything combine (and the backward passes) need to undo a dispatch.
 
@@ -132,6 +150,8 @@ class DispatchHandle:
       ragged: the rows' layout when the portable backend's ragged transport moved them, else
         None. Its expert-major rows are only those that hold a kept entry, so there
         N = min(capacity, R*T).
+      alignment: where `expert_alignment` moved the entries (then entry_row, entry_choice
+        and row_entries describe the unaligned layout it started from), else None.
     """
 
     topk_idx: jax.Array
@@ -146,6 +166,7 @@ class DispatchHandle:
     expert_major: bool = static()
     axis_name: str = static()
     ragged: RaggedRows | None = None
+    alignment: AlignedEntries | None = None
 
     @property
     def num_tokens(self) -> int:

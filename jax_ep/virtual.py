@@ -19,10 +19,12 @@ cotangents, dispatch with the handle) and are differentiable through `jax_ep.dis
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _checks, _exchange_ffi, _ffi, fp8
+from jax_ep import _checks, _exchange_ffi, _ffi, alignment, fp8
 from jax_ep.backends import xla
 from jax_ep.dispatch import _no_tokens, default_capacity
 from jax_ep.structs import (
@@ -100,6 +102,7 @@ def dispatch(
     num_experts: int,
     capacity: int | None = None,
     expert_major: bool = False,
+    expert_alignment: int | None = None,
     backend: str = "cuda",
     num_sms: int | None = None,
 ) -> tuple[Received, DispatchHandle]:
@@ -108,7 +111,7 @@ def dispatch(
     Args:
       x: [R, T, H] (any float dtype), or the FP8 pair `(x_fp8 [R, T, H], scales [R, T, H/128])`.
       topk_idx: int32 [R, T, K]; topk_weights: float32 [R, T, K].
-      num_experts, capacity, expert_major: as in `jax_ep.dispatch`.
+      num_experts, capacity, expert_major, expert_alignment: as in `jax_ep.dispatch`.
       backend: "cuda" (our kernels) or "xla" (the portable implementation under vmap).
       num_sms: the SMs each kernel launch may take (None: every SM).
 
@@ -134,10 +137,25 @@ def dispatch(
                         expect=f"float32 [R, T, K] = [{num_ranks}, {num_tokens}, {top_k}]")
     _checks.check_positive_int(op, "capacity", capacity, allow_none=True)
     placement = _checks.placement(op, num_sms, None)
-    if capacity is None:
-        capacity = default_capacity(num_ranks, num_tokens, top_k, num_experts, expert_major)
+    align = alignment.check(op, expert_alignment, expert_major)
+    default = default_capacity(num_ranks, num_tokens, top_k, num_experts, expert_major)
+    if align:
+        default = alignment.with_padding(default, num_experts // num_ranks, align)
+        alignment.check_capacity(op, capacity, align, default)
+    capacity = default if capacity is None else capacity
     name = _backend(op, backend)
-    if num_tokens == 0:  # nothing to send: the per-shard op's empty results, every rank
+    received, handle = _dispatch(name, data, scales, topk_idx, topk_weights, num_experts,
+                                 capacity, expert_major, placement)
+    if align:
+        received, handle = jax.vmap(partial(alignment.align, alignment=align))(received, handle)
+    return received, handle
+
+
+def _dispatch(name, data, scales, topk_idx, topk_weights, num_experts, capacity, expert_major,
+              placement):
+    """The unaligned results of `dispatch`, every rank's."""
+    num_ranks = topk_idx.shape[0]
+    if topk_idx.shape[1] == 0:  # nothing to send: the per-shard op's empty results, every rank
         return jax.vmap(lambda xs, ss, idx: _no_tokens(
             xs, ss, idx, num_experts, num_ranks, AXIS, capacity, expert_major))(
                 data, scales, topk_idx)
@@ -150,12 +168,11 @@ def dispatch(
 
         return jax.vmap(run, axis_name=AXIS, axis_size=num_ranks)(data, scales, topk_idx,
                                                                   topk_weights)
-    R = topk_idx.shape[0]
-    out = _exchange_ffi.dispatch(data, scales, topk_idx, topk_weights, num_ranks=R,
+    out = _exchange_ffi.dispatch(data, scales, topk_idx, topk_weights, num_ranks=num_ranks,
                                  num_experts=num_experts, capacity=capacity,
                                  expert_major=expert_major, placement=placement)
     return _exchange_ffi.received_and_handle(
-        out, num_ranks=R, num_experts=num_experts, capacity=capacity,
+        out, num_ranks=num_ranks, num_experts=num_experts, capacity=capacity,
         expert_major=expert_major, axis_name=AXIS)
 
 
@@ -177,6 +194,8 @@ def combine(y, handle: DispatchHandle, *, topk_weights=None, backend: str = "cud
     name = _backend(op, backend)
     if handle.topk_idx.shape[1] == 0:  # a dispatch of no tokens: nothing comes home
         return jax.lax.full_like(y, 0, shape=(R, 0, y.shape[2]))
+    if handle.alignment is not None:
+        y, topk_weights = jax.vmap(alignment.unalign)(y, topk_weights, handle)
     if name == "xla":
         return jax.vmap(xla.combine, axis_name=AXIS, axis_size=R)(y, topk_weights, handle)
     if y.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):

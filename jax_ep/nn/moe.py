@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import _checks, backends, eplb, fp8
+from jax_ep import _checks, alignment, backends, eplb, fp8
 from jax_ep.nn import router as routing
 from jax_ep.nn.router import RouterConfig
 from jax_ep.overlap import Comm, Compute
@@ -127,7 +127,9 @@ def _dispatch_fp8_bwd(options, residuals, cotangents):
     d_x = jax_ep.combine(d_rows, handle, backend=backend, num_sms=num_sms, stream=stream)
     to_sources = backends.function(backend, "dispatch", "weights_to_sources",
                                    placement=backends.Placement(num_sms, stream))
-    return d_x, to_sources(d_received.topk_weights, received_idx, handle), None
+    d_weights = alignment.unaligned(d_received.topk_weights, handle)
+    received_idx = alignment.unaligned(received_idx, handle, fill=-1)
+    return d_x, to_sources(d_weights, received_idx, handle), None
 
 
 _dispatch_fp8.defvjp(_dispatch_fp8_fwd, _dispatch_fp8_bwd)
@@ -156,6 +158,8 @@ class MoE(nnx.Module):
       capacity_factor: instead of `capacity`, a multiple of the entries a device receives on
         average under uniform routing (T*K for T tokens per device; see
         `jax_ep.capacity_from_factor`).
+      expert_alignment: start every local expert's rows at a multiple of this many rows (as
+        grouped GEMM kernels want; see `jax_ep.dispatch`); None: packed.
       fp8_dispatch: send the tokens to the experts as float8_e4m3fn (one scale per 128
         channels; H a multiple of 128); gradients still travel in the model's dtype.
       bias_rate: step of the auxiliary-loss-free bias update.
@@ -185,7 +189,7 @@ class MoE(nnx.Module):
 
     def __init__(self, hidden: int, ffn_hidden: int, router: RouterConfig, *, mesh: Mesh,
                  ep_axis: str = "ep", num_shared_experts: int = 0, capacity: int | None = None,
-                 capacity_factor: float | None = None,
+                 capacity_factor: float | None = None, expert_alignment: int | None = None,
                  fp8_dispatch: bool = False, bias_rate: float = 1e-3, overlap: bool = False,
                  redundant_experts: int = 0, num_nodes: int = 1,
                  backend: Literal["auto", "xla", "cuda"] = "auto",
@@ -204,7 +208,7 @@ class MoE(nnx.Module):
         E, H, F = router.num_experts, hidden, ffn_hidden
         self.config = router
         self.mesh, self.ep_axis, self.capacity = mesh, ep_axis, capacity
-        self.capacity_factor = capacity_factor
+        self.capacity_factor, self.expert_alignment = capacity_factor, expert_alignment
         self.bias_rate, self.backend, self.fp8_dispatch = bias_rate, backend, fp8_dispatch
         self.overlap, self.num_sms = overlap, num_sms
         self.dtype, self.param_dtype = dtype, param_dtype
@@ -288,6 +292,7 @@ class MoE(nnx.Module):
             log2phy, logcnt = maps if maps else (None, None)
             options = (("num_experts", num_physical), ("axis_name", ep),
                        ("capacity", self.capacity), ("capacity_factor", self.capacity_factor),
+                       ("expert_alignment", self.expert_alignment),
                        ("on_overflow", "drop"),
                        ("backend", backends.resolve(self.backend)), ("num_sms", self.num_sms),
                        ("stream", stream))
