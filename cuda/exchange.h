@@ -34,6 +34,7 @@
 #include "cuda/meter.h"
 #include "cuda/numerics.h"
 #include "cuda/routing.h"
+#include "cuda/wire.h"
 
 namespace jax_ep {
 
@@ -1298,22 +1299,25 @@ JAX_EP_HOST_DEVICE void combine_token_entries(const CombineArgs<T>& a, const Pee
 // Low-latency rows are split into column segments, one warp each: at decode sizes a rank's
 // tokens alone are too few warps to fill a GPU (T = 128: 128 warps, where an H100 wants 528),
 // so a row is cut into segments of whole 128-channel blocks, enough that T tokens give
-// kLlWarps warps per rank. ll_segment_cols: the columns of each segment but the last.
+// kLlWarps warps per rank. ll_segment_cols: the columns of each segment but the last. An
+// nvfp4 row is one segment: its global scale needs the whole row's amax.
 constexpr int kLlWarps = 1024;
-JAX_EP_HOST_DEVICE int ll_segment_cols(int num_tokens, int hidden) {
-  if (hidden % kFp8Block != 0 || num_tokens <= 0) return hidden > 0 ? hidden : 1;
+JAX_EP_HOST_DEVICE int ll_segment_cols(int num_tokens, int hidden, int wire = kWireBf16) {
+  if (hidden % kFp8Block != 0 || num_tokens <= 0 || wire == kWireNvfp4) {
+    return hidden > 0 ? hidden : 1;
+  }
   const int blocks = hidden / kFp8Block;
   const int wanted = (kLlWarps + num_tokens - 1) / num_tokens;
   const int segments = wanted < blocks ? wanted : blocks;
   return (blocks + segments - 1) / segments * kFp8Block;
 }
-JAX_EP_HOST_DEVICE int ll_segments(int num_tokens, int hidden) {
-  const int cols = ll_segment_cols(num_tokens, hidden);
+JAX_EP_HOST_DEVICE int ll_segments(int num_tokens, int hidden, int wire = kWireBf16) {
+  const int cols = ll_segment_cols(num_tokens, hidden, wire);
   return (hidden + cols - 1) / cols;
 }
 // Items of a low-latency phase over rows: every segment of every token of a rank.
-JAX_EP_HOST_DEVICE int64_t ll_row_items(int num_tokens, int hidden) {
-  return static_cast<int64_t>(num_tokens) * ll_segments(num_tokens, hidden);
+JAX_EP_HOST_DEVICE int64_t ll_row_items(int num_tokens, int hidden, int wire = kWireBf16) {
+  return static_cast<int64_t>(num_tokens) * ll_segments(num_tokens, hidden, wire);
 }
 
 // The send numbers its own messages, with no count launch before it, when a source's slots
@@ -1330,7 +1334,7 @@ JAX_EP_HOST_DEVICE bool ll_counts_in_send(bool own_slots, int num_tokens, int to
 
 struct LowLatencyArgs {
   int num_ranks, num_tokens, top_k, num_experts, hidden;
-  bool use_fp8;
+  int wire;                  // the rows' wire format (cuda/wire.h)
   const Bf16* x;             // [R, T, H]
   const int32_t* topk_idx;   // [R, T, K]
   int32_t* clean_idx;        // [R, T, K]
@@ -1344,11 +1348,11 @@ struct LowLatencyArgs {
   int32_t* chunk_counts;
   int chunk_shift, num_chunks;  // as DispatchArgs'
   int32_t* slot_offset;      // [R, T, K] rank of (t, k) among its chunk's messages to its expert
-  void* recv_x;              // [R, E/R, R*T, H] bf16 or e4m3 bytes
-  float* recv_scales;        // [R, E/R, R*T, H/128] (FP8)
+  void* recv_x;              // [R, E/R, R*T, data bytes of a row] (wire_data_bytes)
+  float* recv_scales;        // [R, E/R, R*T, scale words of a row] (wire_scale_words)
   int32_t* src_row;          // [R(expert side), R(source), T, K]
-  // Put views: the send area in this rank's symmetric buffer, [T, H] payload bytes and
-  // [T, H/128] scales, where ll_stage puts each token's row once for the send's puts to read.
+  // Put views: the send area in this rank's symmetric buffer, [T, data bytes] and [T, scale
+  // words], where ll_stage puts each token's row once for the send's puts to read.
   char* send_x = nullptr;
   float* send_scales = nullptr;
   // XLA's results when recv_x, recv_scales and src_row are in the symmetric buffer (between
@@ -1369,7 +1373,8 @@ struct LowLatencyArgs {
 
   JAX_EP_HOST_DEVICE int experts_per_rank() const { return num_experts / num_ranks; }
   JAX_EP_HOST_DEVICE int64_t slots() const { return static_cast<int64_t>(num_ranks) * num_tokens; }
-  JAX_EP_HOST_DEVICE int64_t row_bytes() const { return use_fp8 ? hidden : 2 * hidden; }
+  JAX_EP_HOST_DEVICE int64_t row_bytes() const { return wire_data_bytes(wire, hidden); }
+  JAX_EP_HOST_DEVICE int64_t scale_words() const { return wire_scale_words(wire, hidden); }
   JAX_EP_HOST_DEVICE bool counts_in_send() const {
     return ll_counts_in_send(per_source_slots || num_ranks == 1, num_tokens, top_k);
   }
@@ -1440,10 +1445,9 @@ JAX_EP_HOST_DEVICE int32_t ll_slot(const LowLatencyArgs& a, int s, int e, int32_
   return a.per_source_slots ? s * a.num_tokens + offset : ll_compact_slot(a, s, e, offset);
 }
 
-// The FP8 cast, in parts of 8 channels (16 bytes of bfloat16 in, 8 bytes of e4m3 out): the 16
-// parts of a 128-channel block share its amax.
+// The cast to a wire format (cuda/wire.h), in parts of 8 channels (16 bytes of bfloat16 in; 8
+// bytes of e4m3, or 4 of e2m1, out): a block's parts (16, 4 or 2) share its amax.
 constexpr int kCastChannels = 8;
-constexpr int kCastParts = kFp8Block / kCastChannels;
 struct alignas(8) CastWord {
   uint32_t v[2];
 };
@@ -1454,75 +1458,168 @@ JAX_EP_HOST_DEVICE float larger_abs(float amax, float v) {
   return m > amax || m != m ? m : amax;
 }
 
-// Channel i of a part held as a word of bfloat16 bits.
+// Channel i of a part held as a word of bfloat16 bits, as the format reads it (every format
+// but e4m3 reads magnitudes below 2^-126 as zero).
+template <int kWire>
 JAX_EP_HOST_DEVICE float part_channel(const Word& part, int i) {
   const uint32_t pair = part.v[i / 2];
-  return to_float(Bf16{static_cast<uint16_t>(i % 2 ? pair >> 16 : pair & 0xffffu)});
+  const float v = to_float(Bf16{static_cast<uint16_t>(i % 2 ? pair >> 16 : pair & 0xffffu)});
+  return kWire == kWireE4m3 ? v : flush_tiny(v);
 }
 
-// Writes `channels` (whole 128-channel blocks) of token row x, cast to FP8 by the contract's
-// rule once, with their scales, to every slot of the fans (and empties them). Lane `lane`
-// casts the parts lane, lane + lanes, ...: one 16-byte load, and one 8-byte store to each
-// slot. A block's amax comes, on the GPU, from the 16 lanes that hold its parts (shuffles;
-// lanes is 32, so a block's parts are in one half of the warp) and, on the CPU, from reading
-// the whole block: the same maximum.
+// The 16-byte part `part` of the bfloat16 row x (zeros where invalid).
+JAX_EP_HOST_DEVICE Word load_part(const Bf16* x, int part, bool valid, bool aligned) {
+  const Bf16* channels = x + static_cast<int64_t>(part) * kCastChannels;
+  Word v = {};
+  if (valid && aligned) {
+    v = *reinterpret_cast<const Word*>(channels);
+  } else if (valid) {
+    JAX_EP_UNROLL for (int i = 0; i < kCastChannels; ++i) {
+      v.v[i / 2] |= static_cast<uint32_t>(channels[i].bits) << (i % 2 * 16);
+    }
+  }
+  return v;
+}
+
+// The amax of the `group` consecutive parts (a power of two dividing 32, aligned) that hold
+// lane's part: on the GPU from those lanes (shuffles), on the CPU (lanes run one after
+// another) by reading the group's channels from x: the same maximum.
+template <int kWire>
+JAX_EP_HOST_DEVICE float group_amax(const Bf16* x, const Word& v, int part, int group,
+                                    bool valid) {
+  float amax = 0.0f;
+#if defined(__CUDA_ARCH__)
+  (void)x, (void)part, (void)valid;
+  JAX_EP_UNROLL for (int i = 0; i < kCastChannels; ++i) {
+    amax = larger_abs(amax, part_channel<kWire>(v, i));
+  }
+  for (int offset = group / 2; offset > 0; offset /= 2) {
+    amax = larger_abs(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  }
+#else
+  (void)v;
+  const int first = part / group * group;
+  for (int p = first; valid && p < first + group; ++p) {
+    const Word w = load_part(x, p, true, false);
+    for (int i = 0; i < kCastChannels; ++i) amax = larger_abs(amax, part_channel<kWire>(w, i));
+  }
+#endif
+  return amax;
+}
+
+// nvfp4: the amax of the whole row of `parts` parts, in every lane.
+JAX_EP_HOST_DEVICE float row_amax(const Bf16* x, int parts, bool aligned, int lane, int lanes) {
+  float amax = 0.0f;
+#if defined(__CUDA_ARCH__)
+  for (int part = lane; part < parts; part += lanes) {
+    const Word v = load_part(x, part, true, aligned);
+    JAX_EP_UNROLL for (int i = 0; i < kCastChannels; ++i) {
+      amax = larger_abs(amax, part_channel<kWireNvfp4>(v, i));
+    }
+  }
+  JAX_EP_UNROLL for (int offset = 16; offset > 0; offset /= 2) {
+    amax = larger_abs(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  }
+#else
+  (void)aligned, (void)lane, (void)lanes;
+  for (int part = 0; part < parts; ++part) {
+    const Word v = load_part(x, part, true, false);
+    for (int i = 0; i < kCastChannels; ++i) {
+      amax = larger_abs(amax, part_channel<kWireNvfp4>(v, i));
+    }
+  }
+#endif
+  return amax;
+}
+
+// Writes `channels` (whole blocks) of token row x, cast to the wire format kWire once, to
+// every slot of the fans (and empties them): the data to `rows`, each block's scale to
+// `scales` (the segment's first scale byte in each row's other bytes), and, where the segment
+// ends the row, the row's `tail` bytes after its scales (nvfp4's global scale, then zero
+// padding to a whole word). Lane `lane` casts the parts lane, lane + lanes, ...: one 16-byte
+// load, and one store to each slot.
+template <int kWire>
 JAX_EP_HOST_DEVICE void ll_cast_rows(const Bf16* x, int64_t channels, Fan<char>& rows,
-                                     Fan<float>& scales, int lane, int lanes) {
+                                     Fan<char>& scales, int tail, int lane, int lanes) {
   const int n = rows.size();
   if (n == 0) return;
   fan_sync();
   const bool aligned = ((rows.address_bits() | reinterpret_cast<uintptr_t>(x)) & 15u) == 0;
   const int64_t H = channels;
-  if (lane == 0) meter_rows(2 * H, n * (H + H / kFp8Block * 4));
+  const int block = wire_block(kWire), group = block / kCastChannels;
+  const int scale_bytes = wire_scale_bytes(kWire);
+  if (lane == 0) {  // an nvfp4 row is read twice: its amax first
+    meter_rows((kWire == kWireNvfp4 ? 4 : 2) * H,
+               n * (wire_data_bytes(kWire, H) + H / block * scale_bytes + tail));
+  }
   const int parts = static_cast<int>(H / kCastChannels);
+  Nvfp4Row row{1.0f, 0.0f, true};
+  if (kWire == kWireNvfp4) row = nvfp4_row(row_amax(x, parts, aligned, lane, lanes));
   for (int first = 0; first < parts; first += lanes) {  // the same trips in every lane
     const int part = first + lane;
     const bool valid = part < parts;
-    const Bf16* channels = x + static_cast<int64_t>(part) * kCastChannels;
-    Word v = {};
-    if (valid && aligned) {
-      v = *reinterpret_cast<const Word*>(channels);
-    } else if (valid) {
-      JAX_EP_UNROLL for (int i = 0; i < kCastChannels; ++i) {
-        v.v[i / 2] |= static_cast<uint32_t>(channels[i].bits) << (i % 2 * 16);
-      }
-    }
-    float amax = 0.0f;
-#if defined(__CUDA_ARCH__)
-    JAX_EP_UNROLL for (int i = 0; i < kCastChannels; ++i) {
-      amax = larger_abs(amax, part_channel(v, i));
-    }
-    JAX_EP_UNROLL for (int offset = kCastParts / 2; offset > 0; offset /= 2) {
-      amax = larger_abs(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    }
-#else
-    const Bf16* block = x + static_cast<int64_t>(part / kCastParts) * kFp8Block;
-    for (int i = 0; valid && i < kFp8Block; ++i) amax = larger_abs(amax, to_float(block[i]));
-#endif
+    const Word v = load_part(x, part, valid, aligned);
+    const float amax = group_amax<kWire>(x, v, part, group, valid);
     if (!valid) continue;
-    const float scale = fp8_scale(amax);
-    const float inv = reciprocal_rn(scale);
-    CastWord word;
-    JAX_EP_UNROLL for (int q = 0; q < 2; ++q) {
-      uint32_t packed = 0;
-      JAX_EP_UNROLL for (int byte = 0; byte < 4; ++byte) {
-        const uint32_t e = to_e4m3(mul_rn(part_channel(v, 4 * q + byte), inv));
-        packed |= e << (8 * byte);
+    // The block's scale bytes (little-endian), and the part's bytes out.
+    uint32_t scale = 0;
+    CastWord word = {};
+    if (kWire == kWireNvfp4) {
+      const Nvfp4Block b = nvfp4_block(amax, row);
+      scale = b.scale;
+      JAX_EP_UNROLL for (int i = 0; i < kCastChannels; ++i) {
+        word.v[0] |= nvfp4_element(part_channel<kWire>(v, i), b.inverse) << (4 * i);
       }
-      word.v[q] = packed;
+    } else {
+      float inv = 0.0f;
+      bool finite = true;
+      if (kWire == kWireE4m3) {
+        const float s = fp8_scale(amax);
+        scale = float_bits(s);
+        inv = reciprocal_rn(s);
+      } else {
+        scale = e8m0_scale(kWire, amax);
+        finite = scale != kE8m0Nan;
+        inv = e8m0_inverse(static_cast<uint8_t>(scale));
+      }
+      JAX_EP_UNROLL for (int i = 0; i < kCastChannels; ++i) {
+        float e = mul_rn(part_channel<kWire>(v, i), inv);
+        if (kWire == kWireMxfp8) e = e < -448.0f ? -448.0f : e > 448.0f ? 448.0f : e;
+        const uint32_t code = finite ? to_e4m3(e) : kE4m3Nan;
+        word.v[i / 4] |= code << (8 * (i % 4));
+      }
     }
-    const int64_t at = static_cast<int64_t>(part) * kCastChannels;
+    const int out = kWire == kWireNvfp4 ? 4 : 8;  // bytes of a part
+    const int64_t at = static_cast<int64_t>(part) * out;
     for (int j = 0; j < n; ++j) {
-      if (aligned) {
+      if (aligned && out == 8) {
         *reinterpret_cast<CastWord*>(rows[j] + at) = word;
-        continue;
-      }
-      for (int byte = 0; byte < kCastChannels; ++byte) {
-        rows[j][at + byte] = static_cast<char>(word.v[byte / 4] >> (8 * (byte % 4)));
+      } else if (aligned) {
+        *reinterpret_cast<uint32_t*>(rows[j] + at) = word.v[0];
+      } else {
+        for (int b = 0; b < out; ++b) {
+          rows[j][at + b] = static_cast<char>(word.v[b / 4] >> (8 * (b % 4)));
+        }
       }
     }
-    if (part % kCastParts == 0) {
-      for (int j = 0; j < n; ++j) scales[j][part / kCastParts] = scale;
+    if (part % group == 0) {  // e4m3's float32 scales lie on whole words
+      const int64_t s = static_cast<int64_t>(part / group) * scale_bytes;
+      for (int j = 0; j < n; ++j) {
+        if (scale_bytes == 4) {
+          *reinterpret_cast<uint32_t*>(scales[j] + s) = scale;
+        } else {
+          scales[j][s] = static_cast<char>(scale);
+        }
+      }
+    }
+    if (part == parts - 1 && tail > 0) {  // the row's last bytes: nvfp4's global scale, zeros
+      const int64_t s = static_cast<int64_t>(parts / group) * scale_bytes;
+      const uint32_t g = kWire != kWireNvfp4 ? 0u : row.finite ? float_bits(row.g) : 0x7fc00000u;
+      for (int j = 0; j < n; ++j) {
+        for (int b = 0; b < tail; ++b) {
+          scales[j][s + b] = static_cast<char>(b < 4 ? g >> (8 * b) : 0);
+        }
+      }
     }
   }
   fan_sync();  // every lane read the tables before they are filled again
@@ -1530,21 +1627,35 @@ JAX_EP_HOST_DEVICE void ll_cast_rows(const Bf16* x, int64_t channels, Fan<char>&
   scales.clear();
 }
 
-// Columns [first, first + n) (a segment, ll_segment_cols) of a low-latency row: where they
-// start in a message's bytes and in its scales, and their bytes.
+// Columns [first, first + n) (a segment, ll_segment_cols) of a low-latency row in the wire
+// format `wire`: where they start in a message's data bytes and in its other bytes, and how
+// many bytes they take; the segment that ends the row also takes the row's tail (after the
+// block scales: nvfp4's global scale and the padding to a whole word).
 struct LlSegment {
-  int first, n;
-  JAX_EP_HOST_DEVICE int64_t byte(bool fp8) const { return fp8 ? first : 2 * first; }
-  JAX_EP_HOST_DEVICE int64_t bytes(bool fp8) const { return fp8 ? n : 2 * n; }
-  JAX_EP_HOST_DEVICE int64_t scale() const { return first / kFp8Block; }
-  JAX_EP_HOST_DEVICE int64_t scales() const { return n / kFp8Block; }
+  int first, n, wire, hidden;
+  JAX_EP_HOST_DEVICE bool last() const { return first + n == hidden; }
+  JAX_EP_HOST_DEVICE int64_t byte() const { return wire_data_bytes(wire, first); }
+  JAX_EP_HOST_DEVICE int64_t bytes() const { return wire_data_bytes(wire, n); }
+  JAX_EP_HOST_DEVICE int64_t scale_byte() const {
+    return first / wire_block(wire) * wire_scale_bytes(wire);
+  }
+  JAX_EP_HOST_DEVICE int tail() const {
+    if (!last()) return 0;
+    return static_cast<int>(wire_scale_words(wire, hidden) * 4 -
+                            hidden / wire_block(wire) * wire_scale_bytes(wire));
+  }
+  JAX_EP_HOST_DEVICE int64_t scale_bytes() const {
+    return n / wire_block(wire) * wire_scale_bytes(wire) + tail();
+  }
 };
 // Item t * segments + g of a low-latency phase over rows: its token t and segment g.
-JAX_EP_HOST_DEVICE LlSegment ll_segment(int num_tokens, int hidden, int64_t item, int* t) {
-  const int cols = ll_segment_cols(num_tokens, hidden), segments = (hidden + cols - 1) / cols;
+JAX_EP_HOST_DEVICE LlSegment ll_segment(int num_tokens, int hidden, int64_t item, int* t,
+                                        int wire = kWireBf16) {
+  const int cols = ll_segment_cols(num_tokens, hidden, wire);
+  const int segments = (hidden + cols - 1) / cols;
   *t = static_cast<int>(item / segments);
   const int first = static_cast<int>(item % segments) * cols;
-  return LlSegment{first, hidden - first < cols ? hidden - first : cols};
+  return LlSegment{first, hidden - first < cols ? hidden - first : cols, wire, hidden};
 }
 
 // The slot offsets of a token's messages, one per choice k (-1: choice k sends nothing:
@@ -1634,15 +1745,17 @@ JAX_EP_HOST_DEVICE void ll_choice_slots(const LowLatencyArgs& a, int s, int t, b
 // offsets, `x`: the segment's first column of its row): once to each expert it chose, as
 // bf16 or cast to FP8 (one loop nest per case: in one, the two cases hold more registers). A
 // put view sends, instead, the segment ll_stage left in the send area, one put per message.
-template <bool kFp8, typename Peers>
+template <int kWire, typename Peers>
 JAX_EP_HOST_DEVICE void ll_send_rows(const LowLatencyArgs& a, const Peers& peers, int s, int t,
                                      const int32_t* ids, const ChoiceSlots& slots,
                                      const Bf16* x, const LlSegment& seg, int lane, int lanes) {
-  const int K = a.top_k, El = a.experts_per_rank(), S = a.hidden / kFp8Block;
-  const int64_t all_slots = a.slots(), row_bytes = a.row_bytes();
-  // The segment's first byte and scale in every row (pointers that only Peers::at moves).
-  char* const recv_x = static_cast<char*>(a.recv_x) + seg.byte(kFp8);
-  float* const recv_scales = kFp8 ? a.recv_scales + seg.scale() : nullptr;
+  const int K = a.top_k, El = a.experts_per_rank();
+  const int64_t all_slots = a.slots(), row_bytes = wire_data_bytes(kWire, a.hidden);
+  const int64_t scale_row = 4 * wire_scale_words(kWire, a.hidden);
+  // The segment's first byte and scale byte in every row (pointers that only Peers::at moves).
+  char* const recv_x = static_cast<char*>(a.recv_x) + seg.byte();
+  char* const recv_scales =
+      kWire == kWireBf16 ? nullptr : reinterpret_cast<char*>(a.recv_scales) + seg.scale_byte();
   // The slot of expert e's rank that message k goes to.
   auto slot_row = [&](int32_t e, int k) {
     return static_cast<int64_t>(e % El) * all_slots + ll_slot(a, s, e, slots[k]);
@@ -1653,16 +1766,17 @@ JAX_EP_HOST_DEVICE void ll_send_rows(const LowLatencyArgs& a, const Peers& peers
       if (slots[k] < 0) continue;
       const int32_t e = ids[k];
       const int64_t row = slot_row(e, k);
-      peers.put(recv_x + row * row_bytes, e / El, a.send_x + here * row_bytes + seg.byte(kFp8),
-                seg.bytes(kFp8), lane, lanes);
-      if (kFp8) {
-        peers.put(recv_scales + row * S, e / El, a.send_scales + here * S + seg.scale(),
-                  seg.scales() * 4, lane, lanes);
+      peers.put(recv_x + row * row_bytes, e / El, a.send_x + here * row_bytes + seg.byte(),
+                seg.bytes(), lane, lanes);
+      if (kWire != kWireBf16) {
+        peers.put(recv_scales + row * scale_row, e / El,
+                  reinterpret_cast<char*>(a.send_scales) + here * scale_row + seg.scale_byte(),
+                  seg.scale_bytes(), lane, lanes);
       }
     }
   } else {
     Fan<char> rows(0);
-    Fan<float> scales(1);
+    Fan<char> scales(1);
     for (int k = 0; k < K;) {
       for (; k < K && !rows.full(); ++k) {
         if (slots[k] < 0) continue;
@@ -1670,37 +1784,40 @@ JAX_EP_HOST_DEVICE void ll_send_rows(const LowLatencyArgs& a, const Peers& peers
         const int d = e / El;
         const int64_t row = slot_row(e, k);
         rows.add(peers.at(recv_x, El * all_slots * row_bytes, d) + row * row_bytes);
-        if (kFp8) scales.add(peers.at(recv_scales, El * all_slots * S, d) + row * S);
+        if (kWire != kWireBf16) {
+          scales.add(peers.at(recv_scales, El * all_slots * scale_row, d) + row * scale_row);
+        }
       }
-      if (kFp8) {
-        ll_cast_rows(x, seg.n, rows, scales, lane, lanes);
+      if constexpr (kWire != kWireBf16) {
+        ll_cast_rows<kWire>(x, seg.n, rows, scales, seg.tail(), lane, lanes);
       } else {
-        fan_out_row(rows, x, seg.bytes(false), lane, lanes);
+        fan_out_row(rows, x, seg.bytes(), lane, lanes);
       }
     }
   }
 }
 
 // Put views, the stage before the send, items (s, t * segments + g): segment g of token t's
-// row, as bf16 or cast to FP8 with its scales, once into this rank's send area, where the
-// send's puts read it. A put's source must lie in the symmetric buffer (RDMA reads it there),
-// and it is finished a launch before the puts, so that every lane of a put reads a whole
-// segment, on the GPU as on the CPU's emulated lanes (which run one after another).
-template <bool kFp8>
+// row, as bf16 or cast to its wire format with its scales, once into this rank's send area,
+// where the send's puts read it. A put's source must lie in the symmetric buffer (RDMA reads
+// it there), and it is finished a launch before the puts, so that every lane of a put reads a
+// whole segment, on the GPU as on the CPU's emulated lanes (which run one after another).
+template <int kWire>
 JAX_EP_HOST_DEVICE void ll_stage(const LowLatencyArgs& a, int s, int64_t item, int lane,
                                  int lanes) {
   int t = 0;
-  const LlSegment seg = ll_segment(a.num_tokens, a.hidden, item, &t);
+  const LlSegment seg = ll_segment(a.num_tokens, a.hidden, item, &t, kWire);
   const int64_t here = a.local(s) * a.num_tokens + t, row_bytes = a.row_bytes();
   const Bf16* x = a.x + here * a.hidden + seg.first;
   Fan<char> rows(0);
-  Fan<float> scales(1);
-  rows.add(a.send_x + here * row_bytes + seg.byte(kFp8));
-  if (kFp8) {
-    scales.add(a.send_scales + here * (a.hidden / kFp8Block) + seg.scale());
-    ll_cast_rows(x, seg.n, rows, scales, lane, lanes);
+  Fan<char> scales(1);
+  rows.add(a.send_x + here * row_bytes + seg.byte());
+  if constexpr (kWire != kWireBf16) {
+    scales.add(reinterpret_cast<char*>(a.send_scales) + here * 4 * a.scale_words() +
+               seg.scale_byte());
+    ll_cast_rows<kWire>(x, seg.n, rows, scales, seg.tail(), lane, lanes);
   } else {
-    fan_out_row(rows, x, seg.bytes(false), lane, lanes);
+    fan_out_row(rows, x, seg.bytes(), lane, lanes);
   }
 }
 
@@ -1735,14 +1852,14 @@ JAX_EP_HOST_DEVICE int ll_send_counters(const LowLatencyArgs& a) {
   return a.counts_in_send() ? a.num_experts + 1 : 0;
 }
 inline int64_t ll_send_items(const LowLatencyArgs& a) {
-  return ll_send_counters(a) + ll_row_items(a.num_tokens, a.hidden);
+  return ll_send_counters(a) + ll_row_items(a.num_tokens, a.hidden, a.wire);
 }
 
 // Phase 2 (the send), after the items of ll_send_count, items (s, t * segments + g): segment
 // g of token t of source s goes once to each expert it chose, read once per kFanOut
 // messages; with segment 0, every expert rank learns, per choice, the row that holds it
 // (src_row, -1 elsewhere), and (counts_in_send) the clean routing is written.
-template <bool kFp8, typename Peers>
+template <int kWire, typename Peers>
 JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int s,
                                 int64_t item, int lane, int lanes) {
   const int R = a.num_ranks, T = a.num_tokens, K = a.top_k, E = a.num_experts;
@@ -1753,7 +1870,7 @@ JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int
   }
   item -= counters;
   int t = 0;
-  const LlSegment seg = ll_segment(T, a.hidden, item, &t);
+  const LlSegment seg = ll_segment(T, a.hidden, item, &t, kWire);
   const int64_t slots = a.slots(), src = static_cast<int64_t>(s) * T + t;
   const int64_t here = a.local(s) * T + t;
   const int32_t* ids = a.topk_idx + here * K;
@@ -1770,7 +1887,7 @@ JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int
     }
     store_to(peers, a.src_row, slots * K, d, src * K + k, row);
   }
-  ll_send_rows<kFp8>(a, peers, s, t, ids, offsets, a.x + here * a.hidden + seg.first, seg,
+  ll_send_rows<kWire>(a, peers, s, t, ids, offsets, a.x + here * a.hidden + seg.first, seg,
                      lane, lanes);
 }
 
@@ -1783,8 +1900,7 @@ template <typename Peers>
 JAX_EP_HOST_DEVICE void ll_finish(const LowLatencyArgs& a, const Peers& peers, int d, int64_t r,
                                   int lane, int lanes) {
   const int R = a.num_ranks, T = a.num_tokens, El = a.experts_per_rank();
-  const int S = a.hidden / kFp8Block;
-  const int64_t slots = a.slots();
+  const int64_t S = a.scale_words(), slots = a.slots();
   const int j = static_cast<int>(r / slots), e = d * El + j;
   const int64_t i = r % slots;
   int32_t count = 0;
@@ -1802,7 +1918,7 @@ JAX_EP_HOST_DEVICE void ll_finish(const LowLatencyArgs& a, const Peers& peers, i
     copy_row(static_cast<char*>(a.out_x) + (a.local(d) * El * slots + r) * bytes,
              own_copy(peers, static_cast<char*>(a.recv_x), El * slots * bytes, d) + from * bytes,
              bytes, lane, lanes);
-    if (a.use_fp8) {
+    if (S > 0) {
       copy_row(a.out_scales + (a.local(d) * El * slots + r) * S,
                own_copy(peers, a.recv_scales, El * slots * S, d) + from * S, S * 4, lane, lanes);
     }

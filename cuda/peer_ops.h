@@ -269,18 +269,19 @@ struct LowLatencyRegions {
   Bf16* send_rows = nullptr;
 };
 
-inline size_t carve_low_latency(char* base, int R, int T, int K, int E, int H, bool fp8,
+inline size_t carve_low_latency(char* base, int R, int T, int K, int E, int H, int wire,
                                 bool puts, LowLatencyRegions* r) {
-  const int64_t slots = static_cast<int64_t>(E / R) * R * T, row_bytes = fp8 ? H : 2 * H;
+  const int64_t slots = static_cast<int64_t>(E / R) * R * T;
+  const int64_t row_bytes = wire_data_bytes(wire, H), words = wire_scale_words(wire, H);
   Carver c(base);
   r->counts = c.take<int32_t>(static_cast<int64_t>(R) * E);
   r->recv_x = c.take<char>(slots * row_bytes);
-  r->recv_scales = c.take<float>(fp8 ? slots * (H / kFp8Block) : 0);
+  r->recv_scales = c.take<float>(slots * words);
   r->src_row = c.take<int32_t>(static_cast<int64_t>(R) * T * K);
   r->staging = c.take<Bf16>(static_cast<int64_t>(T) * K * H);
   if (puts) {
     r->send_x = c.take<char>(static_cast<int64_t>(T) * row_bytes);
-    r->send_scales = c.take<float>(fp8 ? static_cast<int64_t>(T) * (H / kFp8Block) : 0);
+    r->send_scales = c.take<float>(static_cast<int64_t>(T) * words);
     r->send_rows = c.take<Bf16>(static_cast<int64_t>(R) * T * K * H);
   }
   return c.used();
@@ -328,9 +329,9 @@ inline RegionBytes buffer_region_bytes(int R, int T, int K, int E, int H, int dt
   size_t low_latency = 0;
   if (ll_tokens > 0) {
     LowLatencyRegions r;
-    for (const bool fp8 : {false, true}) {
+    for (int wire = 0; wire < kNumWires; ++wire) {
       low_latency =
-          std::max(low_latency, carve_low_latency(nullptr, R, ll_tokens, K, E, H, fp8, puts, &r));
+          std::max(low_latency, carve_low_latency(nullptr, R, ll_tokens, K, E, H, wire, puts, &r));
     }
   }
   return RegionBytes{kSignalBytes, normal, 2 * low_latency};  // two halves
@@ -443,11 +444,11 @@ PeerError run_op(Platform& p, int op, const CombineArgs<T>& in) {
 // The low-latency regions of one call in half `buffer` of the low-latency part, or why they
 // do not fit.
 template <typename Platform>
-PeerError open_ll(Platform& p, int op, int R, int T, int K, int E, int H, bool fp8, int buffer,
+PeerError open_ll(Platform& p, int op, int R, int T, int K, int E, int H, int wire, int buffer,
                   LowLatencyRegions* r) {
   const size_t half = (p.bytes() - p.low_latency_offset()) / 2 / kAlign * kAlign;
   char* base = p.symmetric() + p.low_latency_offset() + buffer * half;
-  const size_t used = carve_low_latency(base, R, T, K, E, H, fp8, uses_puts(p), r);
+  const size_t used = carve_low_latency(base, R, T, K, E, H, wire, uses_puts(p), r);
   return fits(op, "low-latency", used, half);
 }
 
@@ -474,7 +475,7 @@ template <typename Platform>
 PeerError run_op(Platform& p, int op, const LowLatencyArgs& out) {
   LowLatencyRegions r;
   PeerError error = open_ll(p, op, out.num_ranks, out.num_tokens, out.top_k, out.num_experts,
-                            out.hidden, out.use_fp8, out.buffer, &r);
+                            out.hidden, out.wire, out.buffer, &r);
   if (!error.ok()) return error;
   LowLatencyArgs a = out;
   a.first_rank = p.rank();
@@ -507,8 +508,7 @@ PeerError run_op(Platform& p, int op, const LowLatencyArgs& out) {
                    LowLatencyTotals<Peers>{a, a.first_rank, 1, peers});
       }
       if constexpr (Peers::kPuts) {
-        const LowLatencyStage stage{a};
-        p.per_warp(stage, stage.items(), Meet{});
+        with_ll_stage(a, [&](const auto& stage) { p.per_warp(stage, stage.items(), Meet{}); });
       }
       const Meet sent = counted ? Meet{{}, true, {}} : Meet{Wait::kStart, true, {}, use.last_use};
       with_ll_send(a, peers, [&](const auto& send) { p.per_warp(send, send.items(), sent); });
@@ -530,7 +530,7 @@ template <typename Platform>
 PeerError run_op(Platform& p, int op, const LowLatencyCombineArgs& in) {
   LowLatencyRegions r;
   PeerError error = open_ll(p, op, in.num_ranks, in.num_tokens, in.top_k, in.num_experts,
-                            in.hidden, false, in.buffer, &r);
+                            in.hidden, kWireBf16, in.buffer, &r);
   if (!error.ok()) return error;
   LowLatencyCombineArgs a = in;
   a.first_rank = p.rank();

@@ -37,7 +37,7 @@ struct NoMeet {
   JAX_EP_HOST_DEVICE bool failed() const { return false; }
 };
 
-// The copy phases (they move rows and little else) declare kCopy: their kernels are built for
+// The copy phases (they move rows and little else) declare kCopy true: their kernels are built for
 // kCopyBlocksPerSm blocks per SM, which bounds them to 64 registers (65536 per SM / (4 * 256
 // threads)), so that an SM holds 32 warps of copies, each lane with kWordsInFlight loads in
 // flight. The other phases take what registers they need (the ordered sums hold 4 rows' packs).
@@ -46,7 +46,7 @@ template <typename Phase, typename = void>
 struct MinBlocksPerSm : std::integral_constant<int, 1> {};
 template <typename Phase>
 struct MinBlocksPerSm<Phase, std::void_t<decltype(Phase::kCopy)>>
-    : std::integral_constant<int, kCopyBlocksPerSm> {};
+    : std::integral_constant<int, Phase::kCopy ? kCopyBlocksPerSm : 1> {};
 
 struct DispatchCount {
   DispatchArgs a;
@@ -186,39 +186,48 @@ struct LowLatencyTotals {
     a.count[e] = count;  // [R, E/R]: expert e's rank, then its index there
   }
 };
-// One kernel per payload (bf16 rows, or their FP8 cast): in one, the two would hold more
-// registers than either. with_ll_send picks the one of the args.
-template <typename Peers, bool kFp8>
+// One kernel per wire format: in one, the casts would hold more registers than any of them.
+// with_ll_send picks the one of the args. The NVFP4 cast computes more than it copies (a
+// correctly rounded reciprocal per block): its kernel takes the registers it needs.
+template <typename Peers, int kWire>
 struct LowLatencySend {
-  static constexpr bool kCopy = true;
+  static constexpr bool kCopy = kWire != kWireNvfp4;
   LowLatencyArgs a;
   Peers peers{};
   JAX_EP_HOST_DEVICE void operator()(int s, int64_t item, int lane, int lanes) const {
-    ll_send<kFp8>(a, peers, s, item, lane, lanes);
+    ll_send<kWire>(a, peers, s, item, lane, lanes);
   }
   int64_t items() const { return ll_send_items(a); }
 };
-template <typename Peers, typename Launch>
-void with_ll_send(const LowLatencyArgs& a, const Peers& peers, const Launch& launch) {
-  if (a.use_fp8) {
-    launch(LowLatencySend<Peers, true>{a, peers});
-  } else {
-    launch(LowLatencySend<Peers, false>{a, peers});
+// Calls f(std::integral_constant<int, wire>) for the wire format of the args.
+template <typename F>
+void with_wire(int wire, const F& f) {
+  switch (wire) {
+    case kWireE4m3: return f(std::integral_constant<int, kWireE4m3>{});
+    case kWireE4m3Ue8m0: return f(std::integral_constant<int, kWireE4m3Ue8m0>{});
+    case kWireMxfp8: return f(std::integral_constant<int, kWireMxfp8>{});
+    case kWireNvfp4: return f(std::integral_constant<int, kWireNvfp4>{});
+    default: return f(std::integral_constant<int, kWireBf16>{});
   }
 }
+template <typename Peers, typename Launch>
+void with_ll_send(const LowLatencyArgs& a, const Peers& peers, const Launch& launch) {
+  with_wire(a.wire, [&](auto wire) { launch(LowLatencySend<Peers, wire.value>{a, peers}); });
+}
 // Put views: the row of each token into the send area, before the send (ll_stage).
+template <int kWire>
 struct LowLatencyStage {
   static constexpr bool kCopy = true;
   LowLatencyArgs a;
   JAX_EP_HOST_DEVICE void operator()(int s, int64_t item, int lane, int lanes) const {
-    if (a.use_fp8) {
-      ll_stage<true>(a, s, item, lane, lanes);
-    } else {
-      ll_stage<false>(a, s, item, lane, lanes);
-    }
+    ll_stage<kWire>(a, s, item, lane, lanes);
   }
-  int64_t items() const { return ll_row_items(a.num_tokens, a.hidden); }
+  int64_t items() const { return ll_row_items(a.num_tokens, a.hidden, kWire); }
 };
+template <typename Launch>
+void with_ll_stage(const LowLatencyArgs& a, const Launch& launch) {
+  with_wire(a.wire, [&](auto wire) { launch(LowLatencyStage<wire.value>{a}); });
+}
 template <typename Peers>
 struct LowLatencyFinish {
   static constexpr bool kCopy = true;

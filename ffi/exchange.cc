@@ -244,8 +244,22 @@ xffi::Error ParseCombine(xffi::RemainingArgs args, xffi::RemainingRets rets, int
   return xffi::Error::Success();
 }
 
+// The element type of a low-latency row's data in wire format `wire`.
+static DataType WireDataType(int wire) {
+  return wire == kWireBf16 ? DataType::BF16 : wire == kWireNvfp4 ? DataType::U8
+                                                                  : DataType::F8E4M3FN;
+}
+
+static xffi::Error CheckWire(std::string_view op, int64_t wire) {
+  if (wire < 0 || wire >= kNumWires) {
+    return Invalid(op, "wire format " + std::to_string(wire) + " is not one of 0.." +
+                           std::to_string(kNumWires - 1) + " (cuda/wire.h)");
+  }
+  return xffi::Error::Success();
+}
+
 xffi::Error ParseLowLatencyDispatchSend(xffi::RemainingArgs args, xffi::RemainingRets rets,
-                                        int64_t num_ranks, int64_t num_experts, int64_t use_fp8,
+                                        int64_t num_ranks, int64_t num_experts, int64_t wire,
                                         LowLatencyArgs* a) {
   const std::string_view op = kPeerOpNames[kPeerLlDispatchSend];
   Buffers b(op, args, rets);
@@ -261,7 +275,10 @@ xffi::Error ParseLowLatencyDispatchSend(xffi::RemainingArgs args, xffi::Remainin
   if (H % kFp8Block != 0) {
     return Invalid(op, "the hidden size (" + std::to_string(H) + ") must be a multiple of 128");
   }
-  const int64_t E = num_experts, El = E / R, S = use_fp8 ? H / kFp8Block : 0;
+  JAX_EP_RETURN_IF_ERROR(CheckWire(op, wire));
+  const int64_t E = num_experts, El = E / R;
+  const int64_t D = wire_data_bytes(static_cast<int>(wire), H);
+  const int64_t S = wire_scale_words(static_cast<int>(wire), H);
   JAX_EP_RETURN_IF_ERROR(CheckInt32(op, "E/R*R*T", El * R * T));
   JAX_EP_RETURN_IF_ERROR(CheckInt32(op, "R*T*K", R * T * K));
 
@@ -271,11 +288,12 @@ xffi::Error ParseLowLatencyDispatchSend(xffi::RemainingArgs args, xffi::Remainin
   a->top_k = static_cast<int>(K);
   a->num_experts = static_cast<int>(E);
   a->hidden = static_cast<int>(H);
-  a->use_fp8 = use_fp8 != 0;
+  a->wire = static_cast<int>(wire);
   JAX_EP_RETURN_IF_ERROR(b.In(0, "x", DataType::BF16, {V, T, H}, &a->x));
   JAX_EP_RETURN_IF_ERROR(b.In(1, "topk_idx", DataType::S32, {V, T, K}, &a->topk_idx));
-  const DataType recv_type = use_fp8 ? DataType::F8E4M3FN : DataType::BF16;
-  JAX_EP_RETURN_IF_ERROR(b.Out(0, "recv_x", recv_type, {V, El, R * T, H}, &a->recv_x));
+  const int64_t elements = wire == kWireBf16 ? H : D;  // data elements of a row
+  JAX_EP_RETURN_IF_ERROR(
+      b.Out(0, "recv_x", WireDataType(a->wire), {V, El, R * T, elements}, &a->recv_x));
   JAX_EP_RETURN_IF_ERROR(
       b.Out(1, "recv_scales", DataType::F32, {V, El, R * T, S}, &a->recv_scales));
   JAX_EP_RETURN_IF_ERROR(b.Out(2, "src_row", DataType::S32, {V, R, T, K}, &a->src_row));
@@ -299,7 +317,20 @@ xffi::Error ParseLowLatencyDispatchRecv(xffi::RemainingArgs args, xffi::Remainin
   JAX_EP_RETURN_IF_ERROR(b.Count(3, 4));
   const AnyBuffer x = b.Arg(0);
   JAX_EP_RETURN_IF_ERROR(CheckRank(op, "recv_x", x, 4));
-  const int64_t V = x.dimensions()[0], El = x.dimensions()[1], H = x.dimensions()[3];
+  const int64_t V = x.dimensions()[0], El = x.dimensions()[1], D = x.dimensions()[3];
+  // The receive moves bytes: a wire format of the rows' sizes (e4m3 and mxfp8 rows have the
+  // same) stands for the one they were sent in.
+  const AnyBuffer scales = b.Arg(1);
+  JAX_EP_RETURN_IF_ERROR(CheckRank(op, "recv_scales", scales, 4));
+  const int64_t H = x.element_type() == DataType::U8 ? 2 * D : D;  // channels of a row
+  const int64_t S = scales.dimensions()[3];
+  const int wire = x.element_type() == DataType::BF16 ? kWireBf16
+                   : x.element_type() == DataType::U8 ? kWireNvfp4
+                   : S == wire_scale_words(kWireE4m3, H) ? kWireE4m3 : kWireE4m3Ue8m0;
+  if (S != wire_scale_words(wire, H)) {
+    return Invalid(op, "recv_scales must hold the other bytes of each row of recv_x, as the "
+                       "send returned them");
+  }
   const int64_t R = num_ranks;
   JAX_EP_RETURN_IF_ERROR(CheckStack(op, V, R));
   if (!Between(V, R)) {
@@ -313,8 +344,6 @@ xffi::Error ParseLowLatencyDispatchRecv(xffi::RemainingArgs args, xffi::Remainin
   const AnyBuffer src_row = b.Arg(2);
   JAX_EP_RETURN_IF_ERROR(CheckRank(op, "src_row", src_row, 4));
   const int64_t K = src_row.dimensions()[3];
-  const bool fp8 = x.element_type() == DataType::F8E4M3FN;
-  const int64_t S = fp8 ? H / kFp8Block : 0;
 
   *a = LowLatencyArgs{};
   a->num_ranks = static_cast<int>(R);
@@ -322,15 +351,14 @@ xffi::Error ParseLowLatencyDispatchRecv(xffi::RemainingArgs args, xffi::Remainin
   a->top_k = static_cast<int>(K);
   a->num_experts = static_cast<int>(num_experts);
   a->hidden = static_cast<int>(H);
-  a->use_fp8 = fp8;
+  a->wire = wire;
   const void* in_x = nullptr;
   const float* in_scales = nullptr;
   const int32_t* in_src_row = nullptr;
-  JAX_EP_RETURN_IF_ERROR(b.In(0, "recv_x", fp8 ? DataType::F8E4M3FN : DataType::BF16,
-                              {V, El, R * T, H}, &in_x));
+  JAX_EP_RETURN_IF_ERROR(b.In(0, "recv_x", WireDataType(a->wire), {V, El, R * T, D}, &in_x));
   JAX_EP_RETURN_IF_ERROR(b.In(1, "recv_scales", DataType::F32, {V, El, R * T, S}, &in_scales));
   JAX_EP_RETURN_IF_ERROR(b.In(2, "src_row", DataType::S32, {V, R, T, K}, &in_src_row));
-  JAX_EP_RETURN_IF_ERROR(b.Out(0, "recv_x", x.element_type(), {V, El, R * T, H}, &a->recv_x));
+  JAX_EP_RETURN_IF_ERROR(b.Out(0, "recv_x", x.element_type(), {V, El, R * T, D}, &a->recv_x));
   JAX_EP_RETURN_IF_ERROR(
       b.Out(1, "recv_scales", DataType::F32, {V, El, R * T, S}, &a->recv_scales));
   JAX_EP_RETURN_IF_ERROR(b.Out(2, "src_row", DataType::S32, {V, R, T, K}, &a->src_row));
@@ -487,10 +515,10 @@ xffi::Error ParseCall(int op, const AnyBuffer& ranks, xffi::RemainingArgs args,
       break;
     }
     case kPeerLlDispatchSend: {
-      int64_t use_fp8 = 0;
-      JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "use_fp8", &use_fp8));
+      int64_t wire = 0;
+      JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "wire", &wire));
       LowLatencyArgs a;
-      JAX_EP_RETURN_IF_ERROR(ParseLowLatencyDispatchSend(args, rets, R, E, use_fp8, &a));
+      JAX_EP_RETURN_IF_ERROR(ParseLowLatencyDispatchSend(args, rets, R, E, wire, &a));
       JAX_EP_RETURN_IF_ERROR(LowLatencyBuffer(name, attrs, &a.buffer));
       call->args = a;
       break;

@@ -66,18 +66,19 @@ CombineArgs<T> Retype(const CombineArgs<float>& a) {
   return out;
 }
 
-// Operands x bf16 [R,T,H], topk_idx s32 [R,T,K]. Results: recv_x [R,E/R,R*T,H] (bf16, or
-// float8_e4m3fn with use_fp8), recv_scales f32 [R,E/R,R*T,H/128] (or [R,E/R,R*T,0]), src_row
-// s32 [R,R,T,K], clean_idx s32 [R,T,K], num_invalid s32 [R], count s32 [R,E/R] (the
-// receive's, written by the send with virtual ranks; [1,0] between devices), workspace s32
-// [W] (W: carve_ll_workspace, cuda/exchange.h).
+// Operands x bf16 [R,T,H], topk_idx s32 [R,T,K]; `wire`, the rows' wire format (cuda/wire.h).
+// Results: recv_x [R,E/R,R*T,·] (bf16 [H]; float8_e4m3fn [H] for e4m3, e4m3_ue8m0 and mxfp8;
+// u8 [H/2] for nvfp4), recv_scales f32 [R,E/R,R*T,wire_scale_words] (the rows' other bytes,
+// jax_ep.quant.to_rows; 0 words for bf16), src_row s32 [R,R,T,K], clean_idx s32 [R,T,K],
+// num_invalid s32 [R], count s32 [R,E/R] (the receive's, written by the send with virtual
+// ranks; [1,0] between devices), workspace s32 [W] (W: carve_ll_workspace, cuda/exchange.h).
 xffi::Error ParseLowLatencyDispatchSend(xffi::RemainingArgs args, xffi::RemainingRets rets,
-                                        int64_t num_ranks, int64_t num_experts, int64_t use_fp8,
+                                        int64_t num_ranks, int64_t num_experts, int64_t wire,
                                         LowLatencyArgs* out);
 
 // Between devices only (with virtual ranks the send delivers). Operands recv_x, recv_scales,
-// src_row as returned by the send. Results: recv_x, recv_scales and src_row (aliasing the
-// operands) and count s32 [1,E/R].
+// src_row as returned by the send (their shapes give the rows' sizes). Results: recv_x,
+// recv_scales and src_row (aliasing the operands) and count s32 [1,E/R].
 xffi::Error ParseLowLatencyDispatchRecv(xffi::RemainingArgs args, xffi::RemainingRets rets,
                                         int64_t num_ranks, int64_t num_experts,
                                         LowLatencyArgs* out);

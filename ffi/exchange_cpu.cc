@@ -48,7 +48,7 @@ void PoisonPadding(int op, const LowLatencyArgs& a, int64_t ranks) {
   if (op != kPeerLlDispatchSend) return;
   const int64_t slots = ranks * a.experts_per_rank() * a.slots();
   Poison(a.recv_x, slots * a.row_bytes());
-  if (a.use_fp8) Poison(a.recv_scales, slots * (a.hidden / kFp8Block) * 4);
+  Poison(a.recv_scales, slots * a.scale_words() * 4);
 }
 template <typename Args>
 void PoisonPadding(int, const Args&, int64_t) {}

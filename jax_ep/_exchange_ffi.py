@@ -24,7 +24,7 @@ import numpy as np
 from jax import lax
 from jax.experimental.compute_on import compute_on2
 
-from jax_ep import _ep_groups, _exchange_order, _ffi, fp8
+from jax_ep import _ep_groups, _exchange_order, _ffi, fp8, quant
 from jax_ep.backends import ANYWHERE, Placement
 from jax_ep.structs import DispatchHandle, Received
 
@@ -172,25 +172,39 @@ def combine(y, weights, src_row, row_entries, *, num_ranks, top_k, expert_major,
         stacked=V)
 
 
-def ll_dispatch_send(x, topk_idx, *, num_ranks, num_experts, use_fp8, axis_name=None,
+# The wire formats of low-latency dispatch by their number in cuda/wire.h.
+WIRES = ("bf16", "e4m3", "e4m3_ue8m0", "mxfp8", "nvfp4")
+
+
+def ll_row_shapes(wire: str, hidden: int) -> tuple[tuple[int, object], int]:
+    """A low-latency row in `wire` format: (its data's (elements, dtype), its other bytes in
+    float32 words, as jax_ep.quant.to_rows lays them out)."""
+    if wire == "bf16":
+        return (hidden, jnp.bfloat16), 0
+    data_bytes, rest = quant.wire_bytes(wire, hidden)
+    return (data_bytes, jnp.uint8 if wire == "nvfp4" else fp8.FP8_DTYPE), rest // 4
+
+
+def ll_dispatch_send(x, topk_idx, *, num_ranks, num_experts, wire, axis_name=None,
                      placement=ANYWHERE):
-    """The send half of low-latency dispatch; a dict for `ll_dispatch_recv`. With every rank
-    of the group here (virtual ranks, or one rank) the send delivers: its rows land in their
-    slots and it writes the count."""
+    """The send half of low-latency dispatch, the rows cast to `wire` (WIRES); a dict for
+    `ll_dispatch_recv`. With every rank of the group here (virtual ranks, or one rank) the
+    send delivers: its rows land in their slots and it writes the count."""
     _ffi.register()
     V, T, K = topk_idx.shape
     R, E, H = num_ranks, num_experts, x.shape[2]
     slots = (V, E // R, R * T)
     i32 = jnp.int32
+    (elements, dtype), words = ll_row_shapes(wire, H)
     shapes = [
-        ((*slots, H), fp8.FP8_DTYPE if use_fp8 else jnp.bfloat16),
-        ((*slots, H // fp8.BLOCK if use_fp8 else 0), jnp.float32), ((V, R, T, K), i32),
+        ((*slots, elements), dtype), ((*slots, words), jnp.float32), ((V, R, T, K), i32),
         ((V, T, K), i32), ((V,), i32), ((V, E // R if V == R else 0), i32),
         ((_ffi.EXT.workspace("jax_ep_ll_dispatch_send", R, T, K, E, V),), i32),
     ]
     recv_x, recv_scales, src_row, clean_idx, num_invalid, count, _ = _exchange_call(
         "jax_ep_ll_dispatch_send", _types(topk_idx, shapes), (x, topk_idx),
-        dict(num_ranks=R, num_experts=E, use_fp8=use_fp8, buffer=placement.buffer), placement,
+        dict(num_ranks=R, num_experts=E, wire=WIRES.index(wire), buffer=placement.buffer),
+        placement,
         axis_name=axis_name, stacked=V)
     return {"recv_x": recv_x, "recv_scales": recv_scales, "src_row": src_row,
             "clean_idx": clean_idx, "num_invalid": num_invalid, "count": count}

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jax_ep import quant
 from jax_ep.dispatch import default_capacity
 from jax_ep.fp8 import BLOCK
 
@@ -166,10 +167,11 @@ def _smallest(ranks: int, *items: int, always: int = 0) -> int | None:
 LL_WARPS = 1024  # cuda/exchange.h kLlWarps
 
 
-def ll_segments(num_tokens: int, hidden: int) -> int:
+def ll_segments(num_tokens: int, hidden: int, wire: str = "bf16") -> int:
     """Column segments of a low-latency row, one warp each (cuda/exchange.h, ll_segments):
-    whole 128-channel blocks, enough that T tokens give LL_WARPS warps per rank."""
-    if hidden % BLOCK or num_tokens <= 0:
+    whole 128-channel blocks, enough that T tokens give LL_WARPS warps per rank; an nvfp4 row
+    is one segment (its global scale needs the row's amax)."""
+    if hidden % BLOCK or num_tokens <= 0 or wire == "nvfp4":
         return 1
     blocks = hidden // BLOCK
     wanted = min(-(-LL_WARPS // num_tokens), blocks)
@@ -334,7 +336,7 @@ def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
 
 
 def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
-                         use_fp8: bool = False, between: bool = False,
+                         wire: str = "bf16", between: bool = False,
                          puts: bool = False) -> tuple[Account, Account]:
     """Low-latency dispatch of bfloat16 tokens: (the send, the receive).
 
@@ -342,7 +344,8 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
       topk_idx: int [R, T, K], every rank's routing.
       num_experts: E.
       hidden: H.
-      use_fp8: the send casts to FP8 (H bytes and H / 128 scales per message).
+      wire: "bf16", or the jax_ep.quant format the send casts to (quant.wire_bytes per
+        message; an nvfp4 cast reads its row twice: the row's amax first).
       between: one rank per device (else virtual ranks).
       puts: between devices, peers reached with puts only.
     """
@@ -351,13 +354,15 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     E, H = num_experts, hidden
     sent = messages(topk_idx, E)
     m, sources = int(sent.sum()), int(sent.any(axis=2).sum())
-    message = H + H // BLOCK * SCALE_BYTES if use_fp8 else 2 * H
+    message = 2 * H if wire == "bf16" else sum(quant.wire_bytes(wire, H))
+    cast_reads = 2 if wire == "nvfp4" else 1
     # The send reads each token once per FAN_OUT messages and writes each into its slot. Its
     # items: every segment of every token (ll_segments), then, where it numbers its messages
     # itself (no count launch before it), E + 1 that count them.
-    read, written = _fan_out_reads(sent.sum(axis=2)) * 2 * H, m * message
+    read = _fan_out_reads(sent.sum(axis=2)) * 2 * H * cast_reads
+    written = m * message
     minimum = sources * 2 * H + m * message
-    rows = T * ll_segments(T, H)
+    rows = T * ll_segments(T, H, wire)
     own_count = ll_counts_in_send(between or R == 1, T, K)
     # The count launch, where there is one: it always runs (its tail publishes the counts).
     counted = [] if own_count else [count_chunks(T, K)]
@@ -374,7 +379,8 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     # and the send puts each message from there.
     staged = [rows] if puts and rows else []
     if puts:
-        read, written = R * T * 2 * H + m * message, R * T * message + m * message
+        read = R * T * 2 * H * cast_reads + m * message
+        written = R * T * message + m * message
     items = [*counted, *staged, sends]
     send = Account("ll_dispatch_send", len(items), 1, read, written, minimum,
                    _smallest(1, *items, always=len(items)), _smallest(1, rows))
@@ -436,6 +442,9 @@ EXPECTED = {
     "warp, 2 per rank at T = 128: a rank's slots follow every lower rank's messages, which "
     "only a count before the send knows (between devices, and with one rank, the send numbers "
     "its own messages and fills the GPU: 1,024 warps per rank for the rows)",
+    "nvfp4": "warps and bytes: an nvfp4 row's global scale needs the whole row's amax, so the "
+    "send casts each row with one warp (T warps per rank) and reads it twice (its amax, then "
+    "the cast)",
     "puts": "launches and bytes: over puts each send first copies what it sends into the "
     "symmetric buffer, where a put's source must lie (one launch and one copy more), and the "
     "normal combine's receivers return their rows into the homes' buffers",
@@ -472,10 +481,11 @@ def deepseek_accounts(num_ranks: int = 8, between: bool = False, seed: int = 0,
                                     expert_major=True, **where),
                             op="combine (expert-major)"),
     ]
-    for use_fp8 in (False, True):
+    for wire in ("bf16", *quant.FORMATS):
+        label = {"bf16": "", "e4m3": " (fp8)"}.get(wire, f" ({wire})")
         for a in low_latency_dispatch(ll_idx, num_experts=num_experts, hidden=hidden,
-                                      use_fp8=use_fp8, **where):
-            accounts.append(dataclasses.replace(a, op=a.op + (" (fp8)" if use_fp8 else "")))
+                                      wire=wire, **where):
+            accounts.append(dataclasses.replace(a, op=a.op + label))
     accounts += low_latency_combine(ll_idx, num_experts=num_experts, hidden=hidden, **where)
     return accounts
 
@@ -485,8 +495,6 @@ def wire_formats(num_ranks: int = 8, between: bool = True, seed: int = 0, tokens
                  ) -> list[tuple[str, int, Account]]:
     """Rank-major dispatch at DeepSeek's shapes in bfloat16 and in every wire format of
     jax_ep.quant: (format, bytes per token row, its account)."""
-    from jax_ep import quant
-
     idx = uniform_routing(np.random.default_rng(seed), num_ranks, tokens, top_k, num_experts)
     rows = [("bfloat16", 2 * hidden, 0)] + [(f, *quant.wire_bytes(f, hidden))
                                              for f in quant.FORMATS]
@@ -528,6 +536,8 @@ def expected(accounts: Sequence[Account], puts: bool = False) -> list[str]:
         keys = [] if warps_ok else ["ll" if a.op.startswith("ll_") else a.op.split()[0]]
         if not (bytes_ok and launches_ok):
             keys.append("puts" if puts else a.op)
+        if "(nvfp4)" in a.op and not (warps_ok and bytes_ok):
+            keys = ["nvfp4", *(k for k in keys if k == "puts" and not launches_ok)]
         for key in keys:
             reasons.setdefault(key, f"- {key}: {EXPECTED.get(key, 'not explained')}")
     return list(reasons.values())

@@ -10,12 +10,13 @@ outputs are specified in docs/contract.md.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _checks, backends, checks, fp8, overlap
+from jax_ep import _checks, _exchange_ffi, backends, checks, fp8, overlap, quant
 from jax_ep.profile import scoped
 from jax_ep.structs import (
     LowLatencyCombinePending,
@@ -44,6 +45,32 @@ def _inference_only(op: str, fn, *args):
     return run(*args)
 
 
+def wire(op: str, use_fp8, wire_format) -> str:
+    """The format the rows travel in: a jax_ep.quant format, or "bf16"."""
+    if not isinstance(use_fp8, bool):
+        raise TypeError(f"{op}: use_fp8 must be a bool; got {use_fp8!r}.")
+    if wire_format is None:
+        return "e4m3" if use_fp8 else "bf16"
+    _checks.check_choice(op, "wire_format", wire_format, quant.FORMATS)
+    if use_fp8:
+        raise ValueError(f"{op}: pass use_fp8=True (e4m3, received as the pair x, scales) or "
+                         f"wire_format={wire_format!r} (received as a jax_ep.quant.Quantized), "
+                         f"not both.")
+    return wire_format
+
+
+def as_quantized(received: LowLatencyReceived, wire_format: str | None) -> LowLatencyReceived:
+    """With a `wire_format`, the received rows (data and their other bytes in float32 words)
+    as a jax_ep.quant.Quantized of it; else as they are."""
+    if wire_format is None:
+        return received
+    hidden = received.x.shape[-1] * (2 if wire_format == "nvfp4" else 1)
+    like = jax.eval_shape(partial(quant.quantize, format=wire_format),
+                          jax.ShapeDtypeStruct((1, hidden), jnp.bfloat16))
+    rows = quant.from_rows(received.x, received.scales, like)
+    return dataclasses.replace(received, x=rows, scales=None)
+
+
 @scoped("jax_ep.low_latency_dispatch_send")
 def low_latency_dispatch_send(
     x: jax.Array,
@@ -52,6 +79,7 @@ def low_latency_dispatch_send(
     num_experts: int,
     axis_name: str = "ep",
     use_fp8: bool = False,
+    wire_format: str | None = None,
     on_invalid: Literal["error", "mask"] = "error",
     backend: str = "auto",
     num_sms: int | None = None,
@@ -74,41 +102,38 @@ def low_latency_dispatch_send(
     if buffer is None:
         buffer = overlap.micro_batch()
     placement = _checks.placement(op, num_sms, stream, buffer)
-    if not isinstance(use_fp8, bool):
-        raise TypeError(f"{op}: use_fp8 must be a bool; got {use_fp8!r}.")
+    rows = wire(op, use_fp8, wire_format)
     name = backends.resolve(backend)
     send = backends.function(name, "low_latency_dispatch", "low_latency_dispatch_send",
                              placement=placement)
     if num_tokens == 0:  # nothing to send: the receive builds the same empty results everywhere
-        data = {"no_tokens": (x, topk_idx, use_fp8),
+        data = {"no_tokens": (x, topk_idx, rows),
                 "num_invalid": jax.lax.full_like(topk_idx, 0, shape=())}
     else:
         data = _inference_only(
             op, lambda x, topk_idx: send(x, topk_idx, num_experts=num_experts,
-                                         axis_name=axis_name, use_fp8=use_fp8), x, topk_idx)
+                                         axis_name=axis_name, wire=rows), x, topk_idx)
     if on_invalid == "error":
         checks.invalid_ids(op, data["num_invalid"], num_experts=num_experts)
     return LowLatencyDispatchPending(
         data=data, num_experts=num_experts, axis_name=axis_name, backend=name,
-        placement=placement,
+        placement=placement, wire_format=wire_format,
     )
 
 
 def _no_tokens(pending: LowLatencyDispatchPending):
     """The receive of a dispatch of T = 0 tokens: empty slots, zero counts (typed like the
     inputs, as the backends' results are)."""
-    x, topk_idx, use_fp8 = pending.data["no_tokens"]
+    x, topk_idx, rows = pending.data["no_tokens"]
     num_ranks = jax.lax.axis_size(pending.axis_name)
     experts_per_rank = pending.num_experts // num_ranks
-    hidden = x.shape[1]
-    slots = (experts_per_rank, 0, hidden)
+    (elements, dtype), words = _exchange_ffi.ll_row_shapes(rows, x.shape[1])
     scales = None
-    if use_fp8:
-        x = x.astype(jnp.float8_e4m3fn)
-        scales = jax.lax.full_like(x, 0, shape=(experts_per_rank, 0, hidden // fp8.BLOCK),
-                                   dtype=jnp.float32)
+    if words:
+        scales = jax.lax.full_like(x, 0, shape=(experts_per_rank, 0, words), dtype=jnp.float32)
     received = LowLatencyReceived(
-        x=jax.lax.full_like(x, 0, shape=slots), scales=scales,
+        x=jax.lax.full_like(x, 0, shape=(experts_per_rank, 0, elements), dtype=dtype),
+        scales=scales,
         count=jax.lax.full_like(topk_idx, 0, shape=(experts_per_rank,)),
         num_invalid=pending.data["num_invalid"])
     handle = LowLatencyHandle(
@@ -135,6 +160,7 @@ def low_latency_dispatch_recv(
                                  "low_latency_dispatch_recv", placement=pending.placement)
         received, handle = recv(pending.data, num_experts=pending.num_experts,
                                 axis_name=pending.axis_name)
+    received = as_quantized(received, pending.wire_format)
     # The combine exchanges on the dispatch's low-latency region.
     return received, dataclasses.replace(handle, buffer=pending.placement.buffer)
 
@@ -146,6 +172,7 @@ def low_latency_dispatch(
     num_experts: int,
     axis_name: str = "ep",
     use_fp8: bool = False,
+    wire_format: str | None = None,
     on_invalid: Literal["error", "mask"] = "error",
     backend: str = "auto",
     num_sms: int | None = None,
@@ -161,6 +188,9 @@ def low_latency_dispatch(
       num_experts: E, a multiple of the EP axis size R.
       axis_name: the mesh axis of the expert-parallel group.
       use_fp8: quantize to float8_e4m3fn (one float32 scale per 128 channels) before sending.
+      wire_format: instead, a jax_ep.quant format ("e4m3", "e4m3_ue8m0", "mxfp8", "nvfp4")
+        the kernels quantize to before sending, bit for bit `jax_ep.quant.quantize` of the
+        rows; the rows arrive as a Quantized.
       on_invalid: ids outside [-1, E) are treated as -1 and counted in `num_invalid`;
         "error" also records a check that `jax_ep.checks.checked` raises, "mask" does not.
       backend: "auto", "xla" or "cuda".
@@ -175,14 +205,15 @@ def low_latency_dispatch(
 
     Returns:
       (LowLatencyReceived, LowLatencyHandle): `.x` [E_local, R*T, H] (bf16, or FP8 with
-      `.scales` [E_local, R*T, H/128]), rows of local expert j ordered by source rank then
+      `.scales` [E_local, R*T, H/128], or with `wire_format` a jax_ep.quant.Quantized of
+      E_local * R*T rows), rows of local expert j ordered by source rank then
       source token, `.count` [E_local] rows used; pass the handle to `low_latency_combine`.
     """
     return low_latency_dispatch_recv(
         low_latency_dispatch_send(
             x, topk_idx, num_experts=num_experts, axis_name=axis_name, use_fp8=use_fp8,
-            on_invalid=on_invalid, backend=backend, num_sms=num_sms, stream=stream,
-            buffer=buffer,
+            wire_format=wire_format, on_invalid=on_invalid, backend=backend, num_sms=num_sms,
+            stream=stream, buffer=buffer,
         )
     )
 

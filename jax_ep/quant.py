@@ -22,8 +22,8 @@ NumPy reference give the same bytes:
 
 Edge values, the same on every path (docs/contract.md): inputs below 2^-126 in magnitude
 count as 0; a block (nvfp4: a row) holding a NaN or an infinity dequantizes to NaN (UE8M0 and
-MX scales 0xFF, E8M0's NaN); nvfp4 rows and blocks too small for float32's normal range are
-quantized as zeros.
+MX scales 0xFF, E8M0's NaN, and elements 0x7F); nvfp4 rows and blocks too small for float32's
+normal range are quantized as zeros.
 """
 
 from __future__ import annotations
@@ -103,10 +103,11 @@ def quantize(x: jax.Array, format: str, *, packed: bool = False) -> Quantized:
     biased = jnp.where(finite, biased, NAN_EXPONENT).astype(jnp.uint8)
     # 1/scale = 2^(127 - e): a normal float32 for every e a finite block gets.
     inverse = _power_of_two(254 - biased.astype(jnp.int32))
-    inverse = jnp.where(finite, inverse, jnp.float32(jnp.nan))
     scaled = blocks * inverse[..., None]
     if limit is not None:
         scaled = jnp.clip(scaled, -limit, limit)
+    # A non-finite block's elements are e4m3's NaN 0x7F (whatever sign a NaN product has).
+    scaled = jnp.where(finite[..., None], scaled, jnp.float32(jnp.nan))
     data = scaled.astype(fp8.FP8_DTYPE).reshape(x.shape)
     scales = _pack(biased) if packed else biased
     return Quantized(data, scales, None, format, packed)

@@ -196,8 +196,14 @@ class LowLatencyReceived:
 
     def with_zero_padding(self) -> LowLatencyReceived:
         """These results with zeros in the rows of x and scales past each expert's count,
-        which are otherwise unspecified (docs/contract.md, "Padding")."""
-        return dataclasses.replace(self, x=_zero_past(self.x, self.count),
+        which are otherwise unspecified (docs/contract.md, "Padding"); every array of a
+        Quantized x."""
+        def zero(rows):
+            if rows.ndim == jnp.ndim(self.count) + 1:  # one value a row (a global scale)
+                return _zero_past(rows[..., None], self.count)[..., 0]
+            return _zero_past(rows, self.count)
+
+        return dataclasses.replace(self, x=jax.tree.map(zero, self.x),
                                    scales=_zero_past(self.scales, self.count))
 
 
@@ -249,6 +255,7 @@ class LowLatencyDispatchPending:
     axis_name: str = static()
     backend: str = static()
     placement: Placement = static(ANYWHERE)
+    wire_format: str | None = static(None)  # the rows arrive as a Quantized of it
 
 
 @_pytree

@@ -24,7 +24,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _checks, _exchange_ffi, _ffi, alignment, fp8
+from jax_ep import _checks, _exchange_ffi, _ffi, alignment, fp8, low_latency
 from jax_ep.backends import xla
 from jax_ep.dispatch import _no_tokens, default_capacity
 from jax_ep.structs import (
@@ -211,8 +211,8 @@ def combine(y, handle: DispatchHandle, *, topk_weights=None, backend: str = "cud
 
 
 def low_latency_dispatch_send(x, topk_idx, *, num_experts: int, use_fp8: bool = False,
-                              backend: str = "cuda", num_sms: int | None = None
-                              ) -> LowLatencyDispatchPending:
+                              wire_format: str | None = None, backend: str = "cuda",
+                              num_sms: int | None = None) -> LowLatencyDispatchPending:
     """Issues `jax_ep.low_latency_dispatch` for every rank; complete with `..._recv`."""
     op = "jax_ep.virtual.low_latency_dispatch"
     placement = _checks.placement(op, num_sms, None)
@@ -220,18 +220,20 @@ def low_latency_dispatch_send(x, topk_idx, *, num_experts: int, use_fp8: bool = 
     _checks.check_array(op, "x", x, ndim=3, dtypes=(jnp.bfloat16,), shape=(R, T, None),
                         expect=f"bfloat16 [R, T, H] = [{R}, {T}, H]")
     fp8.check_hidden(op, "x", x.shape[2], low_latency=True)
+    rows = low_latency.wire(op, use_fp8, wire_format)
     name = _backend(op, backend)
     if name == "xla":
         data = jax.vmap(
             lambda xs, idx: xla.low_latency_dispatch_send(
-                xs, idx, num_experts=num_experts, axis_name=AXIS, use_fp8=use_fp8,
+                xs, idx, num_experts=num_experts, axis_name=AXIS, wire=rows,
                 transport_name=VMAP_TRANSPORT),
             axis_name=AXIS, axis_size=R)(x, topk_idx)
     else:
         data = _exchange_ffi.ll_dispatch_send(x, topk_idx, num_ranks=R, num_experts=num_experts,
-                                              use_fp8=use_fp8, placement=placement)
+                                              wire=rows, placement=placement)
     return LowLatencyDispatchPending(data=data, num_experts=num_experts, axis_name=AXIS,
-                                     backend=name, placement=placement)
+                                     backend=name, placement=placement,
+                                     wire_format=wire_format)
 
 
 def low_latency_dispatch_recv(pending: LowLatencyDispatchPending):
@@ -241,25 +243,27 @@ def low_latency_dispatch_recv(pending: LowLatencyDispatchPending):
                         "of jax_ep.virtual.low_latency_dispatch_send.")
     E, data = pending.num_experts, pending.data
     if pending.backend == "xla":
-        return jax.vmap(
+        received, handle = jax.vmap(
             lambda sent: xla.low_latency_dispatch_recv(sent, num_experts=E, axis_name=AXIS),
             axis_name=AXIS)(data)
-    R = data["recv_x"].shape[0]
-    recv_x, recv_scales, src_row, count = _exchange_ffi.ll_dispatch_recv(
-        data, num_ranks=R, num_experts=E, placement=pending.placement)
-    received = LowLatencyReceived(x=recv_x, scales=recv_scales, count=count,
-                                  num_invalid=data["num_invalid"])
-    handle = LowLatencyHandle(topk_idx=data["clean_idx"], src_row=src_row,
-                              num_experts=E, num_ranks=R, axis_name=AXIS)
-    return received, handle
+    else:
+        R = data["recv_x"].shape[0]
+        recv_x, recv_scales, src_row, count = _exchange_ffi.ll_dispatch_recv(
+            data, num_ranks=R, num_experts=E, placement=pending.placement)
+        received = LowLatencyReceived(x=recv_x, scales=recv_scales, count=count,
+                                      num_invalid=data["num_invalid"])
+        handle = LowLatencyHandle(topk_idx=data["clean_idx"], src_row=src_row,
+                                  num_experts=E, num_ranks=R, axis_name=AXIS)
+    return low_latency.as_quantized(received, pending.wire_format), handle
 
 
 def low_latency_dispatch(x, topk_idx, *, num_experts: int, use_fp8: bool = False,
-                         backend: str = "cuda", num_sms: int | None = None):
+                         wire_format: str | None = None, backend: str = "cuda",
+                         num_sms: int | None = None):
     """`jax_ep.low_latency_dispatch` of every rank: x bf16 [R, T, H] -> x [R, E/R, R*T, H]."""
     return low_latency_dispatch_recv(low_latency_dispatch_send(
-        x, topk_idx, num_experts=num_experts, use_fp8=use_fp8, backend=backend,
-        num_sms=num_sms))
+        x, topk_idx, num_experts=num_experts, use_fp8=use_fp8, wire_format=wire_format,
+        backend=backend, num_sms=num_sms))
 
 
 def low_latency_combine_send(y, topk_idx, topk_weights, handle: LowLatencyHandle, *,

@@ -95,15 +95,15 @@ def test_virtual_dispatch_and_combine(R, expert_major, use_fp8):
 
 
 @pytest.mark.parametrize("R", [1, 2, 4])
-@pytest.mark.parametrize("use_fp8", [False, True])
-def test_virtual_low_latency(R, use_fp8):
+@pytest.mark.parametrize("wire", _exchange_ffi.WIRES)
+def test_virtual_low_latency(R, wire):
     rng = np.random.default_rng()
     T, K, E, H, idx, w = draw(rng, R, invalid=True)
     x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
     want_send, want_recv = account.low_latency_dispatch(idx, num_experts=E, hidden=H,
-                                                        use_fp8=use_fp8)
+                                                        wire=wire)
     counted, sent = metered(_exchange_ffi.ll_dispatch_send, x, idx, num_ranks=R, num_experts=E,
-                            use_fp8=use_fp8)
+                            wire=wire)
     assert_counts(counted, want_send)
     counted, (_, _, src_row, _) = metered(_exchange_ffi.ll_dispatch_recv, sent, num_ranks=R,
                                           num_experts=E)
@@ -156,19 +156,20 @@ def test_between_devices_low_latency(R):
     rng = np.random.default_rng()
     T, K, E, H, idx, w = draw(rng, R)
     x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
-    use_fp8 = bool(rng.integers(2))
+    wire = str(rng.choice(_exchange_ffi.WIRES))
+    wire_format = None if wire == "bf16" else wire
 
     def program(x, idx, w):
         received, handle = jax_ep.low_latency_dispatch(x, idx, num_experts=E, axis_name=AXIS,
-                                                       use_fp8=use_fp8, backend="cuda")
-        y = received.x if not use_fp8 else jax_ep.fp8.dequantize(received.x, received.scales)
+                                                       wire_format=wire_format, backend="cuda")
+        y = received.x if wire_format is None else jax_ep.quant.dequantize(received.x)
         return jax_ep.low_latency_combine(y.astype(x.dtype), idx, w, handle, backend="cuda")
 
     run = sharded(program, R)
     jax.block_until_ready(run(x, idx, w))
     counted, _ = metered(run, x, idx, w)
     puts = over_puts()
-    parts = [*account.low_latency_dispatch(idx, num_experts=E, hidden=H, use_fp8=use_fp8,
+    parts = [*account.low_latency_dispatch(idx, num_experts=E, hidden=H, wire=wire,
                                            between=True, puts=puts),
              *account.low_latency_combine(idx, num_experts=E, hidden=H, between=True,
                                           puts=puts)]
@@ -243,14 +244,19 @@ def test_low_latency_rows_fill_the_gpu_at_decode_sizes():
     """At T 128 the send and the combine's receive split each row into column segments of
     whole FP8 blocks, enough for 1,024 warps per rank (at least 528 fill an H100); only the
     count launch of virtual ranks, which moves no rows, has fewer (between devices the send
-    numbers its own messages)."""
+    numbers its own messages); and the NVFP4 send, whose rows are one segment each (a row's
+    global scale needs its whole amax)."""
     assert account.ll_segments(128, 7168) == 8 and account.ll_segments(4096, 7168) == 1
     assert account.ll_segments(1, 7168) == 56 and account.ll_segments(128, 200) == 1
+    assert account.ll_segments(1, 7168, "nvfp4") == 1
     for between in (False, True):
         accounts = account.deepseek_accounts(num_ranks=8, between=between, tokens=256,
                                              ll_tokens=128)
         (recv,) = [a for a in accounts if a.op == "ll_combine_recv"]
         assert recv.warps >= account.WARPS_TARGET, recv
         for send in [a for a in accounts if a.op.startswith("ll_dispatch_send")]:
+            if send.op.endswith("(nvfp4)"):
+                assert send.row_warps == 128 * (1 if between else 8), send  # a warp a row
+                continue
             assert send.row_warps >= account.WARPS_TARGET, send
             assert (send.warps >= account.WARPS_TARGET) == between, send

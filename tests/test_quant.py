@@ -54,9 +54,10 @@ def reference(x, format, packed=False):
             _, exp = np.frexp(np.where(finite & (amax > 0), amax, F32(1)))
             k = np.where(amax > 0, np.clip(exp - 1 - 8, -127, 127), -127)
         biased = np.where(finite, k + 127, 255).astype(np.uint8)
-        scaled = (blocks * np.where(finite, _pow2(-k), F32(np.nan))[..., None]).astype(F32)
+        scaled = (blocks * np.where(finite, _pow2(-k), F32(0))[..., None]).astype(F32)
         if format == "mxfp8":
             scaled = np.clip(scaled, -448, 448)
+        scaled = np.where(finite[..., None], scaled, F32(np.nan))  # elements 0x7F
     data = scaled.astype(E4M3).reshape(x.shape)
     if packed:
         n = biased.shape[-1]
@@ -251,3 +252,76 @@ def test_the_account_shows_each_format_s_wire(capsys):
             ("bfloat16", *quant.FORMATS)}
     assert set(rows) == {"bfloat16", *quant.FORMATS}
     assert "| nvfp4 | 4036 |" in rows["nvfp4"] and "| 1.00 |" in rows["bfloat16"]
+
+
+def _low_latency_rows(rng, R, T, H):
+    """bfloat16 rows of every kind (rows_of_every_kind, in bfloat16: its subnormals too), and
+    a routing that sends each to some experts."""
+    x = rows_of_every_kind(rng, R * T, H).astype(ml_dtypes.bfloat16).reshape(R, T, H)
+    x[0, 1, :3] = [9.2e-41, -3e-39, 1.2e-38]  # bfloat16 subnormals and the smallest normal
+    return x
+
+
+def _assert_quantized_slots(got: quant.Quantized, plain, count, format, what):
+    """`got` (the rows of a low-latency dispatch in `format`) equals quant.quantize of the
+    bfloat16 rows of the same dispatch without a format (`plain`), slot for slot up to each
+    expert's count."""
+    want = quant.quantize(jnp.asarray(plain), format)
+    assert isinstance(got, quant.Quantized) and got.format == format, what
+    for name in ("data", "scales", "global_scale"):
+        if getattr(want, name) is None:
+            assert getattr(got, name) is None, (what, name)
+            continue
+        g, w = np.asarray(getattr(got, name)), np.asarray(getattr(want, name))
+        for at in np.ndindex(*count.shape):
+            n = int(count[at])
+            assert_bytes(g[at][:n], w[at][:n], f"{what}: {name} of expert {at}")
+
+
+@pytest.mark.parametrize("format", quant.FORMATS)
+def test_low_latency_quantizes_to_every_format_bit_for_bit(format):
+    """low_latency_dispatch(wire_format=F) quantizes each row before it is sent (the cuda
+    backend: in its send kernel) to exactly quant.quantize of the row, on the run's path and
+    on virtual ranks of both backends."""
+    from harness import sharded, to_numpy
+    from test_fuzz import draw_routing
+
+    import jax_ep
+    from jax_ep import _ffi, virtual
+
+    rng = np.random.default_rng()
+    R = 2 if jax_ep.backends.resolve("auto") == "xla" or jax_ep.runtime.is_initialized() else 1
+    T, K, E, H = 9, 3, 4 * R, 128 * int(rng.integers(1, 4))
+    idx, _ = draw_routing(rng, R, T, K, E)
+    x = _low_latency_rows(rng, R, T, H)
+
+    def per_shard(x, idx):
+        recv, _ = jax_ep.low_latency_dispatch(x, idx, num_experts=E, wire_format=format,
+                                              on_invalid="mask")
+        plain, _ = jax_ep.low_latency_dispatch(x, idx, num_experts=E, on_invalid="mask")
+        return recv.x, plain.x, plain.count
+
+    got, plain, count = to_numpy(sharded(per_shard, R)(x, idx))
+    _assert_quantized_slots(got, plain, count, format, f"R {R} H {H}")
+    for backend in ("xla", "cuda") if _ffi.EXT is not None else ("xla",):
+        R = 3
+        idx, _ = draw_routing(rng, R, T, K, 2 * R)
+        x = _low_latency_rows(rng, R, T, H)
+        recv, _ = virtual.low_latency_dispatch(x, idx, num_experts=2 * R, wire_format=format,
+                                               backend=backend)
+        plain, _ = virtual.low_latency_dispatch(x, idx, num_experts=2 * R, backend=backend)
+        _assert_quantized_slots(recv.x, plain.x, np.asarray(plain.count), format,
+                                f"virtual {backend}")
+        assert isinstance(recv.with_zero_padding().x, quant.Quantized)
+
+
+def test_low_latency_wire_format_errors():
+    from jax_ep import virtual
+
+    x = np.zeros((1, 2, 128), ml_dtypes.bfloat16)
+    idx = np.zeros((1, 2, 1), np.int32)
+    with pytest.raises(ValueError, match="not both"):
+        virtual.low_latency_dispatch(x, idx, num_experts=2, use_fp8=True, wire_format="mxfp8",
+                                     backend="xla")
+    with pytest.raises(ValueError, match="wire_format"):
+        virtual.low_latency_dispatch(x, idx, num_experts=2, wire_format="fp4", backend="xla")

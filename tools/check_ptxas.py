@@ -46,6 +46,11 @@ COPY_PHASES = frozenset(
     }
 )
 COPY_REGISTERS = 64
+# Of those, the low-latency send that casts to NVFP4 computes more than it copies (a block's
+# scale needs a correctly rounded reciprocal): it is built for the default blocks per SM
+# (LowLatencySend's kCopy), and its rows are one warp each anyway (cuda/exchange.h,
+# ll_segment_cols).
+NOT_COPIES = (re.compile(r"^per_warp_kernel<LowLatencySend<[^<>]*(<[^<>]*>)?, 4>"),)
 
 ENTRY = re.compile(r"Compiling entry function '(\S+)' for")
 OWNER = re.compile(r"Function properties for (\S+)")
@@ -73,6 +78,8 @@ class Kernel:
 
     @property
     def copies(self) -> bool:
+        if any(pattern.match(self.name) for pattern in NOT_COPIES):
+            return False
         return any(self.name.startswith(f"per_warp_kernel<{phase}<") for phase in COPY_PHASES)
 
     @property

@@ -119,11 +119,11 @@ def weights_to_sources(d_weights, received_idx, handle: DispatchHandle, *,
 # Low-latency dispatch / combine
 
 
-def low_latency_dispatch_send(x, topk_idx, *, num_experts, axis_name, use_fp8,
+def low_latency_dispatch_send(x, topk_idx, *, num_experts, axis_name, wire,
                               placement=ANYWHERE):
     data = _exchange_ffi.ll_dispatch_send(_one(x), _one(topk_idx),
                                           num_ranks=lax.axis_size(axis_name),
-                                          num_experts=num_experts, use_fp8=use_fp8,
+                                          num_experts=num_experts, wire=wire,
                                           axis_name=axis_name, placement=placement)
     data["num_invalid"] = data["num_invalid"][0]  # checked between the halves
     return data

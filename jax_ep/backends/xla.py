@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ep import fp8, routing
+from jax_ep import quant, routing
 from jax_ep.backends import ragged
 from jax_ep.backends._rows import (
     choice_rows,
@@ -255,15 +255,16 @@ def weights_to_sources(d_weights: jax.Array, received_idx: jax.Array, handle: Di
 
 
 def low_latency_dispatch_send(
-    x: jax.Array, topk_idx: jax.Array, *, num_experts: int, axis_name: str, use_fp8: bool,
+    x: jax.Array, topk_idx: jax.Array, *, num_experts: int, axis_name: str, wire: str,
     transport_name: str | None = None,
 ):
-    """First half: quantize if asked and move the tokens and routing to every rank;
-    `transport_name` overrides `transport()`."""
+    """First half: quantize to the `wire` format (a jax_ep.quant format, or "bf16") and move
+    the tokens (data rows, and their other bytes in float32 words: quant.to_rows) and routing
+    to every rank; `transport_name` overrides `transport()`."""
     idx, num_invalid = routing.clean_topk_idx(topk_idx, num_experts)
     scales = None
-    if use_fp8:
-        x, scales = fp8.quantize(x)
+    if wire != "bf16":
+        x, scales = quant.to_rows(quant.quantize(x, wire))
     if (transport_name or transport()) == "ragged":
         return ragged.low_latency_dispatch_send(x, scales, idx, num_invalid,
                                                 num_experts=num_experts, axis_name=axis_name)

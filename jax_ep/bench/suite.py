@@ -403,7 +403,7 @@ def case_account(op: str, inp: Inputs, virtual: bool) -> Any:
         parts.append(account.combine(idx, num_experts=E, row_bytes=row, between=between))
     if op in ("ll_dispatch", "ll_dispatch_fp8", "ll_round_trip"):
         parts += account.low_latency_dispatch(ll_idx, num_experts=E, hidden=H,
-                                               use_fp8=op == "ll_dispatch_fp8",
+                                               wire="e4m3" if op == "ll_dispatch_fp8" else "bf16",
                                                between=between)
     if op in ("ll_combine", "ll_round_trip"):
         parts += account.low_latency_combine(ll_idx, num_experts=E, hidden=H, between=between)

@@ -49,7 +49,9 @@ void expect_equal(const std::vector<T>& got, const std::vector<T>& want, const s
 struct Shape {
   int R, T, K, E, H, capacity;
   bool expert_major, fp8;
+  int wire = 0;  // low-latency wire format (cuda/wire.h); 0: e4m3 with fp8, else bf16
   int El() const { return E / R; }
+  int ll_wire() const { return wire ? wire : fp8 ? kWireE4m3 : kWireBf16; }
   int rows() const { return expert_major ? R * T : capacity; }
   int cols() const { return expert_major ? 1 : K; }
 };
@@ -179,7 +181,7 @@ struct LowLatencyData {
     counts.resize(R * s.E);
     work.resize(R + 1);
     recv_x.resize(R * slots * H * 2);
-    recv_scales.resize(s.fp8 ? R * slots * (H / 128) : 0);
+    recv_scales.resize(R * slots * wire_scale_words(s.ll_wire(), H));
     src_row.resize(R * R * T * K);
     count.resize(R * s.El());
     staging.resize(R * T * K * H);
@@ -187,14 +189,14 @@ struct LowLatencyData {
   }
   LowLatencyArgs dispatch_args(const Shape& s, int rank) {
     const int64_t v = rank < 0 ? 0 : rank, T = s.T, K = s.K, H = s.H;
-    const int64_t slots = int64_t{s.El()} * s.R * T, row = s.fp8 ? H : 2 * H;
+    const int64_t slots = int64_t{s.El()} * s.R * T, row = wire_data_bytes(s.ll_wire(), H);
     LowLatencyArgs a{};
     a.num_ranks = s.R;
     a.num_tokens = s.T;
     a.top_k = s.K;
     a.num_experts = s.E;
     a.hidden = s.H;
-    a.use_fp8 = s.fp8;
+    a.wire = s.ll_wire();
     a.x = x.data() + v * T * H;
     a.topk_idx = idx.data() + v * T * K;
     a.clean_idx = clean_idx.data() + v * T * K;
@@ -205,7 +207,7 @@ struct LowLatencyData {
     w.resize(carve_ll_workspace(&a, V));
     carve_ll_workspace(&a, V, w.data());
     a.recv_x = recv_x.data() + v * slots * row;
-    a.recv_scales = recv_scales.data() + (s.fp8 ? v * slots * (H / 128) : 0);
+    a.recv_scales = recv_scales.data() + v * slots * wire_scale_words(s.ll_wire(), H);
     a.src_row = src_row.data() + v * s.R * T * K;
     a.count = count.data() + v * s.El();
     return a;
@@ -316,6 +318,7 @@ void check_round(const Shape& s, uint32_t seed, const HostGrid& grid, const char
   const std::string at = " (R " + std::to_string(s.R) + ", T " + std::to_string(s.T) +
                          ", capacity " + std::to_string(s.capacity) +
                          (s.expert_major ? ", expert-major" : "") + (s.fp8 ? ", fp8" : "") +
+                         ", wire " + std::to_string(s.ll_wire()) +
                          how + ", seed " + std::to_string(seed) + ")";
   expect_equal(dp.recv_x, dv.recv_x, "dispatch recv_x" + at);
   expect_equal(dp.recv_scales, dv.recv_scales, "dispatch recv_scales" + at);
@@ -332,8 +335,8 @@ void check_round(const Shape& s, uint32_t seed, const HostGrid& grid, const char
   expect_equal(dp.num_needed, dv.num_needed, "dispatch num_needed" + at);
   expect_equal(dp.num_invalid, dv.num_invalid, "dispatch num_invalid" + at);
   expect_equal(cp.out, cv.out, "combine out" + at);
-  const size_t slots = size_t(s.El()) * s.R * s.T, row = s.fp8 ? s.H : 2 * s.H;
-  lp.recv_x.resize(s.R * slots * row);  // the FP8 rows fill the first half
+  const size_t slots = size_t(s.El()) * s.R * s.T, row = wire_data_bytes(s.ll_wire(), s.H);
+  lp.recv_x.resize(s.R * slots * row);  // the rows of a wire format fill the first part
   lv.recv_x.resize(s.R * slots * row);
   expect_equal(lp.recv_x, lv.recv_x, "low-latency recv_x" + at);
   expect_equal(lp.recv_scales, lv.recv_scales, "low-latency recv_scales" + at);
@@ -495,6 +498,9 @@ int main() {
       {R, 7, 2, 4, 384, 56, true, true},      // expert-major, all kept, FP8
       {R, 300, 6, 8, 128, 700, false, false},  // the count in 5 chunks of 64 tokens
       {R, 200, 5, 12, 128, 1500, true, false}, // expert-major, 4 chunks
+      {R, 9, 3, 8, 384, 36, false, false, kWireE4m3Ue8m0},  // low latency: UE8M0 scales, padded
+      {R, 9, 3, 8, 256, 36, false, false, kWireMxfp8},      // MXFP8
+      {R, 9, 3, 8, 256, 36, false, false, kWireNvfp4},      // NVFP4, a row in one segment
   };
   uint32_t round = 0;
   for (const Shape& s : shapes) {
