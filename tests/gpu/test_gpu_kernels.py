@@ -55,6 +55,9 @@ def _cases():
             for split in (False, True):
                 yield "test_low_latency", {"backend": "cuda", "use_fp8": fp8, "split": split,
                                            "case": case}
+    for format in ("e4m3", "e4m3_ue8m0", "mxfp8", "nvfp4"):
+        yield "test_low_latency_wire_format", {"backend": "cuda", "format": format,
+                                               "split": format == "nvfp4"}
     yield "test_layout", {"backend": "cuda"}
 
 
