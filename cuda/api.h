@@ -11,6 +11,10 @@
 
 namespace jax_ep::cuda {
 
+// "cudaErrorX: what it means" for a failed CUDA call; for a GPU this build has no kernels for,
+// also its compute capability, the architectures built, and the command that rebuilds for it.
+std::string error_text(cudaError_t status);
+
 // Dispatch layout of one rank's routing (purely local; docs/contract.md). Writes every element of:
 //   num_tokens_per_rank [num_ranks]: tokens with at least one valid choice on each rank;
 //   num_tokens_per_expert [num_experts]: valid choices per expert (duplicates count twice);

@@ -5,6 +5,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "cuda/api.h"
 #include "cuda/kernels.h"
 #include "cuda/phases.cuh"
 #include "cuda/virtual_ops.h"
@@ -50,7 +51,7 @@ cudaError_t stream_ticket(cudaStream_t stream, unsigned** ticket) {
 PeerError launch_error(int op, cudaError_t status) {
   if (status == cudaSuccess) return PeerError{};
   return PeerError{std::string("CUDA error in ") + kPeerOpNames[op] + ": " +
-                   cudaGetErrorName(status) + ": " + cudaGetErrorString(status)};
+                   error_text(status)};
 }
 
 template <typename Args>

@@ -40,8 +40,14 @@ struct NoMeet {
 // The copy phases (they move rows and little else) declare kCopy true: their kernels are built for
 // kCopyBlocksPerSm blocks per SM, which bounds them to 64 registers (65536 per SM / (4 * 256
 // threads)), so that an SM holds 32 warps of copies, each lane with kWordsInFlight loads in
-// flight. The other phases take what registers they need (the ordered sums hold 4 rows' packs).
+// flight. That fits the Hopper code, which is tuned; the other architectures' code (not yet
+// run on their GPUs) spills within 64 registers, so it is built for 2 blocks (128 registers).
+// The other phases take what registers they need (the ordered sums hold 4 rows' packs).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ != 900
+constexpr int kCopyBlocksPerSm = 2;
+#else
 constexpr int kCopyBlocksPerSm = 4;
+#endif
 template <typename Phase, typename = void>
 struct MinBlocksPerSm : std::integral_constant<int, 1> {};
 template <typename Phase>

@@ -37,10 +37,28 @@ bool g_initialized = false;
 int g_generation = 0;
 
 std::string cuda_failure(const char* what, cudaError_t status) {
-  return std::string(what) + ": " + cudaGetErrorName(status) + ": " + cudaGetErrorString(status);
+  return std::string(what) + ": " + error_text(status);
 }
 
 }  // namespace
+
+#ifndef JAX_EP_CUDA_ARCH  // CMakeLists.txt defines it (tools/check_ptxas.py compiles without)
+#define JAX_EP_CUDA_ARCH "the architectures of its build"
+#endif
+
+std::string error_text(cudaError_t status) {
+  std::string text = std::string(cudaGetErrorName(status)) + ": " + cudaGetErrorString(status);
+  if (status != cudaErrorNoKernelImageForDevice) return text;
+  int device = 0, major = 0, minor = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  const std::string cc = std::to_string(major) + std::to_string(minor);
+  return text + ". This GPU has compute capability " + std::to_string(major) + "." +
+         std::to_string(minor) + " and jax_ep was built for " + JAX_EP_CUDA_ARCH +
+         ": rebuild for it with pip install -C cmake.define.CMAKE_CUDA_ARCHITECTURES=" + cc +
+         "-real . (docs/build.md)";
+}
 
 const SymmetricBuffer* symmetric_buffer() { return g_initialized ? &g_buffer : nullptr; }
 

@@ -39,7 +39,7 @@ xffi::Error LayoutCudaImpl(cudaStream_t stream,
                                                    stream);
   if (status != cudaSuccess) {
     return xffi::Error::Internal(std::string("CUDA error in ") + kLayoutOp + ": " +
-                                cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
+                                cuda::error_text(status));
   }
   return xffi::Error::Success();
 }

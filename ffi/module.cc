@@ -90,7 +90,7 @@ nb::dict BuildInfo() {
       std::to_string(XLA_FFI_API_MAJOR) + "." + std::to_string(XLA_FFI_API_MINOR);
   info["cuda"] = CudaCompiled();
 #ifdef JAX_EP_WITH_CUDA
-  info["cuda_arch"] = std::string("sm_") + JAX_EP_CUDA_ARCH;
+  info["cuda_arch"] = std::string(JAX_EP_CUDA_ARCH);
   info["nvshmem_version"] = std::to_string(jax_ep::cuda::nvshmem_version_major()) + "." +
                             std::to_string(jax_ep::cuda::nvshmem_version_minor()) + "." +
                             std::to_string(jax_ep::cuda::nvshmem_version_patch());
@@ -157,8 +157,9 @@ NB_MODULE(_ext, m) {
         "nothing. Raises RuntimeError when jax_ep was built without CUDA.");
   m.def("build_info",
         &BuildInfo,
-        "{'ffi_api_version', 'cuda', 'cuda_arch', 'nvshmem_version'} of this build (the last two "
-        "are None without CUDA).");
+        "{'ffi_api_version', 'cuda', 'cuda_arch', 'nvshmem_version'} of this build; cuda_arch "
+        "lists the GPU architectures built ('sm_80,sm_90,...': machine code; 'compute_XX': "
+        "PTX). The last two are None without CUDA.");
   m.def("meter",
         &Meter,
         nb::arg("reset") = true,

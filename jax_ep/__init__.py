@@ -5,6 +5,7 @@ backward) as shard_map-friendly functions with static shapes. See docs/contract.
 """
 
 from jax_ep import backends, checks, eplb, fp8, overlap, profile, quant, runtime, virtual
+from jax_ep._ffi import build_info
 from jax_ep.checks import checked
 from jax_ep.dispatch import DEFAULT_NUM_SMS, capacity_from_factor, combine, dispatch
 from jax_ep.layout import get_dispatch_layout
@@ -55,6 +56,7 @@ __all__ = [
     "account",
     "backends",
     "bench",
+    "build_info",
     "capacity_from_factor",
     "checked",
     "checks",

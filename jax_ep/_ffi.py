@@ -105,6 +105,38 @@ def register() -> None:
         _registered = True
 
 
+def build_info() -> dict:
+    """What this installation of jax_ep was built with: {'extension': whether the compiled
+    extension loaded, 'ffi_api_version', 'cuda' (whether it holds the CUDA kernels),
+    'cuda_arch' (the GPU architectures built, e.g. 'sm_80,sm_90,sm_100,sm_120'),
+    'nvshmem_version'}; the last four are None without the extension."""
+    if EXT is None:
+        return {"extension": False, "ffi_api_version": None, "cuda": None, "cuda_arch": None,
+                "nvshmem_version": None}
+    return {"extension": True, **EXT.build_info()}
+
+
+def architectures(info: dict) -> list[str]:
+    """The architectures of a build_info(): ["sm_80", "sm_90", ...] (and "compute_XX")."""
+    return [a for a in (info.get("cuda_arch") or "").split(",") if a]
+
+
+def runs_on(arch: str, capability: tuple[int, int]) -> bool:
+    """Whether code built for `arch` runs on a GPU of compute `capability`: machine code for
+    an "a" architecture ("sm_90a") on exactly its GPU, for a plain one ("sm_80") on its GPU
+    and later ones of the same major version; PTX ("compute_90") on its GPU and every later
+    one (compiled when loaded)."""
+    digits = arch.split("_", 1)[1]
+    exact = digits.endswith("a")
+    number = int(digits.rstrip("a"))
+    major, minor = number // 10, number % 10
+    if arch.startswith("compute_"):
+        return capability >= (major, minor)
+    if exact:
+        return capability == (major, minor)
+    return capability[0] == major and capability[1] >= minor
+
+
 def cuda_kernels_compiled() -> bool:
     """True when the extension was built with the CUDA kernels (whether or not a GPU exists)."""
     return EXT is not None and bool(EXT.cuda_compiled())

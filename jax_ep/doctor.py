@@ -95,7 +95,7 @@ def _version(text: str) -> tuple[int, ...]:
 
 def check_facts(facts: Facts, config: Any) -> list[Check]:
     """Every check but the self-test, from the facts alone."""
-    from jax_ep import runtime
+    from jax_ep import _ffi, runtime
 
     checks = []
     jax_ok = _version(facts.jax_version) >= MIN_JAX
@@ -125,14 +125,14 @@ def check_facts(facts: Facts, config: Any) -> list[Check]:
         arch = (facts.build or {}).get("cuda_arch")
         for i, d in enumerate(gpus):
             cc = d.compute_capability
-            ok = built and arch is not None and cc is not None and \
-                _arch_runs(arch, cc)
+            ok = built and cc is not None and \
+                any(_ffi.runs_on(a, cc) for a in _ffi.architectures(facts.build or {}))
             checks.append(Check(
                 f"architectures (GPU {i})", OK if ok else FAIL,
                 f"{d.kind}, compute capability {'.'.join(map(str, cc)) if cc else '?'}; "
                 f"built for {arch or 'no GPU'}",
                 "" if ok else f"rebuild for sm_{cc[0]}{cc[1]}: pip install -C "
-                f"cmake.define.CMAKE_CUDA_ARCHITECTURES={cc[0]}{cc[1]} ." if cc else
+                f"cmake.define.CMAKE_CUDA_ARCHITECTURES={cc[0]}{cc[1]}-real ." if cc else
                 "the GPU does not report its compute capability"))
         need = runtime.required_bytes(config)
         for i, d in enumerate(gpus):
@@ -149,18 +149,6 @@ def check_facts(facts: Facts, config: Any) -> list[Check]:
                 "or leave XLA less memory (XLA_PYTHON_CLIENT_MEM_FRACTION)"))
     checks.append(_check_variables(facts))
     return checks
-
-
-def _arch_runs(arch: str, capability: tuple[int, int]) -> bool:
-    """Whether code built for `arch` ("sm_90a") runs on a GPU of `capability`: an "a"
-    architecture runs on exactly its GPU, a plain one on its GPU and later ones of the same
-    major version."""
-    digits = arch.removeprefix("sm_")
-    exact = digits.endswith("a")
-    major, minor = int(digits.rstrip("a")[:-1]), int(digits.rstrip("a")[-1])
-    if exact:
-        return capability == (major, minor)
-    return capability[0] == major and capability[1] >= minor
 
 
 def _check_variables(facts: Facts) -> Check:

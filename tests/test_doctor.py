@@ -9,10 +9,11 @@ import sys
 
 import pytest
 
-from jax_ep import doctor
+import jax_ep
+from jax_ep import _ffi, doctor
 from jax_ep.runtime import BufferConfig
 
-BUILD = {"ffi_api_version": "0.3", "cuda": True, "cuda_arch": "sm_90a",
+BUILD = {"ffi_api_version": "0.3", "cuda": True, "cuda_arch": "sm_80,sm_90,sm_100,sm_120",
          "nvshmem_version": "3.4.5"}
 H100 = doctor.Device("gpu", "NVIDIA H100 80GB HBM3", (9, 0), 70 * 2**30)
 
@@ -34,13 +35,15 @@ CONFIG = BufferConfig(num_ranks=1)
 def test_a_good_gpu_machine_passes_every_check():
     checks = by_name(doctor.check_facts(facts(), CONFIG))
     assert all(c.status == doctor.OK for c in checks.values()), checks
-    assert "compute capability 9.0; built for sm_90a" in checks["architectures (GPU 0)"].detail
+    assert "compute capability 9.0; built for sm_80,sm_90,sm_100,sm_120" in \
+        checks["architectures (GPU 0)"].detail
 
 
 @pytest.mark.parametrize("change, name, fix", [
-    (dict(devices=(dataclasses.replace(H100, compute_capability=(8, 0)),)),
-     "architectures (GPU 0)", "rebuild for sm_80"),
-    (dict(devices=(dataclasses.replace(H100, compute_capability=(10, 0)),)),
+    (dict(devices=(dataclasses.replace(H100, compute_capability=(7, 0)),)),
+     "architectures (GPU 0)", "rebuild for sm_70"),
+    (dict(build={**BUILD, "cuda_arch": "sm_90a"},
+          devices=(dataclasses.replace(H100, compute_capability=(10, 0)),)),
      "architectures (GPU 0)", "rebuild for sm_100"),
     (dict(build={**BUILD, "cuda": False, "cuda_arch": None}), "CUDA kernels", "nvcc on PATH"),
     (dict(cuda_plugin=None), "CUDA plugin", "jax[cuda13]"),
@@ -63,9 +66,21 @@ def test_bad_variables_fail_with_the_variable_named(monkeypatch):
 
 
 def test_architecture_rules():
-    assert doctor._arch_runs("sm_90a", (9, 0)) and not doctor._arch_runs("sm_90a", (10, 0))
-    assert doctor._arch_runs("sm_80", (8, 6)) and not doctor._arch_runs("sm_80", (9, 0))
-    assert doctor._arch_runs("sm_100a", (10, 0)) and not doctor._arch_runs("sm_100a", (10, 3))
+    runs = _ffi.runs_on
+    assert runs("sm_90a", (9, 0)) and not runs("sm_90a", (10, 0))
+    assert runs("sm_80", (8, 6)) and not runs("sm_80", (9, 0))
+    assert runs("sm_100a", (10, 0)) and not runs("sm_100a", (10, 3))
+    assert runs("sm_100", (10, 3)) and not runs("sm_100", (12, 0))
+    assert runs("compute_90", (12, 0)) and not runs("compute_90", (8, 9))
+    assert _ffi.architectures({"cuda_arch": "sm_80,compute_120"}) == ["sm_80", "compute_120"]
+    assert _ffi.architectures({"cuda_arch": None}) == []
+
+
+def test_build_info_lists_what_was_built():
+    info = jax_ep.build_info()
+    assert set(info) == {"extension", "ffi_api_version", "cuda", "cuda_arch", "nvshmem_version"}
+    if info["cuda"]:  # the default build: every current NVIDIA GPU, machine code only
+        assert _ffi.architectures(info) == ["sm_80", "sm_90", "sm_100", "sm_120"]
 
 
 def test_on_this_machine_it_runs_the_cpu_checks_and_exits_0():

@@ -1,12 +1,13 @@
-"""Compiles every cuda/*.cu for sm_90a with `ptxas -v` and checks the kernels' resources.
+"""Compiles every cuda/*.cu for each architecture of the build (pyproject.toml's
+CMAKE_CUDA_ARCHITECTURES) with `ptxas -v` and checks the kernels' resources.
 
 Needs nvcc (PATH, or $CUDA_HOME/bin) and the nvidia-nvshmem-cu13 wheel (for its headers); no
 GPU. Prints one row per kernel of ours (registers, spill stores/loads, stack frame) and exits
 non-zero when a file does not compile, when a hot kernel (a name containing one of
 HOT_KERNELS) spills registers or has a stack frame (both mean local memory, which is slow on
 the hot path), or when a copy kernel (one of COPY_PHASES: cuda/phase_functors.h builds them
-for 4 blocks per SM) holds more than COPY_REGISTERS registers. Other kernels are reported but
-do not fail the check.
+for 4 blocks per SM on Hopper, 2 elsewhere) holds more registers than that allows
+(COPY_REGISTERS). Other kernels are reported but do not fail the check.
 
 Run: python tools/check_ptxas.py [cuda/file.cu ...]
 """
@@ -20,11 +21,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NVCC_FLAGS = [
-    "-gencode=arch=compute_90a,code=sm_90a",
     "-rdc=true",
     "-std=c++17",
     "-O3",
@@ -45,7 +46,8 @@ COPY_PHASES = frozenset(
         "LowLatencyCombineSend",
     }
 )
-COPY_REGISTERS = 64
+COPY_REGISTERS = {"sm_90": 64}  # Hopper's copies; the other architectures': 128
+OTHER_COPY_REGISTERS = 128  # (cuda/phase_functors.h, kCopyBlocksPerSm)
 # Of those, the low-latency send that casts to NVFP4 computes more than it copies (a block's
 # scale needs a correctly rounded reciprocal): it is built for the default blocks per SM
 # (LowLatencySend's kCopy), and its rows are one warp each anyway (cuda/exchange.h,
@@ -59,10 +61,19 @@ PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) by
 REGS = re.compile(r"Used (\d+) registers")
 
 
+def architectures() -> list[str]:
+    """The machine-code architectures the build compiles for ("90", "100a", ...)."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        define = tomllib.load(f)["tool"]["scikit-build"]["cmake"]["define"]
+    archs = [a.removesuffix("-real") for a in define["CMAKE_CUDA_ARCHITECTURES"].split(";")]
+    return [a for a in archs if not a.endswith("-virtual")]
+
+
 @dataclass
 class Kernel:
     file: str
     symbol: str
+    arch: str = ""
     registers: int = 0
     stack: int = 0
     spill_stores: int = 0
@@ -125,11 +136,13 @@ def demangle(symbol: str) -> str:
     return re.sub(r"\b\w+::", "", readable)  # without namespaces: per_warp_kernel<DispatchSend>
 
 
-def compile_report(nvcc: str, path: str, include: str) -> tuple[int, str]:
-    """Compiles one file; returns nvcc's exit status and its output (the ptxas report)."""
+def compile_report(nvcc: str, path: str, arch: str, include: str) -> tuple[int, str]:
+    """Compiles one file for sm_`arch`; returns nvcc's exit status and its output (the ptxas
+    report)."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
             nvcc,
+            f"-gencode=arch=compute_{arch},code=sm_{arch}",
             *NVCC_FLAGS,
             f"-I{ROOT}",
             f"-I{include}",
@@ -142,7 +155,7 @@ def compile_report(nvcc: str, path: str, include: str) -> tuple[int, str]:
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def parse_kernels(file: str, report: str) -> list[Kernel]:
+def parse_kernels(file: str, arch: str, report: str) -> list[Kernel]:
     """Our entry functions (namespace jax_ep) with their resource use. Device functions of
     NVSHMEM that ptxas also reports are not ours and are skipped."""
     kernels: dict[str, Kernel] = {}
@@ -150,7 +163,7 @@ def parse_kernels(file: str, report: str) -> list[Kernel]:
     for line in report.splitlines():
         if match := ENTRY.search(line):
             if "jax_ep" in match.group(1):
-                kernels[match.group(1)] = Kernel(file, match.group(1))
+                kernels[match.group(1)] = Kernel(file, match.group(1), f"sm_{arch}")
         elif match := OWNER.search(line):  # the lines below belong to this function
             current = kernels.get(match.group(1))
         elif current and (match := PROPS.search(line)):
@@ -167,41 +180,43 @@ def main(argv: list[str]) -> int:
     paths = [os.path.abspath(p) for p in argv] or sorted(
         os.path.join(cuda_dir, f) for f in os.listdir(cuda_dir) if f.endswith(".cu")
     )
+    jobs = [(path, arch) for arch in architectures() for path in paths]
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        reports = list(pool.map(lambda p: compile_report(nvcc, p, include), paths))
+        reports = list(pool.map(lambda job: compile_report(nvcc, *job, include), jobs))
 
     failed = False
     rows: list[Kernel] = []
-    for path, (status, report) in zip(paths, reports, strict=True):
+    for (path, arch), (status, report) in zip(jobs, reports, strict=True):
+        where = f"{os.path.relpath(path, ROOT)} (sm_{arch})"
         if status != 0:
-            print(f"check_ptxas: {os.path.relpath(path, ROOT)} does not compile:\n{report}")
+            print(f"check_ptxas: {where} does not compile:\n{report}")
             failed = True
             continue
         # nvcc only warns when device code calls a host function, and the kernel then does
         # not do what it says (it can compile to almost nothing): any warning fails.
         warnings = [line for line in report.splitlines() if WARNING.search(line)]
         if warnings:
-            print(f"check_ptxas: {os.path.relpath(path, ROOT)} compiles with warnings:\n"
-                  + "\n".join(warnings))
+            print(f"check_ptxas: {where} compiles with warnings:\n" + "\n".join(warnings))
             failed = True
-        rows += parse_kernels(os.path.basename(path), report)
+        rows += parse_kernels(os.path.basename(path), arch, report)
 
     width = max([len("kernel"), *(len(k.name) for k in rows)])
     fw = max([len("file"), *(len(k.file) for k in rows)])
     print(
-        f"{'file':<{fw}} {'kernel':<{width}} {'hot':>3} {'copy':>4} {'regs':>5} {'spill st':>9} "
-        f"{'spill ld':>9} {'stack':>6}"
+        f"{'file':<{fw}} {'arch':<6} {'kernel':<{width}} {'hot':>3} {'copy':>4} {'regs':>5} "
+        f"{'spill st':>9} {'spill ld':>9} {'stack':>6}"
     )
     for k in rows:
         flag = ""
         if k.uses_local_memory:
             flag = "  <- local memory in a hot kernel" if k.hot else "  (local memory)"
             failed |= k.hot
-        if k.copies and k.registers > COPY_REGISTERS:
-            flag += f"  <- over {COPY_REGISTERS} registers in a copy kernel"
+        limit = COPY_REGISTERS.get(k.arch, OTHER_COPY_REGISTERS)
+        if k.copies and k.registers > limit:
+            flag += f"  <- over {limit} registers in a copy kernel"
             failed = True
         print(
-            f"{k.file:<{fw}} {k.name:<{width}} {'yes' if k.hot else '':>3} "
+            f"{k.file:<{fw}} {k.arch:<6} {k.name:<{width}} {'yes' if k.hot else '':>3} "
             f"{'yes' if k.copies else '':>4} {k.registers:>5} "
             f"{k.spill_stores:>9} {k.spill_loads:>9} {k.stack:>6}{flag}"
         )
