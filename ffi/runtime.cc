@@ -21,11 +21,13 @@ namespace nb = nanobind;
 namespace jax_ep::ffi {
 namespace {
 
+#ifndef JAX_EP_WITH_CUDA
 [[noreturn]] void NoCuda() {
   throw std::runtime_error(
       "jax_ep was built without the CUDA kernels, so it has no NVSHMEM runtime; rebuild with "
       "nvcc on PATH (pip install -C cmake.define.JAX_EP_CUDA=ON .) or use backend='xla'");
 }
+#endif
 
 void Initialize(nb::bytes unique_id, int rank, int num_ranks, int device, size_t buffer_bytes,
                 size_t low_latency_bytes, bool puts, int ranks_per_node,
