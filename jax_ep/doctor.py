@@ -1,7 +1,8 @@
 """`python -m jax_ep.doctor`: whether this machine can run jax_ep, each check with its fix.
 
-It gathers the facts (JAX and its CUDA plugin, the extension's build, the devices and their
-compute capabilities, free device memory, the JAX_EP_* and NVSHMEM_* variables set), checks
+It gathers the facts (JAX and its CUDA plugin, the extension's build, NVSHMEM's host library
+against the device library built in, the devices and their compute capabilities, free device
+memory, the RDMA stack between hosts, the JAX_EP_* and NVSHMEM_* variables set), checks
 them against what a configuration needs (`BufferConfig`, DeepSeek's shapes by default), then
 runs a bit-exact self-test of the local paths under a time limit. Exit status 0 only when
 every check that applies passes; on CPU the GPU checks say why they were skipped.
@@ -10,6 +11,7 @@ every check that applies passes; on CPU the GPU checks say why they were skipped
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import dataclasses
 import os
 import sys
@@ -20,6 +22,7 @@ from typing import Any
 
 OK, SKIP, FAIL = "ok", "skip", "FAIL"
 MIN_JAX = (0, 10, 2)
+RDMA_DEVICES = "/sys/class/infiniband"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +45,9 @@ class Facts:
     devices: tuple[Device, ...]
     process_count: int
     variables: dict[str, str]  # JAX_EP_* and NVSHMEM_* that are set
+    nvshmem_host: str | None = None  # the installed nvidia-nvshmem-cu13 (its host library)
+    ibverbs: bool = False  # libibverbs loads (NVSHMEM's RDMA transports need it)
+    rdma_devices: tuple[str, ...] = ()  # /sys/class/infiniband
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +88,18 @@ def gather() -> Facts:
         build_error=_ffi.IMPORT_ERROR,
         devices=tuple(devices), process_count=jax.process_count(),
         variables={k: v for k, v in sorted(os.environ.items())
-                   if k.startswith(("JAX_EP_", "NVSHMEM_"))})
+                   if k.startswith(("JAX_EP_", "NVSHMEM_"))},
+        nvshmem_host=_installed("nvidia-nvshmem-cu13"),
+        ibverbs=ctypes.util.find_library("ibverbs") is not None,
+        rdma_devices=tuple(sorted(os.listdir(RDMA_DEVICES))) if os.path.isdir(RDMA_DEVICES)
+        else ())
+
+
+def _installed(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -147,8 +164,44 @@ def check_facts(facts: Facts, config: Any) -> list[Check]:
                 f"{d.free_bytes / 2**30:.2f} GiB free",
                 "" if ok else "make the BufferConfig smaller (num_tokens, low_latency_tokens) "
                 "or leave XLA less memory (XLA_PYTHON_CLIENT_MEM_FRACTION)"))
+    checks.append(_check_nvshmem(facts))
+    checks.append(_check_transports(facts))
     checks.append(_check_variables(facts))
     return checks
+
+
+def _check_nvshmem(facts: Facts) -> Check:
+    """NVSHMEM's host library refuses a device library of another major version or a newer
+    minor one: the classic failure of a mismatched install."""
+    device = (facts.build or {}).get("nvshmem_version")
+    if not device:
+        return Check("NVSHMEM", SKIP, "this build has no CUDA kernels, so no NVSHMEM")
+    fix = f"pip install 'nvidia-nvshmem-cu13>={device},<{int(device.split('.')[0]) + 1}'"
+    if facts.nvshmem_host is None:
+        return Check("NVSHMEM", FAIL, f"device library {device} built in; the host library "
+                     "(nvidia-nvshmem-cu13) is not installed", fix)
+    host, built = _version(facts.nvshmem_host), _version(device)
+    ok = host[0] == built[0] and host[:2] >= built[:2]
+    return Check("NVSHMEM", OK if ok else FAIL,
+                 f"host library {facts.nvshmem_host}, device library {device} built in"
+                 + ("" if ok else ": the host library refuses a device library of another "
+                    "major version or a newer minor one"), "" if ok else fix)
+
+
+def _check_transports(facts: Facts) -> Check:
+    """Between hosts NVSHMEM's puts need its RDMA stack: libibverbs and a NIC."""
+    if facts.process_count <= 1:
+        return Check("transports", SKIP, "one host: its GPUs reach each other without RDMA")
+    nics = ", ".join(facts.rdma_devices) or "none"
+    ok = facts.ibverbs and bool(facts.rdma_devices)
+    ibgda = facts.variables.get("NVSHMEM_IB_ENABLE_IBGDA", "").strip() in ("1", "true")
+    verbs = "found" if facts.ibverbs else "missing"
+    return Check("transports", OK if ok else FAIL,
+                 f"{facts.process_count} hosts; libibverbs {verbs}; RDMA devices: {nics}; "
+                 f"NVSHMEM's transport: "
+                 f"{'IBGDA (NVSHMEM_IB_ENABLE_IBGDA)' if ibgda else 'IBRC, its default'}",
+                 "" if ok else "install the RDMA stack (rdma-core: libibverbs) and check that "
+                 "the NICs show in /sys/class/infiniband (ibv_devices)")
 
 
 def _check_variables(facts: Facts) -> Check:

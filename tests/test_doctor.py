@@ -21,7 +21,8 @@ H100 = doctor.Device("gpu", "NVIDIA H100 80GB HBM3", (9, 0), 70 * 2**30)
 def facts(**changes) -> doctor.Facts:
     base = doctor.Facts(jax_version="0.11.2", jaxlib_version="0.11.2",
                         cuda_plugin="jax-cuda13-plugin 0.11.2", build=BUILD, build_error=None,
-                        devices=(H100,), process_count=1, variables={})
+                        devices=(H100,), process_count=1, variables={},
+                        nvshmem_host="3.4.5", ibverbs=True, rdma_devices=("mlx5_0",))
     return dataclasses.replace(base, **changes)
 
 
@@ -34,6 +35,7 @@ CONFIG = BufferConfig(num_ranks=1)
 
 def test_a_good_gpu_machine_passes_every_check():
     checks = by_name(doctor.check_facts(facts(), CONFIG))
+    assert checks.pop("transports").status == doctor.SKIP  # one host
     assert all(c.status == doctor.OK for c in checks.values()), checks
     assert "compute capability 9.0; built for sm_80,sm_90,sm_100,sm_120" in \
         checks["architectures (GPU 0)"].detail
@@ -51,6 +53,10 @@ def test_a_good_gpu_machine_passes_every_check():
      "BufferConfig smaller"),
     (dict(build=None, build_error="No module named 'jax_ep._ext'"), "extension", "pip install ."),
     (dict(jax_version="0.9.0"), "jax", "jax>=0.10.2"),
+    (dict(nvshmem_host="3.3.9"), "NVSHMEM", "nvidia-nvshmem-cu13>=3.4.5,<4"),
+    (dict(nvshmem_host=None), "NVSHMEM", "nvidia-nvshmem-cu13>=3.4.5,<4"),
+    (dict(process_count=2, ibverbs=False), "transports", "libibverbs"),
+    (dict(process_count=2, rdma_devices=()), "transports", "/sys/class/infiniband"),
 ])
 def test_each_failure_names_its_fix(change, name, fix):
     checks = by_name(doctor.check_facts(facts(**change), CONFIG))
@@ -89,3 +95,17 @@ def test_on_this_machine_it_runs_the_cpu_checks_and_exits_0():
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert "[skip] architectures: no GPU in this process" in proc.stdout
     assert "0 failed" in proc.stdout and "self-test" in proc.stdout
+
+
+def test_nvshmem_and_transports_between_hosts():
+    """A newer host library of the same major version accepts the device library; between
+    hosts the RDMA stack is checked and NVSHMEM's transport named."""
+    checks = by_name(doctor.check_facts(
+        facts(nvshmem_host="3.6.1", process_count=2,
+              variables={"NVSHMEM_IB_ENABLE_IBGDA": "1"}), CONFIG))
+    assert checks["NVSHMEM"].status == doctor.OK, checks["NVSHMEM"]
+    assert checks["transports"].status == doctor.OK
+    assert "IBGDA" in checks["transports"].detail and "mlx5_0" in checks["transports"].detail
+    no_cuda = by_name(doctor.check_facts(facts(build={**BUILD, "cuda": False, "cuda_arch": None,
+                                                       "nvshmem_version": None}), CONFIG))
+    assert no_cuda["NVSHMEM"].status == doctor.SKIP
