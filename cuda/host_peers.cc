@@ -177,10 +177,12 @@ struct HostPutPeers {
     const uintptr_t from = reinterpret_cast<uintptr_t>(src);
     const uintptr_t own = reinterpret_cast<uintptr_t>(regions[me]);
     if (from < own || from + count > own + bytes) misuse("a put's source outside the buffer");
+    if (lane == 0) meter_message();  // one put, which every lane of the warp calls
     copy_row(peer(dst, rank), src, count, lane, lanes);
   }
   template <typename T>
   void put_value(T* dst, int rank, T value) const {
+    meter_message();
     *peer(dst, rank) = value;
   }
   template <typename T>

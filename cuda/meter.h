@@ -6,6 +6,7 @@
 // waits for all peers inside a launch: Meet's before and after), and the bytes of row data
 // (token rows, FP8 scales, partial sums) that the phase bodies read and write. Bookkeeping
 // (ids, weights, counters, offsets) is not counted: a few bytes per row next to kilobytes.
+// Over puts, also the messages: every put and every value put (each a work request on a NIC).
 // On the GPU the calls compile to nothing.
 #pragma once
 
@@ -18,7 +19,7 @@ namespace jax_ep {
 
 struct Meter {
   static constexpr int64_t kNoLaunch = INT64_MAX;
-  std::atomic<int64_t> launches{0}, barriers{0}, read{0}, written{0};
+  std::atomic<int64_t> launches{0}, barriers{0}, read{0}, written{0}, messages{0};
   std::atomic<int64_t> smallest{kNoLaunch};  // warps of work in the smallest launch
 };
 
@@ -47,5 +48,6 @@ inline void meter_launch(int64_t warps) {
   }
 }
 inline void meter_barrier() { meter().barriers.fetch_add(1, std::memory_order_relaxed); }
+inline void meter_message() { meter().messages.fetch_add(1, std::memory_order_relaxed); }
 
 }  // namespace jax_ep

@@ -61,6 +61,9 @@ class Account:
     warps: int | None = None  # of the smallest launch; None: no launch
     # Of the smallest launch that moves row data (what bounds the op's copy rate); None: none.
     row_warps: int | None = None
+    # Over puts: the puts and value puts of every rank (each a work request on a NIC); None
+    # where the peers are reached with stores (or all ranks are in one call).
+    messages: int | None = None
 
     @property
     def bytes(self) -> int:
@@ -88,6 +91,8 @@ class Account:
             self.minimum + other.minimum,
             least(self.warps, other.warps),
             least(self.row_warps, other.row_warps),
+            None if self.messages is None or other.messages is None
+            else self.messages + other.messages,
         )
 
 
@@ -252,7 +257,9 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
             _node_aware_dispatch(kept, topk_idx, E, expert_major, ranks_per_node, row,
                                  padding, minimum, landing,
                                  _smallest(1, chunks, T, R * T, finish, T, always=4)),
-            row_warps=moving)
+            row_warps=moving,
+            messages=_dispatch_messages(topk_idx, E, capacity, expert_major, kept,
+                                        scale_bytes > 0, ranks_per_node))
     if puts:
         # The stage copies every token's row into the send area; the send puts one copy per
         # destination from there.
@@ -260,9 +267,45 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
         read, written = staged + delivered * row, staged + written
         return Account("dispatch", 4, 3, read + landing, written + landing,
                        minimum + 2 * landing, _smallest(1, chunks, T, finish, T, always=3),
-                       moving)
+                       moving, _dispatch_messages(topk_idx, E, capacity, expert_major, kept,
+                                                  scale_bytes > 0))
     return Account("dispatch", 3, 3, read + landing, written + landing, minimum + 2 * landing,
                    _smallest(1, chunks, T, finish, always=3), moving)
+
+
+def _dispatch_messages(topk_idx, num_experts, capacity, expert_major, kept, scales,
+                       ranks_per_node=0) -> int:
+    """Puts and value puts of a dispatch over puts, every rank's: the count publishes each of
+    its R + E totals to every rank; the stage puts each token's metadata into every receiver,
+    value by value (src_row to each, and where the token has a row there its source and,
+    rank-major, its K ids and weights; expert-major, the row's unused entry slots, and each
+    choice's entry and its place in the row); the send puts each delivered row (and its FP8
+    scales) or, node-aware, those of its own node, and to each other node its targets and,
+    where it delivers there, its row once."""
+    ids = _clean(topk_idx, num_experts)
+    R, T, K = ids.shape
+    rank = np.where(ids >= 0, ids // (num_experts // R), -1)
+    on = (rank[..., None] == np.arange(R)).sum(axis=2)  # [R, T, R]: choices on each rank
+    counts = R * R * (R + num_experts)
+    if expert_major:
+        goes = on > 0
+        metadata = R * T * R + int(goes.sum()) + int(np.where(goes, K - on, 0).sum())
+        metadata += int((ids >= 0).sum()) + 4 * int(kept.sum())
+    else:
+        metadata = R * T * R + int(kept.sum()) * (1 + 2 * K)
+    per_row = 2 if scales else 1
+    if not 0 < ranks_per_node < R:
+        return counts + metadata + per_row * int(kept.sum())
+    per_rank = ((np.where(kept, rank, -1)[..., None] == np.arange(R)).sum(axis=2)
+                if expert_major else kept.astype(np.int64))
+    node = np.arange(R) // ranks_per_node
+    nodes = int(node[-1]) + 1
+    per_node = np.stack([per_rank[..., node == m].sum(axis=-1) for m in range(nodes)], -1)
+    own = per_node[np.arange(R), :, node]
+    other = per_node.copy()
+    other[np.arange(R), :, node] = 0
+    sends = per_row * int(own.sum()) + R * T * (nodes - 1) + per_row * int((other > 0).sum())
+    return counts + metadata + sends
 
 
 def _node_aware_dispatch(kept, topk_idx, num_experts, expert_major, ranks_per_node, row,
@@ -298,12 +341,13 @@ def _node_aware_dispatch(kept, topk_idx, num_experts, expert_major, ranks_per_no
 
 def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
             capacity: int | None = None, expert_major: bool = False,
-            between: bool = False, puts: bool = False) -> Account:
+            between: bool = False, puts: bool = False, weighted: bool = False) -> Account:
     """Normal combine of the rows a dispatch with this routing delivered.
 
     Args:
       topk_idx, num_experts, capacity, expert_major, between, puts: as for `dispatch`.
       row_bytes: bytes of one row of y (H x the element size).
+      weighted: combine with `topk_weights` (over puts, rank-major rows send theirs).
     """
     _check_puts(puts, between)
     R, T, K = np.shape(topk_idx)
@@ -329,8 +373,12 @@ def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
     warps = _smallest(1, R * T, T, always=2)
     if puts:
         # Each receiver puts every staged row into its home's buffer, where the sums read
-        # them: a launch between the stage and the sums.
-        return Account("combine", 3, 2, read + rows, written + rows, minimum, warps, warps)
+        # them: a launch between the stage and the sums. Messages: for every (receiver,
+        # token) the row it holds or -1, and each row with (rank-major, weighted) its weight.
+        held = rows // row_bytes
+        messages = R * R * T + held * (2 if weighted and not expert_major else 1)
+        return Account("combine", 3, 2, read + rows, written + rows, minimum, warps, warps,
+                       messages)
     # The stage and the sums, each waiting for the peers.
     return Account("combine", 2, 2, read, written, minimum, warps, warps)
 
@@ -382,11 +430,18 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
         read = R * T * 2 * H * cast_reads + m * message
         written = R * T * message + m * message
     items = [*counted, *staged, sends]
+    # Over puts: each source publishes its E totals to every rank, puts each token's R*K
+    # src_row cells, and each message segment by segment (its data, then its other bytes).
+    puts_sent = None
+    if puts:
+        puts_sent = (R * R * E + R * T * R * K
+                     + m * ll_segments(T, H, wire) * (1 if wire == "bf16" else 2))
     send = Account("ll_dispatch_send", len(items), 1, read, written, minimum,
-                   _smallest(1, *items, always=len(items)), _smallest(1, rows))
+                   _smallest(1, *items, always=len(items)), _smallest(1, rows), puts_sent)
     landing = m * message  # the receive copies the counted rows out of the symmetric buffer
     recv = Account("ll_dispatch_recv", 1, 1, landing, landing, 2 * landing,
-                   _smallest(1, E // R * R * T, always=1), _smallest(1, E // R * R * T))
+                   _smallest(1, E // R * R * T, always=1), _smallest(1, E // R * R * T),
+                   0 if puts else None)
     return send, recv
 
 
@@ -411,11 +466,12 @@ def low_latency_combine(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     # tokens; the receive's: this rank's.
     send = Account("ll_combine_send", 1, 1, choices * row, choices * row, 2 * m * row,
                    _smallest(1, R * T, always=1), _smallest(1, R * T))
-    if puts:  # the stage copies each returned row into the send area, the puts read it there
+    if puts:  # the stage copies each returned row into the send area, a put per choice
         send = Account("ll_combine_send", 2, 1, 2 * choices * row, 2 * choices * row,
-                       2 * m * row, _smallest(1, R * T, R * T, always=1), _smallest(1, R * T))
+                       2 * m * row, _smallest(1, R * T, R * T, always=1), _smallest(1, R * T),
+                       choices)
     recv = Account("ll_combine_recv", 1, 1, choices * row, out, m * row + out,
-                   _smallest(1, sums, always=1), _smallest(1, sums))
+                   _smallest(1, sums, always=1), _smallest(1, sums), 0 if puts else None)
     return send, recv
 
 
@@ -511,20 +567,37 @@ def meets(account: Account) -> tuple[bool, bool, bool]:
             account.warps is None or account.warps >= WARPS_TARGET)
 
 
-def table(accounts: Sequence[Account]) -> str:
-    """The accounts as a Markdown table; (over) and (under) mark a missed target."""
+def table(accounts: Sequence[Account], ranks: int = 1) -> str:
+    """The accounts as a Markdown table; (over) and (under) mark a missed target; over puts,
+    the messages per rank (of `ranks`)."""
     lines = ["| op | launches | barriers | GB moved | GB minimum | moved / minimum | "
-             "warps of the smallest launch |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "warps of the smallest launch | puts per rank |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for a in accounts:
         bytes_ok, launches_ok, warps_ok = meets(a)
         over = {True: "", False: " (over)"}
         warps = "-" if a.warps is None else f"{a.warps}{'' if warps_ok else ' (under)'}"
+        puts = "-" if a.messages is None else f"{a.messages // ranks:,}"
         lines.append(
             f"| {a.op} | {a.launches}{over[launches_ok]} | {a.barriers} | "
             f"{a.bytes / 1e9:.3f} | {a.minimum / 1e9:.3f} | {a.ratio:.2f}{over[bytes_ok]} | "
-            f"{warps} |"
+            f"{warps} | {puts} |"
         )
     return "\n".join(lines)
+
+
+def symmetric_bytes(num_ranks: int, tokens: int, ll_tokens: int, puts: bool,
+                    ranks_per_node: int = 0) -> dict[str, int] | None:
+    """The symmetric buffer one rank needs at DeepSeek's shapes (jax_ep.runtime.buffer_regions,
+    rank-major); None without the compiled extension."""
+    from jax_ep import _ffi, runtime
+
+    if _ffi.EXT is None:
+        return None
+    config = runtime.BufferConfig(num_tokens=tokens, num_ranks=num_ranks,
+                                  low_latency_tokens=ll_tokens)
+    return runtime.buffer_regions(config, access="put" if puts else "store",
+                                  nodes=ranks_per_node)
 
 
 def expected(accounts: Sequence[Account], puts: bool = False) -> list[str]:
@@ -547,7 +620,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="python -m jax_ep.account",
         description="The cuda backend's account (launches, barriers, bytes of row data, the "
-        "warps of work in each op's smallest launch) at DeepSeek's shapes, uniform routing: "
+        "warps of work in each op's smallest launch, over puts the messages, and the symmetric "
+        "buffer per rank) at DeepSeek's shapes, uniform routing: "
         "normal mode T 4096, low latency T 128; H 7168, top-8 of 256 experts. Needs no GPU.",
     )
     p.add_argument("--ranks", type=int, default=8, help="EP ranks (default 8)")
@@ -585,7 +659,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         accounts = deepseek_accounts(args.ranks, between, args.seed, tokens=args.tokens,
                                      ll_tokens=args.ll_tokens, puts=puts,
                                      ranks_per_node=args.ranks_per_node)
-        print(table(accounts))
+        print(table(accounts, args.ranks))
+        regions = symmetric_bytes(args.ranks, args.tokens, args.ll_tokens, puts,
+                                  args.ranks_per_node) if between else None
+        if regions:
+            print(f"\nSymmetric buffer per rank (jax_ep.runtime.buffer_regions, rank-major): "
+                  f"normal {regions['normal'] / 2**30:.2f} GiB, low latency "
+                  f"{regions['low_latency'] / 2**30:.2f} GiB.")
         print()
         missed += [line for line in expected(accounts, puts) if line not in missed]
     if missed:

@@ -77,7 +77,8 @@ def align(received: Received, handle: DispatchHandle, alignment: int
     """
     capacity = handle.capacity
     counts = received.tokens_per_expert  # entries of each expert in the unaligned layout
-    start = jnp.cumsum(round_up(counts, alignment)) - round_up(counts, alignment)
+    padded = round_up(counts, alignment)
+    start = jnp.cumsum(padded) - padded
     kept = jnp.clip(capacity - start, 0, counts)
     group_sizes = round_up(kept, alignment)  # every padded group ends by the capacity
 

@@ -39,10 +39,14 @@ def metered(fn, *args, **kwargs):
 def assert_counts(got: dict, want: account.Account, ranks_running: int = 1):
     """The meter's counts equal the account; launches and barriers are summed over the
     `ranks_running` ranks that each ran the op (one per device between devices); the warps of
-    the smallest launch are each rank's."""
+    the smallest launch are each rank's; the messages where the account counts them (over
+    puts; none are sent otherwise)."""
     expected = {"launches": want.launches * ranks_running,
                 "barriers": want.barriers * ranks_running,
-                "read": want.read, "written": want.written, "smallest_launch": want.warps}
+                "read": want.read, "written": want.written, "smallest_launch": want.warps,
+                "messages": want.messages or 0}
+    if want.messages is None and got["messages"]:
+        expected["messages"] = "counted by the account (it has None)"
     assert got == expected, f"{want.op}: counted {got}, the account says {expected}"
 
 
@@ -133,11 +137,16 @@ def test_between_devices_round_trip(R, expert_major):
     rng = np.random.default_rng()
     T, K, E, H, idx, w = draw(rng, R)
     x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+    weighted = bool(rng.integers(2))
 
     def program(x, idx, w):
         received, handle = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS,
                                            expert_major=expert_major, backend="cuda")
-        return jax_ep.combine(received.x, handle, backend="cuda")
+        weights = received.topk_weights
+        if weighted and not expert_major:
+            weights = weights.sum(axis=1)
+        return jax_ep.combine(received.x, handle, topk_weights=weights if weighted else None,
+                              backend="cuda")
 
     run = sharded(program, R)
     jax.block_until_ready(run(x, idx, w))  # compiles
@@ -147,7 +156,7 @@ def test_between_devices_round_trip(R, expert_major):
                              between=True, puts=puts,
                              ranks_per_node=runtime.state()["ranks_per_node"])
             + account.combine(idx, num_experts=E, row_bytes=2 * H, expert_major=expert_major,
-                              between=True, puts=puts))
+                              between=True, puts=puts, weighted=weighted))
     assert_counts(counted, want, ranks_running=R)
 
 
@@ -226,6 +235,11 @@ def test_the_table_shows_each_launch_s_parallelism(capsys):
     assert len(sends) == 3 and "(under)" in sends[0]
     assert not any("(under)" in line for line in sends[1:])
     assert "Expected misses:" in out and "not explained" not in out
+    # Over puts, each op's messages per rank; between devices, the symmetric buffer per rank.
+    assert "puts per rank |" in out and out.count("Symmetric buffer per rank") == 2
+    over_puts = out.split("peers reached by puts")[1]
+    assert all(line.split("|")[-2].strip() != "-" for line in over_puts.splitlines()
+               if line.startswith("| dispatch |"))
 
 
 def test_combine_moves_its_minimum():
