@@ -1481,6 +1481,15 @@ JAX_EP_HOST_DEVICE Word load_part(const Bf16* x, int part, bool valid, bool alig
   return v;
 }
 
+// The larger of amax and the magnitudes of a part's channels, as the format reads them.
+template <int kWire>
+JAX_EP_HOST_DEVICE float part_amax(float amax, const Word& part) {
+  JAX_EP_UNROLL for (int i = 0; i < kCastChannels; ++i) {
+    amax = larger_abs(amax, part_channel<kWire>(part, i));
+  }
+  return amax;
+}
+
 // The amax of the `group` consecutive parts (a power of two dividing 32, aligned) that hold
 // lane's part: on the GPU from those lanes (shuffles), on the CPU (lanes run one after
 // another) by reading the group's channels from x: the same maximum.
@@ -1490,9 +1499,7 @@ JAX_EP_HOST_DEVICE float group_amax(const Bf16* x, const Word& v, int part, int 
   float amax = 0.0f;
 #if defined(__CUDA_ARCH__)
   (void)x, (void)part, (void)valid;
-  JAX_EP_UNROLL for (int i = 0; i < kCastChannels; ++i) {
-    amax = larger_abs(amax, part_channel<kWire>(v, i));
-  }
+  amax = part_amax<kWire>(amax, v);
   for (int offset = group / 2; offset > 0; offset /= 2) {
     amax = larger_abs(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
   }
@@ -1500,8 +1507,7 @@ JAX_EP_HOST_DEVICE float group_amax(const Bf16* x, const Word& v, int part, int 
   (void)v;
   const int first = part / group * group;
   for (int p = first; valid && p < first + group; ++p) {
-    const Word w = load_part(x, p, true, false);
-    for (int i = 0; i < kCastChannels; ++i) amax = larger_abs(amax, part_channel<kWire>(w, i));
+    amax = part_amax<kWire>(amax, load_part(x, p, true, false));
   }
 #endif
   return amax;
@@ -1512,10 +1518,7 @@ JAX_EP_HOST_DEVICE float row_amax(const Bf16* x, int parts, bool aligned, int la
   float amax = 0.0f;
 #if defined(__CUDA_ARCH__)
   for (int part = lane; part < parts; part += lanes) {
-    const Word v = load_part(x, part, true, aligned);
-    JAX_EP_UNROLL for (int i = 0; i < kCastChannels; ++i) {
-      amax = larger_abs(amax, part_channel<kWireNvfp4>(v, i));
-    }
+    amax = part_amax<kWireNvfp4>(amax, load_part(x, part, true, aligned));
   }
   JAX_EP_UNROLL for (int offset = 16; offset > 0; offset /= 2) {
     amax = larger_abs(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
@@ -1523,10 +1526,7 @@ JAX_EP_HOST_DEVICE float row_amax(const Bf16* x, int parts, bool aligned, int la
 #else
   (void)aligned, (void)lane, (void)lanes;
   for (int part = 0; part < parts; ++part) {
-    const Word v = load_part(x, part, true, false);
-    for (int i = 0; i < kCastChannels; ++i) {
-      amax = larger_abs(amax, part_channel<kWireNvfp4>(v, i));
-    }
+    amax = part_amax<kWireNvfp4>(amax, load_part(x, part, true, false));
   }
 #endif
   return amax;

@@ -258,8 +258,8 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
                                  padding, minimum, landing,
                                  _smallest(1, chunks, T, R * T, finish, T, always=4)),
             row_warps=moving,
-            messages=_dispatch_messages(topk_idx, E, capacity, expert_major, kept,
-                                        scale_bytes > 0, ranks_per_node))
+            messages=_dispatch_messages(topk_idx, E, expert_major, kept, scale_bytes > 0,
+                                        ranks_per_node))
     if puts:
         # The stage copies every token's row into the send area; the send puts one copy per
         # destination from there.
@@ -267,13 +267,13 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
         read, written = staged + delivered * row, staged + written
         return Account("dispatch", 4, 3, read + landing, written + landing,
                        minimum + 2 * landing, _smallest(1, chunks, T, finish, T, always=3),
-                       moving, _dispatch_messages(topk_idx, E, capacity, expert_major, kept,
+                       moving, _dispatch_messages(topk_idx, E, expert_major, kept,
                                                   scale_bytes > 0))
     return Account("dispatch", 3, 3, read + landing, written + landing, minimum + 2 * landing,
                    _smallest(1, chunks, T, finish, always=3), moving)
 
 
-def _dispatch_messages(topk_idx, num_experts, capacity, expert_major, kept, scales,
+def _dispatch_messages(topk_idx, num_experts, expert_major, kept, scales,
                        ranks_per_node=0) -> int:
     """Puts and value puts of a dispatch over puts, every rank's: the count publishes each of
     its R + E totals to every rank; the stage puts each token's metadata into every receiver,
@@ -296,16 +296,29 @@ def _dispatch_messages(topk_idx, num_experts, capacity, expert_major, kept, scal
     per_row = 2 if scales else 1
     if not 0 < ranks_per_node < R:
         return counts + metadata + per_row * int(kept.sum())
-    per_rank = ((np.where(kept, rank, -1)[..., None] == np.arange(R)).sum(axis=2)
-                if expert_major else kept.astype(np.int64))
+    own, other = _node_deliveries(kept, topk_idx, num_experts, expert_major, ranks_per_node)
+    nodes = other.shape[-1]
+    sends = per_row * int(own.sum()) + R * T * (nodes - 1) + per_row * int((other > 0).sum())
+    return counts + metadata + sends
+
+
+def _node_deliveries(kept, topk_idx, num_experts, expert_major, ranks_per_node):
+    """Each token's deliveries (kept rows or entries) in nodes of `ranks_per_node` ranks:
+    own [R, T] to its source's node, other [R, T, nodes] to each other node (0 at its own)."""
+    R = np.shape(topk_idx)[0]
+    if expert_major:  # deliveries of each token to each rank
+        ids = _clean(topk_idx, num_experts)
+        rank = np.where(kept, ids // (num_experts // R), -1)
+        per_rank = (rank[..., None] == np.arange(R)).sum(axis=2)
+    else:
+        per_rank = kept.astype(np.int64)
     node = np.arange(R) // ranks_per_node
     nodes = int(node[-1]) + 1
     per_node = np.stack([per_rank[..., node == m].sum(axis=-1) for m in range(nodes)], -1)
     own = per_node[np.arange(R), :, node]
     other = per_node.copy()
     other[np.arange(R), :, node] = 0
-    sends = per_row * int(own.sum()) + R * T * (nodes - 1) + per_row * int((other > 0).sum())
-    return counts + metadata + sends
+    return own, other
 
 
 def _node_aware_dispatch(kept, topk_idx, num_experts, expert_major, ranks_per_node, row,
@@ -316,18 +329,8 @@ def _node_aware_dispatch(kept, topk_idx, num_experts, expert_major, ranks_per_no
     (receiver, row) pairs per token and other node, travel as a put of their own and are
     counted with the rows."""
     R, T, K = np.shape(topk_idx)
-    if expert_major:  # deliveries of each token to each rank
-        ids = _clean(topk_idx, num_experts)
-        rank = np.where(kept, ids // (num_experts // R), -1)
-        per_rank = (rank[..., None] == np.arange(R)).sum(axis=2)
-    else:
-        per_rank = kept.astype(np.int64)
-    node = np.arange(R) // ranks_per_node
-    nodes = int(node[-1]) + 1
-    per_node = np.stack([per_rank[..., node == m].sum(axis=-1) for m in range(nodes)], -1)
-    own = per_node[np.arange(R), :, node]  # [R, T]: to the source's own node
-    other = per_node.copy()
-    other[np.arange(R), :, node] = 0
+    own, other = _node_deliveries(kept, topk_idx, num_experts, expert_major, ranks_per_node)
+    nodes = other.shape[-1]
     relayed = int((other > 0).sum())
     staged, direct, stored = R * T * row, int(own.sum()) * row, int(other.sum()) * row
     targets = R * T * (nodes - 1) * K * 2 * 4
@@ -410,7 +413,8 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     read = _fan_out_reads(sent.sum(axis=2)) * 2 * H * cast_reads
     written = m * message
     minimum = sources * 2 * H + m * message
-    rows = T * ll_segments(T, H, wire)
+    segments = ll_segments(T, H, wire)
+    rows = T * segments
     own_count = ll_counts_in_send(between or R == 1, T, K)
     # The count launch, where there is one: it always runs (its tail publishes the counts).
     counted = [] if own_count else [count_chunks(T, K)]
@@ -435,7 +439,7 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     puts_sent = None
     if puts:
         puts_sent = (R * R * E + R * T * R * K
-                     + m * ll_segments(T, H, wire) * (1 if wire == "bf16" else 2))
+                     + m * segments * (1 if wire == "bf16" else 2))
     send = Account("ll_dispatch_send", len(items), 1, read, written, minimum,
                    _smallest(1, *items, always=len(items)), _smallest(1, rows), puts_sent)
     landing = m * message  # the receive copies the counted rows out of the symmetric buffer

@@ -37,6 +37,17 @@ def _zero_past(rows: jax.Array | None, count: jax.Array) -> jax.Array | None:
     return jnp.where(keep[..., None], rows, jnp.zeros((), rows.dtype))
 
 
+def _zero_rows_past(x: Any, count: jax.Array) -> Any:
+    """_zero_past on every array of x (an array, or a Quantized's data, scales and, one value
+    a row [..., N], global scale)."""
+    def zero(rows):
+        if rows.ndim == jnp.ndim(count) + 1:
+            return _zero_past(rows[..., None], count)[..., 0]
+        return _zero_past(rows, count)
+
+    return jax.tree.map(zero, x)
+
+
 @_pytree
 class DispatchLayout:
     """Where this rank's tokens go (purely local).
@@ -89,12 +100,7 @@ class Received:
         """These results with zeros in the rows of x and scales past num_tokens, which are
         otherwise unspecified (docs/contract.md, "Padding"): for consumers that read every
         row, at the cost of one pass over x (every array of a Quantized x)."""
-        def zero(rows):
-            if rows.ndim == jnp.ndim(self.num_tokens) + 1:  # one value a row
-                return _zero_past(rows[..., None], self.num_tokens)[..., 0]
-            return _zero_past(rows, self.num_tokens)
-
-        return dataclasses.replace(self, x=jax.tree.map(zero, self.x),
+        return dataclasses.replace(self, x=_zero_rows_past(self.x, self.num_tokens),
                                    scales=_zero_past(self.scales, self.num_tokens))
 
 
@@ -198,12 +204,7 @@ class LowLatencyReceived:
         """These results with zeros in the rows of x and scales past each expert's count,
         which are otherwise unspecified (docs/contract.md, "Padding"); every array of a
         Quantized x."""
-        def zero(rows):
-            if rows.ndim == jnp.ndim(self.count) + 1:  # one value a row (a global scale)
-                return _zero_past(rows[..., None], self.count)[..., 0]
-            return _zero_past(rows, self.count)
-
-        return dataclasses.replace(self, x=jax.tree.map(zero, self.x),
+        return dataclasses.replace(self, x=_zero_rows_past(self.x, self.count),
                                    scales=_zero_past(self.scales, self.count))
 
 
