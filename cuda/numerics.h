@@ -118,12 +118,15 @@ JAX_EP_HOST_DEVICE F16 from_float<F16>(float f) {
   return F16{static_cast<uint16_t>(sign | shift_round_even(mantissa, 126 - exponent))};
 }
 
-// float32 -> float8_e4m3fn bits (no infinities; NaN is 0x7f), rounding to nearest even.
-// Magnitudes above 464 (halfway past 448, the largest finite value) become NaN.
+// float32 -> float8_e4m3fn bits (no infinities), rounding to nearest even. Magnitudes above
+// 464 (halfway past 448, the largest finite value) become NaN; a NaN becomes 0x7f whatever
+// its sign (which processors set differently: x86 gives inf * 0 a negative NaN, a GPU a
+// positive one).
 JAX_EP_HOST_DEVICE uint8_t to_e4m3(float f) {
   const uint32_t u = float_bits(f);
-  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
   const uint32_t magnitude = u & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return 0x7fu;
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
   if (magnitude > 0x43e80000u) return sign | 0x7fu;  // > 464, inf or NaN
   if (magnitude >= 0x3c800000u) {                     // >= 2^-6: normal; rebias by 127 - 7
     return sign | static_cast<uint8_t>(shift_round_even(magnitude - 0x3c000000u, 20));
@@ -136,14 +139,16 @@ JAX_EP_HOST_DEVICE uint8_t to_e4m3(float f) {
 }
 
 // The FP8 rule of docs/contract.md for one block of 128 channels with absolute maximum `amax`:
-// scale = max(amax, 1e-4) * float32(1/448) (NaN when amax is: a NaN makes its block NaN); the
-// values are multiplied by reciprocal_rn(scale).
+// scale = max(amax, 1e-4) * float32(1/448), or the quiet NaN 0x7fc00000 when amax is a NaN (a
+// NaN makes its block NaN; the NaN a product gives differs between processors); the values are
+// multiplied by reciprocal_rn(scale).
 constexpr int kFp8Block = 128;
 constexpr float kFp8AmaxFloor = 1e-4f;
 constexpr float kFp8InvMax = static_cast<float>(1.0 / 448.0);
 
 JAX_EP_HOST_DEVICE float fp8_scale(float amax) {
-  return mul_rn(amax > kFp8AmaxFloor || amax != amax ? amax : kFp8AmaxFloor, kFp8InvMax);
+  if (amax != amax) return bits_float(0x7fc00000u);
+  return mul_rn(amax > kFp8AmaxFloor ? amax : kFp8AmaxFloor, kFp8InvMax);
 }
 
 }  // namespace jax_ep

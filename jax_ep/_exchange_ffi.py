@@ -22,7 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental.compute_on import compute_on2
+
+try:  # jax <= 0.10; later versions name the function form compute_on, the same arguments
+    from jax.experimental.compute_on import compute_on2
+except ImportError:
+    from jax.experimental.compute_on import compute_on as compute_on2
 
 from jax_ep import _ep_groups, _exchange_order, _ffi, fp8, quant
 from jax_ep.backends import ANYWHERE, Placement

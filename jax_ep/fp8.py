@@ -53,10 +53,15 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     blocks = _blocks(x.astype(jnp.float32))
     amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), jnp.float32(AMAX_FLOOR))
     # A NaN makes its block's scale NaN (so every value of the block NaN), whatever XLA's
-    # reduction does with NaN (it kept it at some sizes and dropped it at others).
-    amax = jnp.where(jnp.isnan(blocks).any(axis=-1), jnp.float32(jnp.nan), amax)
-    scales = amax * jnp.float32(INV_FP8_MAX)
-    x_fp8 = (blocks * (1.0 / scales)[..., None]).astype(FP8_DTYPE)
+    # reduction does with NaN (it kept it at some sizes and dropped it at others): the quiet
+    # NaN 0x7FC00000 on every processor (a GPU's NaN product would be 0x7FFFFFFF).
+    poisoned = jnp.isnan(blocks).any(axis=-1)
+    scales = jnp.where(poisoned, jnp.float32(jnp.nan), amax * jnp.float32(INV_FP8_MAX))
+    scaled = blocks * (1.0 / scales)[..., None]
+    # A NaN element is the byte 0x7F whatever the sign of the NaN product, which differs
+    # between processors (x86 gives inf * 0 a negative NaN, a GPU a positive one).
+    scaled = jnp.where(jnp.isnan(scaled), jnp.float32(jnp.nan), scaled)
+    x_fp8 = scaled.astype(FP8_DTYPE)
     return x_fp8.reshape(x.shape), scales
 
 

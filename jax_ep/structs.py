@@ -29,23 +29,21 @@ def static(default: Any = dataclasses.MISSING) -> Any:
     return dataclasses.field(default=default, metadata={"static": True})
 
 
+@jax.jit  # (eagerly, each reshape would be a device copy of its own)
 def _zero_past(rows: jax.Array | None, count: jax.Array) -> jax.Array | None:
-    """rows [..., N, C] with rows n >= count[...] set to zero."""
+    """rows [..., N] or [..., N, C] (count [...]) with rows n >= count[...] set to zero."""
     if rows is None:
         return None
-    keep = jnp.arange(rows.shape[-2]) < jnp.asarray(count)[..., None]
-    return jnp.where(keep[..., None], rows, jnp.zeros((), rows.dtype))
+    count = jnp.asarray(count)
+    keep = jnp.arange(rows.shape[count.ndim]) < count[..., None]
+    keep = keep.reshape(keep.shape + (1,) * (rows.ndim - keep.ndim))
+    return jnp.where(keep, rows, jnp.zeros((), rows.dtype))
 
 
 def _zero_rows_past(x: Any, count: jax.Array) -> Any:
     """_zero_past on every array of x (an array, or a Quantized's data, scales and, one value
-    a row [..., N], global scale)."""
-    def zero(rows):
-        if rows.ndim == jnp.ndim(count) + 1:
-            return _zero_past(rows[..., None], count)[..., 0]
-        return _zero_past(rows, count)
-
-    return jax.tree.map(zero, x)
+    a row, global scale)."""
+    return jax.tree.map(lambda rows: _zero_past(rows, count), x)
 
 
 @_pytree

@@ -69,9 +69,10 @@ def test_model_follows_the_documented_semantics(num_ranks):
 def test_transport_choice(monkeypatch):
     monkeypatch.delenv(xla.TRANSPORT_ENV_VAR, raising=False)
     assert xla.transport() == ("all_gather" if jax.default_backend() == "cpu" else "ragged")
+    assert xla.transport(num_ranks=1) == "all_gather"  # one rank: nothing crosses
     for name in xla.TRANSPORTS:
         monkeypatch.setenv(xla.TRANSPORT_ENV_VAR, name)
-        assert xla.transport() == name
+        assert xla.transport() == xla.transport(num_ranks=1) == name
     monkeypatch.setenv(xla.TRANSPORT_ENV_VAR, "nccl")
     with pytest.raises(ValueError, match=r"JAX_EP_XLA_TRANSPORT='nccl' is not one of"):
         xla.transport()

@@ -3,7 +3,8 @@
 Run: python tools/gpu_ragged_case.py
 Each case runs dispatch + combine with their gradients and the low-latency round trip
 (tests/test_ragged.py's program) through both transports and compares every output bit for
-bit; the lowered program must hold ragged_all_to_all. Prints one "ok" line per case.
+bit (the weights' gradient to float32 rounding); the lowered program must hold
+ragged_all_to_all. Prints one "ok" line per case.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from jax_ep.bench.routings import make_routing  # noqa: E402
 # (T, K, E, kind, capacity, expert_major, FP8)
 CASES = [(37, 3, 12, "hot_expert", None, False, False), (37, 3, 12, "duplicates", 20, True, False),
          (21, 4, 9, "masked", None, True, True)]
+# The gradient of the weights, a dot over H whose summation order docs/contract.md leaves open
+# ("Backward"): XLA's GPU reductions take an order that depends on the program's fusions.
+WEIGHT_GRADIENT = "[2][1]"
 
 
 def main() -> None:
@@ -52,7 +56,11 @@ def main() -> None:
                 assert "ragged_all_to_all" in lowered.as_text(), "lowered without it"
         leaves = jax.tree_util.tree_leaves_with_path(results["all_gather"])
         for (path, want), got in zip(leaves, jax.tree.leaves(results["ragged"]), strict=True):
-            _assert_bitwise(got, want, jax.tree_util.keystr(path))
+            what = jax.tree_util.keystr(path)
+            if what == WEIGHT_GRADIENT:
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=what)
+            else:
+                _assert_bitwise(got, want, what)
         print(f"ok: T={T} K={K} E={E} {kind} capacity={capacity} expert_major={expert_major} "
               f"fp8={use_fp8}: ragged == all_gather, bit for bit")
 

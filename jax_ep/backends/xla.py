@@ -5,7 +5,7 @@ against, so it follows docs/contract.md literally, including the float32 summati
 
 Transports (`transport()`):
 - "ragged" (jax_ep/backends/ragged.py): only the routed rows travel, in
-  `ragged_all_to_all`; the default where JAX compiles for a GPU or TPU.
+  `ragged_all_to_all`; the default where JAX compiles for a GPU or TPU, over two ranks or more.
 - "all_gather" (this module): fixed-size per-rank blocks of T rows. Towards the experts
   (dispatch, and the backward of combine) each rank receives every source's [T, ...] block
   with `all_gather` and picks the rows routed to it; towards the tokens' home (combine, and
@@ -58,10 +58,12 @@ TRANSPORT_ENV_VAR = "JAX_EP_XLA_TRANSPORT"
 # Transport
 
 
-def transport() -> str:
-    """The transport the portable backend's exchanges use, chosen when an op is traced:
-    $JAX_EP_XLA_TRANSPORT if set, else "all_gather" where JAX compiles for the CPU by default
-    (XLA:CPU cannot run ragged_all_to_all) and "ragged" elsewhere."""
+def transport(num_ranks: int | None = None) -> str:
+    """The transport the portable backend's exchanges over `num_ranks` ranks use, chosen when
+    an op is traced: $JAX_EP_XLA_TRANSPORT if set, else "all_gather" where JAX compiles for the
+    CPU by default (XLA:CPU cannot run ragged_all_to_all) or for one rank (nothing crosses: the
+    all_gather path is local copies, while XLA's ragged_all_to_all of one rank moved 58 MB in
+    23.6 ms on an H200, docs/gpu/2026-11-27-nvidia-h200-ca296ed.md), and "ragged" elsewhere."""
     name = os.environ.get(TRANSPORT_ENV_VAR, "").strip().lower()  # as every variable's value
     if name:
         if name not in TRANSPORTS:
@@ -70,7 +72,7 @@ def transport() -> str:
                 f"choose by platform."
             )
         return name
-    return "all_gather" if jax.default_backend() == "cpu" else "ragged"
+    return "all_gather" if jax.default_backend() == "cpu" or num_ranks == 1 else "ragged"
 
 
 def _to_experts(block: jax.Array, axis_name: str) -> jax.Array:
@@ -118,7 +120,7 @@ def dispatch(
 ) -> tuple[Received, DispatchHandle, jax.Array]:
     """Returns (received, handle, rows or entries this rank needed before the capacity cut);
     `transport_name` overrides `transport()`."""
-    if (transport_name or transport()) == "ragged":
+    if (transport_name or transport(lax.axis_size(axis_name))) == "ragged":
         return ragged.dispatch(x, scales, topk_idx, topk_weights, num_experts=num_experts,
                                axis_name=axis_name, capacity=capacity, expert_major=expert_major)
     num_ranks = lax.axis_size(axis_name)
@@ -265,7 +267,7 @@ def low_latency_dispatch_send(
     scales = None
     if wire != "bf16":
         x, scales = quant.to_rows(quant.quantize(x, wire))
-    if (transport_name or transport()) == "ragged":
+    if (transport_name or transport(lax.axis_size(axis_name))) == "ragged":
         return ragged.low_latency_dispatch_send(x, scales, idx, num_invalid,
                                                 num_experts=num_experts, axis_name=axis_name)
     sent = {

@@ -176,7 +176,7 @@ def run_case(
         from jax_ep.backends import xla
         from jax_ep.virtual import VMAP_TRANSPORT
 
-        row["transport"] = VMAP_TRANSPORT if virtual else xla.transport()
+        row["transport"] = VMAP_TRANSPORT if virtual else xla.transport(inputs.setup.ranks)
     out = {
         **row,
         "time": dataclasses.asdict(t),
