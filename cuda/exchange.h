@@ -427,6 +427,7 @@ struct DispatchArgs {
   int32_t* token_offset;  // [R, T, R] rank of token t among its chunk's tokens that go to d
   int32_t* entry_offset;  // [R, T, K] rank of entry (t, k) among its chunk's for its expert
   int32_t* row_base;      // [R, R]: first rank-major row of source s on rank d
+  int32_t* source_base;   // [R, R]: receiver d's first rank-major row of each source s
   int32_t* entry_base;    // [R, E]: first entry position of source s for expert e (expert-major)
   // Put views: this rank's rows and scales, copied into its symmetric buffer (dispatch_stage)
   // for the send's puts to read, [T, row_bytes] and [T, scale_cols].
@@ -449,7 +450,7 @@ struct DispatchArgs {
   int32_t* recv_idx;          // [R, capacity, K] (rank-major) or [R, capacity]
   float* recv_weights;        // same shape as recv_idx
   int32_t* recv_src;          // [R, rows]; rows = capacity (rank-major) or R*T (expert-major)
-  int32_t* src_row;           // [R, R*T]
+  int32_t* src_row;           // [R, R*T] (written by the finish, never through Peers)
   int32_t* entry_row;         // [R, capacity] (expert-major)
   int32_t* entry_choice;      // [R, capacity] (expert-major)
   int32_t* row_entries;       // [R, R*T, K] (expert-major)
@@ -529,12 +530,12 @@ inline int64_t carve_dispatch_workspace(DispatchArgs* a, int64_t V, int32_t* wor
   const int64_t R = a->num_ranks, T = a->num_tokens, K = a->top_k, E = a->num_experts;
   a->chunk_shift = count_chunk_shift(a->top_k);
   a->num_chunks = count_chunks(a->num_tokens, a->top_k);
-  int32_t** parts[] = {&a->counts, &a->chunk_counts, &a->token_offset, &a->entry_offset,
-                       &a->row_base, &a->entry_base};
+  int32_t** parts[] = {&a->counts,   &a->chunk_counts, &a->token_offset, &a->entry_offset,
+                       &a->row_base, &a->source_base,  &a->entry_base};
   const int64_t sizes[] = {R * (R + E), V * a->num_chunks * (R + E + 1), V * T * R, V * T * K,
-                           V * R, V * E};
+                           V * R,       V * R,                           V * E};
   int64_t used = 0;
-  for (int i = 0; i < 6; ++i) {
+  for (int i = 0; i < 7; ++i) {
     if (work != nullptr) *parts[i] = work + used;
     used += sizes[i];
   }
@@ -571,7 +572,8 @@ JAX_EP_HOST_DEVICE void dispatch_count(const DispatchArgs& a, int s, int g, int 
 
 // The count phase's tail (run once every source's counts are here), items c in [0, R + E):
 // where the sources [first, first + ranks) start writing for counter c. c < R: their first
-// rank-major row on rank c. c >= R (expert-major only): their first entry position for expert
+// rank-major row on rank c and, when c is one of them, where every source starts on c (for
+// its finish's src_row). c >= R (expert-major only): their first entry position for expert
 // e = c - R on e's rank (entries of lower local experts of that rank first, then those of e
 // from lower source ranks).
 JAX_EP_HOST_DEVICE void dispatch_bases(const DispatchArgs& a, int first, int ranks, int c) {
@@ -585,8 +587,10 @@ JAX_EP_HOST_DEVICE void dispatch_bases(const DispatchArgs& a, int first, int ran
       for (int q = 0; q < R; ++q) base += count(q, R + f);
     }
   }
-  for (int q = 0; q < first + ranks; ++q) {
-    if (q >= first) {
+  const bool receiver_here = c < R && c >= first && c < first + ranks;
+  for (int q = 0; q < (receiver_here ? R : first + ranks); ++q) {
+    if (receiver_here) a.source_base[a.local(c) * R + q] = base;
+    if (q >= first && q < first + ranks) {
       if (c < R) {
         a.row_base[a.local(q) * R + c] = base;
       } else {
@@ -677,20 +681,20 @@ JAX_EP_HOST_DEVICE void dispatch_fan_out(const DispatchArgs& a, const Peers& pee
 }
 
 // Phase 2's metadata of token t of source s (`ids` as above, `here` its index in this rank's
-// inputs) for receiver d: src_row (-1 where the token does not go) and, where it has a row,
-// the row's source and, rank-major, its ids and weights; expert-major, -1 in the row's
-// entries past the token's choices on d.
+// inputs) for receiver d, where it has a row there: the row's source and, rank-major, its ids
+// and weights; expert-major, -1 in the row's entries past the token's choices on d. (The
+// receiver finds src_row from the sources, dispatch_src_row: no value per token and receiver
+// crosses.)
 template <typename Peers>
 JAX_EP_HOST_DEVICE void dispatch_send_row(const DispatchArgs& a, const Peers& peers,
                                           const int32_t* ids, int64_t here, int s, int t,
                                           int d) {
-  const int R = a.num_ranks, T = a.num_tokens, K = a.top_k, E = a.num_experts;
+  const int T = a.num_tokens, K = a.top_k, E = a.num_experts;
   const int El = a.experts_per_rank(), cap = a.capacity, rows = a.rows();
   const int32_t row = rank_major_row(a, ids, s, t, d);
   const int64_t src = static_cast<int64_t>(s) * T + t;
   // Rank-major rows are capped; expert-major rows always exist and their entries are capped.
   const bool has_row = a.expert_major ? row >= 0 : row >= 0 && row < cap;
-  store_to(peers, a.src_row, static_cast<int64_t>(R) * T, d, src, has_row ? row : -1);
   if (!has_row) return;
   store_to(peers, a.recv_src, static_cast<int64_t>(rows), d, row, static_cast<int32_t>(src));
   const int64_t first = static_cast<int64_t>(row) * K;  // the row's first of K
@@ -911,6 +915,29 @@ JAX_EP_HOST_DEVICE Landing<T> landing(const Peers& peers, T* sent, T* out, int64
   return out ? Landing<T>{from, out + local_d * n, true} : Landing<T>{from, from, false};
 }
 
+// Receiver d's row of token t of source s, or -1: a search of the token among the rows that
+// source s wrote into d (kept under the capacity, ordered by token), whose sources are final.
+template <typename Peers>
+JAX_EP_HOST_DEVICE int32_t dispatch_src_row(const DispatchArgs& a, const Peers& peers, int d,
+                                            int s, int t) {
+  const int R = a.num_ranks, rows = a.rows();
+  const int32_t first = a.source_base[a.local(d) * R + s];
+  int32_t end = first + a.counts[static_cast<int64_t>(s) * a.num_counters() + d];
+  if (end > rows) end = rows;  // rank-major rows past the capacity were not written
+  const int32_t* sources = own_copy(peers, a.recv_src, static_cast<int64_t>(rows), d);
+  const int32_t want = s * a.num_tokens + t;
+  int32_t lo = first, hi = end;
+  while (lo < hi) {
+    const int32_t mid = lo + (hi - lo) / 2;
+    if (sources[mid] < want) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo < end && sources[lo] == want ? lo : -1;
+}
+
 // Phase 3, items (d, i) for i in [0, max(capacity, R*T, E/R)): receiver d's row i. Its data,
 // ids, weights and sources are final (moved to XLA's results when they arrived in the
 // symmetric buffer); rows past the count get -1 ids and zero weights and, with zero_padding,
@@ -961,8 +988,11 @@ JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peer
            i < num_rows, -1);
     }
   }
-  if (i < int64_t{R} * a.num_tokens) {  // every token's row (or -1) was written by its source
-    land(landing(peers, a.src_row, o.src_row, int64_t{R} * a.num_tokens, d, ld), i, 1, true, -1);
+  if (i < int64_t{R} * a.num_tokens) {
+    const int64_t tokens = int64_t{R} * a.num_tokens;
+    int32_t* src_row = o.src_row ? o.src_row + ld * tokens : a.src_row + ld * tokens;
+    src_row[i] = dispatch_src_row(a, peers, d, static_cast<int>(i / a.num_tokens),
+                                  static_cast<int>(i % a.num_tokens));
   }
   if (i < El) {
     int32_t count = 0;

@@ -196,7 +196,8 @@ inline PeerError fits(int op, const char* region, size_t used, size_t reserved) 
                    "(jax_ep.runtime.BufferConfig)"};
 }
 
-// Dispatch: what peers write into this rank (the counts, the received rows and metadata) and,
+// Dispatch: what peers write into this rank (the counts, the received rows and metadata; not
+// src_row, which the finish finds and writes into XLA's result) and,
 // over puts, the send area the puts read from (this rank's rows and scales); node-aware
 // (a->ranks_per_node set), the relay's slots and this rank's staged targets too.
 inline size_t carve_dispatch(char* base, bool puts, DispatchArgs* a) {
@@ -210,7 +211,6 @@ inline size_t carve_dispatch(char* base, bool puts, DispatchArgs* a) {
   a->recv_idx = c.take<int32_t>(static_cast<int64_t>(cap) * cols);
   a->recv_weights = c.take<float>(static_cast<int64_t>(cap) * cols);
   a->recv_src = c.take<int32_t>(rows);
-  a->src_row = c.take<int32_t>(static_cast<int64_t>(R) * a->num_tokens);
   a->entry_row = c.take<int32_t>(em ? cap : 0);
   a->entry_choice = c.take<int32_t>(em ? cap : 0);
   a->row_entries = c.take<int32_t>(em ? static_cast<int64_t>(rows) * K : 0);

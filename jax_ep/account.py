@@ -276,10 +276,10 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
 def _dispatch_messages(topk_idx, num_experts, expert_major, kept, scales,
                        ranks_per_node=0) -> int:
     """Puts and value puts of a dispatch over puts, every rank's: the count publishes each of
-    its R + E totals to every rank; the stage puts each token's metadata into every receiver,
-    value by value (src_row to each, and where the token has a row there its source and,
-    rank-major, its K ids and weights; expert-major, the row's unused entry slots, and each
-    choice's entry and its place in the row); the send puts each delivered row (and its FP8
+    its R + E totals to every rank; the stage puts each token's metadata into the receivers
+    where it has a row, value by value (its source and, rank-major, its K ids and weights;
+    expert-major, the row's unused entry slots, and each choice's entry and its place in the
+    row; src_row, the receiver finds); the send puts each delivered row (and its FP8
     scales) or, node-aware, those of its own node, and to each other node its targets and,
     where it delivers there, its row once."""
     ids = _clean(topk_idx, num_experts)
@@ -289,10 +289,10 @@ def _dispatch_messages(topk_idx, num_experts, expert_major, kept, scales,
     counts = R * R * (R + num_experts)
     if expert_major:
         goes = on > 0
-        metadata = R * T * R + int(goes.sum()) + int(np.where(goes, K - on, 0).sum())
+        metadata = int(goes.sum()) + int(np.where(goes, K - on, 0).sum())
         metadata += int((ids >= 0).sum()) + 4 * int(kept.sum())
     else:
-        metadata = R * T * R + int(kept.sum()) * (1 + 2 * K)
+        metadata = int(kept.sum()) * (1 + 2 * K)
     per_row = 2 if scales else 1
     if not 0 < ranks_per_node < R:
         return counts + metadata + per_row * int(kept.sum())
