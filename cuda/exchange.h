@@ -433,6 +433,12 @@ struct DispatchArgs {
   // for the send's puts to read, [T, row_bytes] and [T, scale_cols].
   char* send_x = nullptr;
   float* send_scales = nullptr;
+  // Put views, rank-major: each row travels with its metadata in one message, its slot
+  // (packed_slot): the row, its scales, then its source s*T + t and the token's K ids and K
+  // weights as the source holds them (the receiver keeps those of its experts). recv_x holds
+  // [capacity] slots and send_x [T] (relay_x [R*T] node-aware); recv_scales, recv_idx,
+  // recv_weights, recv_src and send_scales, relay_scales are not used.
+  bool packed = false;
   // Node-aware (put views, the ranks split into nodes of ranks_per_node; 0: one node): a
   // token crosses to another node once, to its relay there (relay_of), which stores it into
   // the receivers of its node. The relay's slot s*T + t holds source s's token t: the row, its
@@ -520,7 +526,30 @@ struct DispatchArgs {
   }
   // (receiver, row) pairs of a relay slot: at most one per choice, K.
   JAX_EP_HOST_DEVICE int targets() const { return top_k; }
+  // Bytes of a packed slot: the row, its scales, its metadata, rounded up to 16.
+  JAX_EP_HOST_DEVICE int64_t packed_slot() const {
+    return (row_bytes + 4 * (scale_cols + 1 + 2 * int64_t{top_k}) + 15) / 16 * 16;
+  }
+  // Bytes from one row to the next in the receive, send and relay areas.
+  JAX_EP_HOST_DEVICE int64_t row_stride() const { return packed ? packed_slot() : row_bytes; }
 };
+
+// The metadata of a packed slot (after its row and scales).
+struct PackedMeta {
+  int32_t* src;    // s*T + t
+  int32_t* ids;    // [K], the source's clean ids
+  float* weights;  // [K]
+};
+// Whether the rows reach this view packed: only a put view receives them so (a store view's
+// code then holds no packed path).
+template <typename Peers>
+JAX_EP_HOST_DEVICE bool arrives_packed(const DispatchArgs& a) {
+  return Peers::kPuts && a.packed;
+}
+JAX_EP_HOST_DEVICE PackedMeta packed_meta(const DispatchArgs& a, char* slot) {
+  int32_t* src = reinterpret_cast<int32_t*>(slot + a.row_bytes) + a.scale_cols;
+  return {src, src + 1, reinterpret_cast<float*>(src + 1 + a.top_k)};
+}
 
 // The dispatch's workspace, one int32 array: the counts, then the arrays of the V ranks of
 // this call that are not reached through Peers (chunk_counts to entry_base). Returns its
@@ -777,9 +806,9 @@ JAX_EP_HOST_DEVICE void dispatch_send_relays(const DispatchArgs& a, const Peers&
         a.send_targets + (static_cast<int64_t>(m) * a.num_tokens + t) * pairs;
     peers.put(a.relay_targets + slot * pairs, relay, targets, pairs * 4, lane, lanes);
     if (targets[0] < 0) continue;  // no row of the token lives there
-    peers.put(a.relay_x + slot * a.row_bytes, relay, a.send_x + here * a.row_bytes, a.row_bytes,
-              lane, lanes);
-    if (S > 0) {
+    const int64_t stride = a.row_stride();
+    peers.put(a.relay_x + slot * stride, relay, a.send_x + here * stride, stride, lane, lanes);
+    if (S > 0 && !a.packed) {
       peers.put(a.relay_scales + slot * S, relay, a.send_scales + here * S, S * 4, lane, lanes);
     }
   }
@@ -798,9 +827,10 @@ JAX_EP_HOST_DEVICE void dispatch_send(const DispatchArgs& a, const Peers& peers,
   // A put's source is the copy in the symmetric buffer.
   const char* x = Peers::kPuts ? a.send_x : a.x;
   const float* scales = Peers::kPuts ? a.send_scales : a.scales;
-  dispatch_fan_out(a, peers, ids, s, t, a.recv_x, x + here * a.row_bytes, a.row_bytes, lane,
-                   lanes);
-  if (a.scale_cols > 0) {
+  const bool packed = arrives_packed<Peers>(a);  // the slot: scales and metadata with the row
+  const int64_t stride = packed ? a.packed_slot() : a.row_bytes;
+  dispatch_fan_out(a, peers, ids, s, t, a.recv_x, x + here * stride, stride, lane, lanes);
+  if (a.scale_cols > 0 && !packed) {
     dispatch_fan_out(a, peers, ids, s, t, reinterpret_cast<char*>(a.recv_scales),
                      reinterpret_cast<const char*>(scales + here * a.scale_cols),
                      a.scale_cols * 4, lane, lanes);
@@ -843,34 +873,47 @@ JAX_EP_HOST_DEVICE void dispatch_relay(const DispatchArgs& a, const Peers& peers
   if (a.node_of(s) == node || a.relay_of(s, node) != me) return;
   const int P = a.targets();
   const int32_t* pairs = a.relay_targets + slot * 2 * P;
-  const int64_t S = a.scale_cols;
+  const int64_t S = a.packed ? 0 : a.scale_cols, stride = a.row_stride();
   Fan<char> rows(0);
   Fan<char> scales(1);
   for (int n = 0; n < P && pairs[2 * n] >= 0;) {
     for (; n < P && pairs[2 * n] >= 0 && !rows.full(); ++n) {
       const int d = pairs[2 * n];
       const int64_t at = pairs[2 * n + 1];
-      rows.add(peers.at(a.recv_x, a.capacity * a.row_bytes, d) + at * a.row_bytes);
+      rows.add(peers.at(a.recv_x, a.capacity * stride, d) + at * stride);
       if (S > 0) {
         scales.add(reinterpret_cast<char*>(peers.at(a.recv_scales, a.capacity * S, d) + at * S));
       }
     }
-    fan_out_row(rows, a.relay_x + slot * a.row_bytes, a.row_bytes, lane, lanes);
+    fan_out_row(rows, a.relay_x + slot * stride, stride, lane, lanes);
     if (S > 0) fan_out_row(scales, a.relay_scales + slot * S, S * 4, lane, lanes);
   }
 }
 
 // Put views, the stage before the send, items (s, t): token t's row and scales, copied into
-// this rank's send area, where the send's puts read them (see ll_stage), and its metadata put
-// into the receivers (here, so that the NVSHMEM code of the small puts and that of the rows'
-// puts do not share one kernel's registers).
+// this rank's send area, where the send's puts read them (see ll_stage); rank-major, with its
+// metadata into the same slot (packed), expert-major, its metadata put into the receivers
+// (here, so that the NVSHMEM code of the small puts and that of the rows' puts do not share
+// one kernel's registers).
 template <typename Peers>
 JAX_EP_HOST_DEVICE void dispatch_stage(const DispatchArgs& a, const Peers& peers, int s, int t,
                                        int lane, int lanes) {
-  const int64_t here = a.local(s) * a.num_tokens + t, S = a.scale_cols;
-  copy_row(a.send_x + here * a.row_bytes, a.x + here * a.row_bytes, a.row_bytes, lane, lanes);
-  if (S > 0) copy_row(a.send_scales + here * S, a.scales + here * S, S * 4, lane, lanes);
-  dispatch_send_metadata(a, peers, s, t, lane, lanes);
+  const int64_t here = a.local(s) * a.num_tokens + t, S = a.scale_cols, K = a.top_k;
+  char* row = a.send_x + here * a.row_stride();
+  copy_row(row, a.x + here * a.row_bytes, a.row_bytes, lane, lanes);
+  float* scales = a.packed ? reinterpret_cast<float*>(row + a.row_bytes) : a.send_scales + here * S;
+  if (S > 0) copy_row(scales, a.scales + here * S, S * 4, lane, lanes);
+  if (a.packed) {
+    const PackedMeta meta = packed_meta(a, row);
+    const int32_t* ids = a.route(s, t);
+    if (lane == 0) *meta.src = static_cast<int32_t>(static_cast<int64_t>(s) * a.num_tokens + t);
+    for (int k = lane; k < K; k += lanes) {
+      meta.ids[k] = ids[k];
+      meta.weights[k] = a.topk_weights[here * K + k];
+    }
+  } else {
+    dispatch_send_metadata(a, peers, s, t, lane, lanes);
+  }
   if (a.nodes() > 1) dispatch_stage_targets(a, s, t, lane, lanes);
 }
 
@@ -924,18 +967,54 @@ JAX_EP_HOST_DEVICE int32_t dispatch_src_row(const DispatchArgs& a, const Peers& 
   const int32_t first = a.source_base[a.local(d) * R + s];
   int32_t end = first + a.counts[static_cast<int64_t>(s) * a.num_counters() + d];
   if (end > rows) end = rows;  // rank-major rows past the capacity were not written
-  const int32_t* sources = own_copy(peers, a.recv_src, static_cast<int64_t>(rows), d);
   const int32_t want = s * a.num_tokens + t;
+  auto source = [&](int32_t row) {
+    if (arrives_packed<Peers>(a)) {
+      char* slots = own_copy(peers, a.recv_x, a.capacity * a.packed_slot(), d);
+      return *packed_meta(a, slots + row * a.packed_slot()).src;
+    }
+    return own_copy(peers, a.recv_src, static_cast<int64_t>(rows), d)[row];
+  };
   int32_t lo = first, hi = end;
   while (lo < hi) {
     const int32_t mid = lo + (hi - lo) / 2;
-    if (sources[mid] < want) {
+    if (source(mid) < want) {
       lo = mid + 1;
     } else {
       hi = mid;
     }
   }
-  return lo < end && sources[lo] == want ? lo : -1;
+  return lo < end && source(lo) == want ? lo : -1;
+}
+
+// Packed (over puts, rank-major), lane 0 of the finish's items i < capacity: receiver d's
+// row i's metadata out of its slot into XLA's results (its source, and the ids and weights of
+// d's experts, local; -1 and 0 for the others), -1 and 0 past the count.
+template <typename Peers>
+JAX_EP_HOST_DEVICE void dispatch_unpack(const DispatchArgs& a, const Peers& peers, int d, int i,
+                                        int32_t kept) {
+  const int K = a.top_k, El = a.experts_per_rank();
+  const int64_t at = a.local(d) * a.capacity + i;
+  int32_t* idx = a.out.idx + at * K;
+  float* weights = a.out.weights + at * K;
+  if (i >= kept) {
+    JAX_EP_NO_UNROLL for (int k = 0; k < K; ++k) {
+      idx[k] = -1;
+      weights[k] = 0.0f;
+    }
+    a.out.src[at] = -1;
+    return;
+  }
+  char* slots = own_copy(peers, a.recv_x, a.capacity * a.packed_slot(), d);
+  const PackedMeta meta = packed_meta(a, slots + i * a.packed_slot());
+  const int32_t first = d * El;  // the receiver's experts: [first, first + El)
+  JAX_EP_NO_UNROLL for (int k = 0; k < K; ++k) {
+    const int32_t e = meta.ids[k];
+    const bool on_d = e >= first && e < first + El;
+    idx[k] = on_d ? e - first : -1;
+    weights[k] = on_d ? meta.weights[k] : 0.0f;
+  }
+  a.out.src[at] = *meta.src;
 }
 
 // Phase 3, items (d, i) for i in [0, max(capacity, R*T, E/R)): receiver d's row i. Its data,
@@ -951,12 +1030,17 @@ JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peer
   const DispatchArgs::Results& o = a.out;
   const int32_t needed = dispatch_needed(a, d);
   const int32_t kept = needed < cap ? needed : cap;
+  const bool packed = arrives_packed<Peers>(a);
   if (i < cap) {
     const auto x = landing(peers, a.recv_x, o.x, cap * a.row_bytes, d, ld);
     const auto scales = landing(peers, a.recv_scales, o.scales, cap * S, d, ld);
     if (i < kept && x.moves) {
-      copy_row(x.to + i * a.row_bytes, x.sent + i * a.row_bytes, a.row_bytes, lane, lanes);
-      copy_row(scales.to + i * S, scales.sent + i * S, S * 4, lane, lanes);
+      // Packed, the row and its scales are in slot i (x.sent: this rank's receive area).
+      const char* from = x.sent + i * (packed ? a.packed_slot() : a.row_bytes);
+      copy_row(x.to + i * a.row_bytes, from, a.row_bytes, lane, lanes);
+      copy_row(scales.to + i * S,
+               packed ? reinterpret_cast<const float*>(from + a.row_bytes) : scales.sent + i * S,
+               S * 4, lane, lanes);
     }
     if (i >= kept && a.zero_padding) {
       zero_row(x.to + i * a.row_bytes, a.row_bytes, lane, lanes);
@@ -964,7 +1048,8 @@ JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peer
     }
   }
   if (lane != 0) return;
-  if (i < cap) {
+  if (i < cap && packed) dispatch_unpack(a, peers, d, i, kept);
+  if (i < cap && !packed) {
     land(landing(peers, a.recv_idx, o.idx, int64_t{cap} * cols, d, ld), i, cols, i < kept, -1);
     land(landing(peers, a.recv_weights, o.weights, int64_t{cap} * cols, d, ld), i, cols,
          i < kept, 0.0f);
@@ -981,7 +1066,7 @@ JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peer
       num_rows += a.counts[static_cast<int64_t>(q) * a.num_counters() + d];
     }
   }
-  if (i < rows) {
+  if (i < rows && !packed) {
     land(landing(peers, a.recv_src, o.src, rows, d, ld), i, 1, i < num_rows, -1);
     if (a.expert_major) {
       land(landing(peers, a.row_entries, o.row_entries, int64_t{rows} * K, d, ld), i, K,
@@ -1008,6 +1093,12 @@ JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peer
     } else if (kept == needed) {  // every row kept: all choices of expert i
       for (int q = 0; q < R; ++q) {
         count += a.counts[static_cast<int64_t>(q) * a.num_counters() + R + d * El + i];
+      }
+    } else if (packed) {  // choices of expert i in the kept rows' slots
+      char* slots = own_copy(peers, a.recv_x, cap * a.packed_slot(), d);
+      for (int64_t r = 0; r < kept; ++r) {
+        const int32_t* ids = packed_meta(a, slots + r * a.packed_slot()).ids;
+        for (int k = 0; k < K; ++k) count += ids[k] == d * El + i;
       }
     } else {  // choices of expert i in the kept rows
       const int32_t* idx = own_copy(peers, a.recv_idx, static_cast<int64_t>(cap) * K, d);

@@ -202,26 +202,29 @@ inline PeerError fits(int op, const char* region, size_t used, size_t reserved) 
 // (a->ranks_per_node set), the relay's slots and this rank's staged targets too.
 inline size_t carve_dispatch(char* base, bool puts, DispatchArgs* a) {
   const int R = a->num_ranks, cap = a->capacity, K = a->top_k, rows = a->rows();
-  const int cols = a->idx_cols();
   const bool em = a->expert_major;
+  // Over puts, rank-major rows travel in packed slots (row, scales and metadata together).
+  a->packed = puts && !em;
+  const int64_t stride = a->row_stride(), S = a->packed ? 0 : a->scale_cols;
+  const int cols = a->packed ? 0 : a->idx_cols();
   Carver c(base);
   a->counts = c.take<int32_t>(static_cast<int64_t>(R) * a->num_counters());
-  a->recv_x = c.take<char>(cap * a->row_bytes);
-  a->recv_scales = c.take<float>(cap * a->scale_cols);
+  a->recv_x = c.take<char>(cap * stride);
+  a->recv_scales = c.take<float>(cap * S);
   a->recv_idx = c.take<int32_t>(static_cast<int64_t>(cap) * cols);
   a->recv_weights = c.take<float>(static_cast<int64_t>(cap) * cols);
-  a->recv_src = c.take<int32_t>(rows);
+  a->recv_src = c.take<int32_t>(a->packed ? 0 : rows);
   a->entry_row = c.take<int32_t>(em ? cap : 0);
   a->entry_choice = c.take<int32_t>(em ? cap : 0);
   a->row_entries = c.take<int32_t>(em ? static_cast<int64_t>(rows) * K : 0);
   if (puts) {
-    a->send_x = c.take<char>(a->num_tokens * a->row_bytes);
-    a->send_scales = c.take<float>(a->num_tokens * a->scale_cols);
+    a->send_x = c.take<char>(a->num_tokens * stride);
+    a->send_scales = c.take<float>(a->num_tokens * S);
   }
   if (puts && a->nodes() > 1) {  // node-aware: the relay's slots and the staged targets
     const int64_t slots = static_cast<int64_t>(R) * a->num_tokens, pairs = 2 * a->targets();
-    a->relay_x = c.take<char>(slots * a->row_bytes);
-    a->relay_scales = c.take<float>(slots * a->scale_cols);
+    a->relay_x = c.take<char>(slots * stride);
+    a->relay_scales = c.take<float>(slots * S);
     a->relay_targets = c.take<int32_t>(slots * pairs);
     a->send_targets = c.take<int32_t>(static_cast<int64_t>(a->nodes()) * a->num_tokens * pairs);
   }

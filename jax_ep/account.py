@@ -255,16 +255,17 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
         # peers; the stage does not (it runs with items only).
         return dataclasses.replace(
             _node_aware_dispatch(kept, topk_idx, E, expert_major, ranks_per_node, row,
-                                 padding, minimum, landing,
+                                 _message(row, K, expert_major), padding, minimum, landing,
                                  _smallest(1, chunks, T, R * T, finish, T, always=4)),
             row_warps=moving,
             messages=_dispatch_messages(topk_idx, E, expert_major, kept, scale_bytes > 0,
                                         ranks_per_node))
     if puts:
         # The stage copies every token's row into the send area; the send puts one copy per
-        # destination from there.
-        staged = R * T * row
-        read, written = staged + delivered * row, staged + written
+        # destination from there (rank-major, the row's packed slot).
+        staged, message = R * T * row, _message(row, K, expert_major)
+        read = staged + delivered * message
+        written = staged + delivered * message + padding * row
         return Account("dispatch", 4, 3, read + landing, written + landing,
                        minimum + 2 * landing, _smallest(1, chunks, T, finish, T, always=3),
                        moving, _dispatch_messages(topk_idx, E, expert_major, kept,
@@ -276,12 +277,13 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
 def _dispatch_messages(topk_idx, num_experts, expert_major, kept, scales,
                        ranks_per_node=0) -> int:
     """Puts and value puts of a dispatch over puts, every rank's: the count publishes each of
-    its R + E totals to every rank; the stage puts each token's metadata into the receivers
-    where it has a row, value by value (its source and, rank-major, its K ids and weights;
-    expert-major, the row's unused entry slots, and each choice's entry and its place in the
-    row; src_row, the receiver finds); the send puts each delivered row (and its FP8
-    scales) or, node-aware, those of its own node, and to each other node its targets and,
-    where it delivers there, its row once."""
+    its R + E totals to every rank; rank-major, the send puts each delivered row as one
+    message (its packed slot: the row, FP8 scales, source, ids and weights); expert-major, the
+    stage puts each token's metadata into the receivers where it has a row, value by value
+    (the row's source and unused entry slots, and each choice's entry and its place in the
+    row), and the send puts each delivered row and its FP8 scales; src_row, the receiver
+    finds. Node-aware, the send reaches the receivers of its own node so, and each other node
+    once: its targets and, where it delivers there, its row."""
     ids = _clean(topk_idx, num_experts)
     R, T, K = ids.shape
     rank = np.where(ids >= 0, ids // (num_experts // R), -1)
@@ -291,9 +293,9 @@ def _dispatch_messages(topk_idx, num_experts, expert_major, kept, scales,
         goes = on > 0
         metadata = int(goes.sum()) + int(np.where(goes, K - on, 0).sum())
         metadata += int((ids >= 0).sum()) + 4 * int(kept.sum())
-    else:
-        metadata = int(kept.sum()) * (1 + 2 * K)
-    per_row = 2 if scales else 1
+        per_row = 2 if scales else 1
+    else:  # packed: a row's scales and metadata travel in its message
+        metadata, per_row = 0, 1
     if not 0 < ranks_per_node < R:
         return counts + metadata + per_row * int(kept.sum())
     own, other = _node_deliveries(kept, topk_idx, num_experts, expert_major, ranks_per_node)
@@ -321,21 +323,29 @@ def _node_deliveries(kept, topk_idx, num_experts, expert_major, ranks_per_node):
     return own, other
 
 
+def _message(row, top_k, expert_major):
+    """Bytes a dispatch over puts sends per delivered row: rank-major, the packed slot (the
+    row and scales, the source, K ids and K weights, to a multiple of 16 bytes; cuda/exchange.h,
+    packed_slot); expert-major, the row and scales (its metadata goes value by value)."""
+    return row if expert_major else -(-(row + 4 * (1 + 2 * top_k)) // 16) * 16
+
+
 def _node_aware_dispatch(kept, topk_idx, num_experts, expert_major, ranks_per_node, row,
-                         padding, minimum, landing, warps) -> Account:
-    """Dispatch over puts in nodes: the stage copies every token, the send puts it to each
-    receiver of its own node and once to its relay in each other node it reaches, and the
-    relay stores it into its targets there (reading it once per FAN_OUT). The targets, K
-    (receiver, row) pairs per token and other node, travel as a put of their own and are
-    counted with the rows."""
+                         message, padding, minimum, landing, warps) -> Account:
+    """Dispatch over puts in nodes: the stage copies every token, the send puts it (its
+    `message`) to each receiver of its own node and once to its relay in each other node it
+    reaches, and the relay stores it into its targets there (reading it once per FAN_OUT). The
+    targets, K (receiver, row) pairs per token and other node, travel as a put of their own and
+    are counted with the rows."""
     R, T, K = np.shape(topk_idx)
     own, other = _node_deliveries(kept, topk_idx, num_experts, expert_major, ranks_per_node)
     nodes = other.shape[-1]
     relayed = int((other > 0).sum())
-    staged, direct, stored = R * T * row, int(own.sum()) * row, int(other.sum()) * row
+    staged, direct, stored = R * T * row, int(own.sum()) * message, int(other.sum()) * message
     targets = R * T * (nodes - 1) * K * 2 * 4
-    read = staged + direct + relayed * row + _fan_out_reads(other[other > 0]) * row + targets
-    written = staged + direct + relayed * row + stored + padding * row + targets
+    sent = relayed * message + _fan_out_reads(other[other > 0]) * message
+    read = staged + direct + sent + targets
+    written = staged + direct + relayed * message + stored + padding * row + targets
     # Launches: count, stage, send, relay, finish; waits: the count's two, the relay's, the
     # finish's.
     return Account("dispatch", 5, 4, read + landing, written + landing, minimum + 2 * landing,

@@ -198,6 +198,29 @@ def test_between_devices_low_latency_over_puts(put_peers, R):  # noqa: F811
     test_between_devices_low_latency(R)
 
 
+@pytest.mark.parametrize("R", [2, 4])
+def test_rank_major_dispatch_sends_one_put_per_row(put_peers, R):  # noqa: F811
+    """Over puts a rank-major row travels with its FP8 scales and its metadata (source, ids,
+    weights) in one put: the dispatch's messages are the published counts and one per
+    delivered row, none per value or per (token, receiver)."""
+    rng = np.random.default_rng()
+    T, K, E, H, idx, w = draw(rng, R, invalid=True)
+    x = rng.standard_normal((R, T, H)).astype(np.float32)
+    capacity = int(rng.integers(1, R * T + 1))  # cuts rows: those are not sent
+
+    def program(x, idx, w):
+        received, _ = jax_ep.dispatch(jax_ep.fp8.quantize(x), idx, w, num_experts=E,
+                                      capacity=capacity, on_overflow="drop", axis_name=AXIS,
+                                      backend="cuda")
+        return received.x
+
+    run = sharded(program, R)
+    jax.block_until_ready(run(x, idx, w))
+    counted, _ = metered(run, x, idx, w)
+    rows = int(account.kept_rows(idx, E, capacity).sum())
+    assert counted["messages"] == R * R * (R + E) + rows
+
+
 @pytest.mark.parametrize("R", [4, 5])
 @pytest.mark.parametrize("expert_major", [False, True])
 def test_between_devices_round_trip_in_nodes(node_peers, R, expert_major):  # noqa: F811
