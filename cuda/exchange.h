@@ -550,6 +550,13 @@ JAX_EP_HOST_DEVICE PackedMeta packed_meta(const DispatchArgs& a, char* slot) {
   int32_t* src = reinterpret_cast<int32_t*>(slot + a.row_bytes) + a.scale_cols;
   return {src, src + 1, reinterpret_cast<float*>(src + 1 + a.top_k)};
 }
+// The metadata of packed slot `row` that arrived at receiver d (this rank between devices).
+template <typename Peers>
+JAX_EP_HOST_DEVICE PackedMeta received_meta(const DispatchArgs& a, const Peers& peers, int d,
+                                            int64_t row) {
+  char* slots = own_copy(peers, a.recv_x, a.capacity * a.packed_slot(), d);
+  return packed_meta(a, slots + row * a.packed_slot());
+}
 
 // The dispatch's workspace, one int32 array: the counts, then the arrays of the V ranks of
 // this call that are not reached through Peers (chunk_counts to entry_base). Returns its
@@ -737,9 +744,9 @@ JAX_EP_HOST_DEVICE void dispatch_send_row(const DispatchArgs& a, const Peers& pe
   const auto idx = peer_array(peers, a.recv_idx, static_cast<int64_t>(cap) * K, d);
   const auto w = peer_array(peers, a.recv_weights, static_cast<int64_t>(cap) * K, d);
   for (int k = 0; k < K; ++k) {
-    const bool on_d = choice_rank(ids[k], E, El) == d;
-    idx.set(first + k, on_d ? ids[k] - d * El : -1);
-    w.set(first + k, on_d ? a.topk_weights[here * K + k] : 0.0f);
+    const int32_t e = local_expert(ids[k], d, El);
+    idx.set(first + k, e);
+    w.set(first + k, e >= 0 ? a.topk_weights[here * K + k] : 0.0f);
   }
 }
 
@@ -969,10 +976,7 @@ JAX_EP_HOST_DEVICE int32_t dispatch_src_row(const DispatchArgs& a, const Peers& 
   if (end > rows) end = rows;  // rank-major rows past the capacity were not written
   const int32_t want = s * a.num_tokens + t;
   auto source = [&](int32_t row) {
-    if (arrives_packed<Peers>(a)) {
-      char* slots = own_copy(peers, a.recv_x, a.capacity * a.packed_slot(), d);
-      return *packed_meta(a, slots + row * a.packed_slot()).src;
-    }
+    if (arrives_packed<Peers>(a)) return *received_meta(a, peers, d, row).src;
     return own_copy(peers, a.recv_src, static_cast<int64_t>(rows), d)[row];
   };
   int32_t lo = first, hi = end;
@@ -1005,14 +1009,10 @@ JAX_EP_HOST_DEVICE void dispatch_unpack(const DispatchArgs& a, const Peers& peer
     a.out.src[at] = -1;
     return;
   }
-  char* slots = own_copy(peers, a.recv_x, a.capacity * a.packed_slot(), d);
-  const PackedMeta meta = packed_meta(a, slots + i * a.packed_slot());
-  const int32_t first = d * El;  // the receiver's experts: [first, first + El)
+  const PackedMeta meta = received_meta(a, peers, d, i);
   JAX_EP_NO_UNROLL for (int k = 0; k < K; ++k) {
-    const int32_t e = meta.ids[k];
-    const bool on_d = e >= first && e < first + El;
-    idx[k] = on_d ? e - first : -1;
-    weights[k] = on_d ? meta.weights[k] : 0.0f;
+    idx[k] = local_expert(meta.ids[k], d, El);
+    weights[k] = idx[k] >= 0 ? meta.weights[k] : 0.0f;
   }
   a.out.src[at] = *meta.src;
 }
@@ -1095,10 +1095,9 @@ JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peer
         count += a.counts[static_cast<int64_t>(q) * a.num_counters() + R + d * El + i];
       }
     } else if (packed) {  // choices of expert i in the kept rows' slots
-      char* slots = own_copy(peers, a.recv_x, cap * a.packed_slot(), d);
       for (int64_t r = 0; r < kept; ++r) {
-        const int32_t* ids = packed_meta(a, slots + r * a.packed_slot()).ids;
-        for (int k = 0; k < K; ++k) count += ids[k] == d * El + i;
+        const int32_t* ids = received_meta(a, peers, d, r).ids;
+        for (int k = 0; k < K; ++k) count += local_expert(ids[k], d, El) == i;
       }
     } else {  // choices of expert i in the kept rows
       const int32_t* idx = own_copy(peers, a.recv_idx, static_cast<int64_t>(cap) * K, d);

@@ -31,6 +31,13 @@ JAX_EP_HOST_DEVICE int choice_rank(int32_t id, int num_experts, int experts_per_
   return is_choice(id, num_experts) ? id / experts_per_rank : -1;
 }
 
+// A clean id (a choice, or -1) as rank's local expert, or -1 where its expert lives elsewhere:
+// the ids a receiver keeps of a token's row.
+JAX_EP_HOST_DEVICE int32_t local_expert(int32_t id, int rank, int experts_per_rank) {
+  const int32_t first = rank * experts_per_rank;
+  return id >= first && id < first + experts_per_rank ? id - first : -1;
+}
+
 // True when choice k of a token is the first of its choices that lives on its rank, so that a
 // token counts once per rank. `ids` points at the token's top_k ids.
 JAX_EP_HOST_DEVICE bool first_choice_on_rank(const int32_t* ids, int k, int num_experts,
