@@ -6,9 +6,10 @@ latencies) `predict` gives the time of dispatch and combine in DeepEP's normal m
 sent once per destination rank, internode traffic forwarded over NVLink inside the node) and
 low-latency mode (one message per (token, expert), straight to the expert's rank). Traffic is
 the expectation under random routing, computed exactly (`expected_destinations`). Between
-nodes, normal mode is modelled two ways (`INTERNODE`): node-aware, DeepEP's scheme, and flat
-puts, each token sent once per destination rank wherever it is; `internode_table()` sets both
-beside DeepEP's internode rows.
+nodes, normal mode is modelled three ways (`INTERNODE`): node-aware, DeepEP's scheme, whose
+legs stream; flat puts, each token sent once per destination rank wherever it is; and phased,
+jax_ep's node-aware scheme today, whose legs run one after another; `internode_table()` sets
+them beside DeepEP's internode rows.
 
 The H800 constants were fit once to DeepEP's published tables; `calibration_table()` compares
 every published row with the model, and `python -m jax_ep.perfmodel --table` prints it
@@ -48,8 +49,11 @@ MODES = ("normal", "low_latency")
 # Normal mode between nodes. node_aware: a token crosses the network once per destination
 # node, to the GPU of its own local index there, which forwards it over NVLink (DeepEP's
 # internode kernels). flat: one put per destination rank, over the network to every rank
-# outside the node (what a put between any two ranks gives without the relay).
-INTERNODE = ("node_aware", "flat")
+# outside the node (what a put between any two ranks gives without the relay). phased: the
+# node-aware dispatch as phases that each wait for the last (jax_ep's normal mode over puts
+# today: the send, both links at once, then the relays' NVLink leg), its combine flat puts
+# then the sums; the streamed node_aware scheme is what channels give.
+INTERNODE = ("node_aware", "flat", "phased")
 FP8_BLOCK = 128  # channels per FP8 scale
 SCALE_BYTES = 4  # one float32 scale per block
 LL_HEADER_BYTES = 16  # source info and layout sent with every low-latency dispatch message
@@ -437,7 +441,8 @@ class Prediction:
             f"{op.bottleneck}-bound)"
             for name, op in (("dispatch", self.dispatch), ("combine", self.combine))
         )
-        scheme = " (flat puts)" if self.mode == "normal" and self.internode == "flat" else ""
+        scheme = {"flat": " (flat puts)", "phased": " (phased)"}.get(self.internode, "")
+        scheme = scheme if self.mode == "normal" else ""
         return (
             f"{self.hardware} {self.mode}{scheme} EP{c.num_ranks} T={c.num_tokens} H={c.hidden} "
             f"top-{c.num_topk}/{c.num_experts}{groups}, {kind} dispatch: {ops}"
@@ -479,6 +484,8 @@ def predict(
         )
     if mode == "normal" and internode == "flat":
         ops = _normal_flat(config, hardware, gpus)
+    elif mode == "normal" and internode == "phased":
+        ops = _normal_phased(config, hardware, gpus)
     elif mode == "normal":
         ops = _normal(config, hardware, gpus)
     else:
@@ -520,7 +527,7 @@ def _normal_flat(c: Config, hw: Hardware, gpus: int) -> tuple[OpTime, OpTime]:
     """Each token once per destination rank, straight there: NVLink to the other GPUs of the
     node, RDMA to every rank of another node. No relay, so the two links work side by side
     and each pays only its own latency. DeepEP's count stays that of its own scheme, so the
-    GB/s of both schemes compare."""
+    GB/s of every scheme compare."""
     nodes = c.num_ranks // gpus
     ranks_per_token = _destinations(c, c.num_ranks)
     rows_nvlink = c.num_tokens * ranks_per_token * (gpus - 1) / c.num_ranks
@@ -535,6 +542,28 @@ def _normal_flat(c: Config, hw: Hardware, gpus: int) -> tuple[OpTime, OpTime]:
         return OpTime(*_side_by_side(links, hw), deepep_rows * row_bytes, deepep_link)
 
     return op(c.dispatch_row_bytes), op(c.combine_row_bytes)
+
+
+def _normal_phased(c: Config, hw: Hardware, gpus: int) -> tuple[OpTime, OpTime]:
+    """The node-aware dispatch as phases: the send puts each row to the receivers of its own
+    node and once to its relay in each other node, both links at once; once everything has
+    arrived, the relays forward over NVLink (a launch and the NVLink latency again, no
+    overlap with the network). The combine is flat puts, then a launch that sums."""
+    aware, _ = _normal(c, hw, gpus)
+    _, flat_combine = _normal_flat(c, hw, gpus)
+    row = c.dispatch_row_bytes
+    # The node-aware NVLink rows: those to the other ranks of the own node (the send's NVLink
+    # leg), and those the relays forward.
+    own_node = c.num_tokens * _destinations(c, c.num_ranks) * (gpus - 1) / c.num_ranks * row
+    relayed = aware.link_bytes["nvlink"] - own_node
+    send, _, _ = _side_by_side({"nvlink": own_node, "rdma": aware.link_bytes["rdma"]}, hw)
+    legs = {"nvlink": (own_node + relayed) / (hw.nvlink_gbps * 1e9),
+            "rdma": aware.link_bytes["rdma"] / (hw.nic_gbps * 1e9)}
+    relay = (hw.launch_us + hw.nvlink_latency_us) * 1e-6 + relayed / (hw.nvlink_gbps * 1e9)
+    dispatch = OpTime(send + (relay if relayed > 1e-9 * row else 0.0), aware.link_bytes,
+                      max(legs, key=legs.get), aware.deepep_bytes, aware.deepep_link)
+    combine = dataclasses.replace(flat_combine, seconds=flat_combine.seconds + hw.launch_us * 1e-6)
+    return dispatch, combine
 
 
 def _low_latency(c: Config, hw: Hardware, gpus: int) -> tuple[OpTime, OpTime]:
@@ -713,13 +742,13 @@ def markdown_table(rows: Sequence[CalibrationRow]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class InternodeRow:
-    """One op of DeepEP's internode normal table beside both schemes' predictions.
+    """One op of DeepEP's internode normal table beside each scheme's prediction.
 
     Attributes:
       num_ranks: EP (8 GPUs per node).
       op: "dispatch" or "combine".
       published_gbps: DeepEP's RDMA GB/s.
-      node_aware, flat: the predictions (`OpTime`) of the two `INTERNODE` schemes.
+      node_aware, flat, phased: the predictions (`OpTime`) of the `INTERNODE` schemes.
     """
 
     num_ranks: int
@@ -727,6 +756,7 @@ class InternodeRow:
     published_gbps: float
     node_aware: OpTime
     flat: OpTime
+    phased: OpTime
 
     @property
     def published_s(self) -> float:
@@ -740,26 +770,28 @@ def internode_table(hardware: Hardware = H800) -> list[InternodeRow]:
         if ep <= hardware.gpus_per_node:
             continue
         config = table_config("normal", ep)
-        aware, flat = (predict(config, hardware, "normal", scheme) for scheme in INTERNODE)
+        aware, flat, phased = (predict(config, hardware, "normal", s) for s in INTERNODE)
         for i, name in enumerate(("dispatch", "combine")):
             rows.append(InternodeRow(ep, name, published[i], getattr(aware, name),
-                                     getattr(flat, name)))
+                                     getattr(flat, name), getattr(phased, name)))
     return rows
 
 
 def internode_markdown(rows: Sequence[InternodeRow]) -> str:
-    """The two schemes as a markdown table (docs/perfmodel.md shows it)."""
+    """The schemes as a markdown table (docs/perfmodel.md shows it)."""
     lines = [
-        "| EP | op | DeepEP | node-aware | flat puts | flat / node-aware | RDMA MB per rank, "
-        "node-aware / flat |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| EP | op | DeepEP | node-aware (streamed) | flat puts | phased | flat / node-aware "
+        "| phased / node-aware | RDMA MB per rank, node-aware / flat |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r.num_ranks} | {r.op} | {_fmt_time(r.published_s)} "
             f"({r.published_gbps:.0f} GB/s) | {_fmt_time(r.node_aware.seconds)} "
             f"({r.node_aware.gbps:.1f} GB/s) | {_fmt_time(r.flat.seconds)} "
-            f"({r.flat.gbps:.1f} GB/s) | {r.flat.seconds / r.node_aware.seconds:.2f} "
+            f"({r.flat.gbps:.1f} GB/s) | {_fmt_time(r.phased.seconds)} "
+            f"({r.phased.gbps:.1f} GB/s) | {r.flat.seconds / r.node_aware.seconds:.2f} "
+            f"| {r.phased.seconds / r.node_aware.seconds:.2f} "
             f"| {r.node_aware.link_bytes['rdma'] / 1e6:.1f} / "
             f"{r.flat.link_bytes['rdma'] / 1e6:.1f} |"
         )
@@ -798,7 +830,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if args.table:
         print(markdown_table(calibration_table()))
-        print("\nNormal mode between nodes, H800, both schemes:\n")
+        print("\nNormal mode between nodes, H800, each scheme:\n")
         print(internode_markdown(internode_table()))
         return
     hardware = PRESETS[args.hardware]

@@ -247,6 +247,35 @@ def test_flat_internode_time_by_hand_and_against_node_aware():
         intranode, hw, "normal").dispatch
 
 
+def test_phased_internode_time_by_hand_and_against_streamed():
+    """Phased (jax_ep's normal mode over puts today): the send's NVLink rows to the own node
+    and RDMA rows to the relays side by side, then a launch in which the relays forward the
+    rest of the node-aware NVLink rows; the combine is flat puts plus the launch that sums.
+    Never faster than streamed; inside one node the same as the other schemes."""
+    hw = pm.H800
+    config = pm.Config(4096, 7168, 8, 256, 32, fp8_dispatch=True)  # 4 nodes, no group limit
+    p = pm.predict(config, hw, "normal", internode="phased")
+    aware = pm.predict(config, hw, "normal")
+    row = config.dispatch_row_bytes
+    ranks_per_token = 32 * (1 - math.comb(248, 8) / math.comb(256, 8))
+    own_node = 4096 * ranks_per_token * 7 / 32 * row
+    relayed = aware.dispatch.link_bytes["nvlink"] - own_node
+    rdma = aware.dispatch.link_bytes["rdma"]
+    send = max(hw.rdma_latency_us * 1e-6 + rdma / (hw.nic_gbps * 1e9),
+               hw.nvlink_latency_us * 1e-6 + own_node / (hw.nvlink_gbps * 1e9))
+    relay = (hw.launch_us + hw.nvlink_latency_us) * 1e-6 + relayed / (hw.nvlink_gbps * 1e9)
+    assert p.dispatch_s == pytest.approx(hw.launch_us * 1e-6 + send + relay, rel=1e-12)
+    assert p.dispatch.link_bytes == aware.dispatch.link_bytes
+    flat = pm.predict(config, hw, "normal", internode="flat")
+    assert p.combine_s == pytest.approx(flat.combine_s + hw.launch_us * 1e-6, rel=1e-12)
+    assert "(phased)" in p.describe()
+    for r in pm.internode_table():
+        assert r.phased.seconds >= r.node_aware.seconds, r
+    intranode = pm.Config(4096, 7168, 8, 256, 8, fp8_dispatch=True)
+    phased = pm.predict(intranode, hw, "normal", internode="phased")
+    assert phased.dispatch == pm.predict(intranode, hw, "normal").dispatch
+
+
 def test_shared_device_moves_every_rank_bytes_through_one_memory():
     device = pm.SharedDevice("test", copy_gbps=1000.0, launch_us=2.0)
     config = pm.Config(64, 1024, 4, 32, 8)
