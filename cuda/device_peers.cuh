@@ -29,10 +29,14 @@ namespace jax_ep::cuda {
 // What went wrong in a wait. In mapped host memory.
 struct PeerStatus {
   // 0 ok; 1 or 3: a wait gave up waiting for `peer` inside the op (1) or to start it (3);
-  // 2: rank mismatch (EP axis index `peer`).
+  // 2: rank mismatch (EP axis index `peer`); 4: a ring wait gave up (cuda/channels.h:
+  // `channel`, `kind` a RingWaitKind, `have` and `want` its counters).
   int code;
   int op;
   int peer;
+  int channel = 0;
+  int kind = 0;
+  uint64_t have = 0, want = 0;
 };
 
 // One GPU's state of the exchange between devices, for one symmetric buffer (`generation`).
@@ -87,6 +91,13 @@ inline PeerError ready_state(int op, int generation, PeerState& st) {
     return after_timeout(op, report->op, report->peer,
                          report->code == 3 ? Wait::kStart : Wait::kInOp, st.timeouts,
                          "restart the processes");
+  }
+  if (report->code == 4) {
+    return PeerError{name + ": an earlier call of " + kPeerOpNames[report->op] + " " +
+                     ring_timed_out(static_cast<RingWaitKind>(report->kind), report->peer,
+                                    report->channel, report->have, report->want,
+                                    st.timeouts) +
+                     "; the EP group is unusable, restart the processes"};
   }
   if (report->code == 2) {
     return PeerError{name + ": an earlier call of " + kPeerOpNames[report->op] +
@@ -248,14 +259,55 @@ struct DeviceMeet {
   }
 };
 
-// One launch of `phase` for EP rank `st.group_rank` on `stream`, meeting the peers through
-// `net` as `meet` says (cuda/peer_ops.h); counts its arrival in `st`. `puts`: the launch's
-// puts need completing before it arrives.
-template <typename Net, typename Phase, typename Tail>
-cudaError_t launch_meeting(const Phase& phase, int64_t items, const Meet& meet,
-                           const Tail& tail, const Net& net, bool puts, uint64_t* signals,
-                           int op, const int32_t* axis_index, int num_sms,
-                           cudaStream_t stream, PeerState& st) {
+// What the waits of a streaming body need (cuda/dispatch_stream.h, Watch): a ring wait that
+// gives up records where in the status word (code 4), and every unit stops at its next wait.
+struct DeviceWatch {
+  PeerStatus* status;
+  uint64_t limit_ns;
+  int op;
+  __host__ __device__ bool failed() const {
+#if defined(__CUDA_ARCH__)
+    return static_cast<volatile PeerStatus*>(status)->code != 0;
+#else
+    return false;
+#endif
+  }
+  __host__ __device__ uint64_t now() const {
+#if defined(__CUDA_ARCH__)
+    return global_ns();
+#else
+    return 0;
+#endif
+  }
+  __host__ __device__ uint64_t limit() const { return limit_ns; }
+  __host__ __device__ void pause() const {
+#if defined(__CUDA_ARCH__)
+    __nanosleep(100);
+#endif
+  }
+  __host__ __device__ void give_up(RingWaitKind kind, int peer, int channel, uint64_t have,
+                                   uint64_t want) const {
+#if defined(__CUDA_ARCH__)
+    volatile PeerStatus* out = status;
+    if (out->code != 0) return;  // one report is enough
+    out->op = op;
+    out->peer = peer;
+    out->channel = channel;
+    out->kind = static_cast<int>(kind);
+    out->have = have;
+    out->want = want;
+    __threadfence_system();
+    out->code = 4;
+#else
+    (void)kind, (void)peer, (void)channel, (void)have, (void)want;
+#endif
+  }
+};
+
+// The DeviceMeet of a launch of this GPU's rank that meets the peers as `meet` says.
+template <typename Net>
+DeviceMeet<Net> device_meet(const Meet& meet, const Net& net, bool puts, uint64_t* signals,
+                            int op, const int32_t* axis_index, const PeerState& st) {
   DeviceMeet<Net> m{signals, st.epoch, net, st.group_rank, static_cast<int>(st.group.size()),
                     op, axis_index, st.device_status};
   auto bound = [&](const std::optional<Wait>& wait, uint64_t* ns, int* code) {
@@ -268,7 +320,32 @@ cudaError_t launch_meeting(const Phase& phase, int64_t items, const Meet& meet,
   m.before_arrivals = meet.before_arrivals;
   m.arrive = meet.arrive;
   m.quiet = meet.arrive && puts;
+  return m;
+}
+
+// One launch of `phase` for EP rank `st.group_rank` on `stream`, meeting the peers through
+// `net` as `meet` says (cuda/peer_ops.h); counts its arrival in `st`. `puts`: the launch's
+// puts need completing before it arrives.
+template <typename Net, typename Phase, typename Tail>
+cudaError_t launch_meeting(const Phase& phase, int64_t items, const Meet& meet,
+                           const Tail& tail, const Net& net, bool puts, uint64_t* signals,
+                           int op, const int32_t* axis_index, int num_sms,
+                           cudaStream_t stream, PeerState& st) {
+  const DeviceMeet<Net> m = device_meet(meet, net, puts, signals, op, axis_index, st);
   const cudaError_t status = per_warp(phase, st.group_rank, 1, items, stream, num_sms, tail, m);
+  if (status == cudaSuccess && meet.arrive) ++st.arrivals;
+  return status;
+}
+
+// One streaming launch of `body` (cuda/channels.h) for EP rank `st.group_rank`, meeting the
+// peers as launch_meeting does.
+template <typename Net, typename Body>
+cudaError_t launch_units(const Body& body, const Meet& meet, const Net& net, bool puts,
+                         uint64_t* signals, int op, const int32_t* axis_index,
+                         cudaStream_t stream, PeerState& st) {
+  const DeviceMeet<Net> m = device_meet(meet, net, puts, signals, op, axis_index, st);
+  const DeviceWatch watch{st.device_status, std::max<uint64_t>(st.timeouts.in_op_ns, 1), op};
+  const cudaError_t status = per_unit(body, st.group_rank, 1, body.units(), stream, m, watch);
   if (status == cudaSuccess && meet.arrive) ++st.arrivals;
   return status;
 }

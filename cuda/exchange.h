@@ -31,6 +31,7 @@
 
 #include <cstdint>
 
+#include "cuda/channels.h"
 #include "cuda/meter.h"
 #include "cuda/numerics.h"
 #include "cuda/routing.h"
@@ -449,6 +450,9 @@ struct DispatchArgs {
   float* relay_scales = nullptr;     // [R*T, scale_cols]
   int32_t* relay_targets = nullptr;  // [R*T, targets(), 2]
   int32_t* send_targets = nullptr;
+  // Channels (cuda/channels.h, between devices, rank-major, one node): the rows stream
+  // through rings of ring slots (ring_slot()); the receivers write XLA's results.
+  Rings rings;
 
   // Per-receiver results, reached through Peers: [R, ...].
   char* recv_x;               // [R, capacity, row_bytes]
@@ -529,6 +533,11 @@ struct DispatchArgs {
   // Bytes of a packed slot: the row, its scales, its metadata, rounded up to 16.
   JAX_EP_HOST_DEVICE int64_t packed_slot() const {
     return (row_bytes + 4 * (scale_cols + 1 + 2 * int64_t{top_k}) + 15) / 16 * 16;
+  }
+  // Bytes of a ring slot: the row, its scales, its source, its row on the receiver, the
+  // token's K ids and K weights, rounded up to 16 (dispatch_stream.h).
+  JAX_EP_HOST_DEVICE int64_t ring_slot() const {
+    return (row_bytes + 4 * (scale_cols + 2 + 2 * int64_t{top_k}) + 15) / 16 * 16;
   }
   // Bytes from one row to the next in the receive, send and relay areas.
   JAX_EP_HOST_DEVICE int64_t row_stride() const { return packed ? packed_slot() : row_bytes; }

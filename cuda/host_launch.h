@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "cuda/channels.h"
 #include "cuda/meter.h"
 #include "cuda/phase_functors.h"
 
@@ -99,6 +100,38 @@ void host_per_warp(const Phase& phase, int first_rank, int ranks, int64_t items,
     meet.last();
     for (int64_t i = tail.items() - 1; i >= 0 && !meet.failed(); --i) tail(i);
   });
+}
+
+// A streaming launch (cuda/channels.h): body(rank, unit, warp, meet) for every unit of ranks
+// [first_rank, first_rank + ranks) x [0, units), each on a thread of its own, since units wait
+// for each other as the co-resident blocks of a GPU do; one call per unit runs all
+// grid.lanes lanes (Warp::kAllLanes). Every unit runs meet.first() before its body and
+// meet.done() after it, the last to finish meet.last().
+template <typename Body, typename Meeting>
+void host_per_unit(const Body& body, int first_rank, int ranks, int64_t units,
+                   const HostGrid& grid, const Meeting& meet) {
+  const int64_t total = static_cast<int64_t>(ranks) * units;
+  if (total == 0 && !meet.has_last() && !meet.waits_first()) return;
+  meter_launch(total);
+  std::atomic<int64_t> ticket{0};
+  auto unit = [&](int64_t u) {
+    meet.first();
+    if (!meet.failed()) {
+      body(first_rank + static_cast<int>(u / units), u % units, Warp{Warp::kAllLanes, grid.lanes},
+           meet);
+    }
+    meet.done();
+    if (ticket.fetch_add(1, std::memory_order_acq_rel) == total - 1) meet.last();
+  };
+  if (total == 0) {
+    meet.first();
+    meet.last();
+    return;
+  }
+  std::vector<std::thread> pool;
+  pool.reserve(total);
+  for (int64_t u = 0; u < total; ++u) pool.emplace_back(unit, u);
+  for (std::thread& thread : pool) thread.join();
 }
 
 // The CPU launcher of cuda/virtual_ops.h: every launch over all R ranks on the grid.

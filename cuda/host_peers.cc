@@ -185,6 +185,24 @@ struct HostPutPeers {
     meter_message();
     *peer(dst, rank) = value;
   }
+  // Sets the counter `slot` in rank's buffer after this rank's earlier puts there (NVSHMEM's
+  // signal).
+  void signal(uint64_t* slot, int rank, uint64_t value) const {
+    meter_message();
+    __atomic_store_n(peer(slot, rank), value, __ATOMIC_RELEASE);
+  }
+  // A put, then the signal, as one message (NVSHMEM's put with signal).
+  void put_signal(char* dst, int rank, const char* src, int64_t bytes, uint64_t* slot,
+                  uint64_t value, int lane, int lanes) const {
+    const uintptr_t from = reinterpret_cast<uintptr_t>(src);
+    const uintptr_t own = reinterpret_cast<uintptr_t>(regions[me]);
+    if (from < own || from + bytes > own + this->bytes) misuse("a put's source outside the buffer");
+    copy_row(peer(dst, rank), src, bytes, lane, lanes);
+    if (lane == 0) {  // the last lane on the CPU (cuda/host_launch.h): after every lane's copy
+      meter_message();
+      __atomic_store_n(peer(slot, rank), value, __ATOMIC_RELEASE);
+    }
+  }
   template <typename T>
   T* own(T* base, int rank) const {
     if (rank != me) misuse("a read of another rank's buffer");
@@ -278,6 +296,15 @@ class HostPlatform {
     for (int i = 0; i < meet.waits(); ++i) meter_barrier();
     host_per_warp(phase, me_, 1, items, grid_, tail, Flags{this, meet});
   }
+  // A streaming launch of this rank (cuda/channels.h), meeting the peers as per_warp does.
+  template <typename Body>
+  void per_unit(const Body& body, const Meet& meet) {
+    if (!error_.ok()) return;
+    for (int i = 0; i < meet.waits(); ++i) meter_barrier();
+    host_per_unit(body, me_, 1, body.units(), grid_, Flags{this, meet});
+  }
+  // Warps per channel of a streaming launch: the grid's warps of senders, and of receivers.
+  int warps_per_channel() const { return 2 * grid_.warps; }
   PeerError result(int /*op*/) const { return error_; }
 
  private:
@@ -296,7 +323,28 @@ class HostPlatform {
       if (meet.arrive) p->arrive();
       if (meet.after) p->wait_for_peers(*meet.after, kAllEarlier);
     }
+    // What a streaming body's waits need (cuda/dispatch_stream.h, Watch).
+    uint64_t now() const {
+      return static_cast<uint64_t>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+              .count());
+    }
+    uint64_t limit() const { return p->group_->timeouts().in_op_ns; }
+    void pause() const { std::this_thread::yield(); }
+    void give_up(RingWaitKind kind, int peer, int channel, uint64_t have, uint64_t want) const {
+      p->fail(peer, Wait::kInOp,
+              ring_timed_out(kind, peer, channel, have, want, p->group_->timeouts()));
+    }
   };
+
+  // Records the first failure of this rank's op: a wait that gave up waiting for `peer`.
+  void fail(int peer, Wait wait, const std::string& why) {
+    std::lock_guard<std::mutex> lock(failure_);
+    if (failed_.load(std::memory_order_relaxed)) return;
+    group_->rank(me_).status = RankStatus{true, op_, peer, wait};
+    error_ = PeerError{std::string(kPeerOpNames[op_]) + ": " + why};
+    failed_.store(true, std::memory_order_release);
+  }
 
   // Tells every peer that this rank finished one more launch (after its writes).
   void arrive() {
@@ -324,13 +372,7 @@ class HostPlatform {
         const auto waited =
             std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start);
         if (static_cast<uint64_t>(waited.count()) > timeout_ns) {
-          std::lock_guard<std::mutex> lock(failure_);
-          if (!failed_.load(std::memory_order_relaxed)) {
-            group_->rank(me_).status = RankStatus{true, op_, p, wait};
-            error_ = PeerError{std::string(kPeerOpNames[op_]) + ": " +
-                               timed_out(p, wait, group_->timeouts())};
-            failed_.store(true, std::memory_order_release);
-          }
+          fail(p, wait, timed_out(p, wait, group_->timeouts()));
           return;
         }
         std::this_thread::sleep_for(std::chrono::microseconds(20));

@@ -134,6 +134,14 @@ class LocalPlatform {
                              reinterpret_cast<uint64_t*>(symmetric()), op_, axis_index_,
                              num_sms_, stream_, state());
   }
+  // A streaming launch (cuda/channels.h): one block per channel, half its warps senders.
+  template <typename Body>
+  void per_unit(const Body& body, const Meet& meet) {
+    if (status_ != cudaSuccess) return;
+    status_ = launch_units(body, meet, LocalNet{peers()}, false, reinterpret_cast<uint64_t*>(symmetric()),
+                           op_, axis_index_, stream_, state());
+  }
+  int warps_per_channel() const { return kPhaseWarps; }
   PeerError result(int op) const { return launch_error(op, status_); }
 
  private:

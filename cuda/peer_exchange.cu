@@ -88,6 +88,26 @@ struct NvshmemPutPeers {
   __host__ __device__ T* own(T* base, int /*rank*/) const {
     return base;  // the rank a phase reads as is always this one
   }
+  // Sets the counter `slot` in rank's buffer after this PE's earlier puts to it.
+  __host__ __device__ void signal(uint64_t* slot, int rank, uint64_t value) const {
+#if defined(__CUDA_ARCH__)
+    nvshmem_fence();
+    nvshmemx_signal_op(slot, value, NVSHMEM_SIGNAL_SET, pes[rank]);
+#else
+    (void)slot, (void)rank, (void)value;
+#endif
+  }
+  // One warp-wide put, then the counter `slot`'s signal after it: one message.
+  __host__ __device__ void put_signal(char* dst, int rank, const char* src, int64_t bytes,
+                                      uint64_t* slot, uint64_t value, int /*lane*/,
+                                      int /*lanes*/) const {
+#if defined(__CUDA_ARCH__)
+    nvshmemx_putmem_signal_nbi_warp(dst, src, static_cast<size_t>(bytes), slot, value,
+                                    NVSHMEM_SIGNAL_SET, pes[rank]);
+#else
+    (void)dst, (void)rank, (void)src, (void)bytes, (void)slot, (void)value;
+#endif
+  }
 };
 
 // NVSHMEM's way to the peers, for DeviceMeet (cuda/device_peers.cuh): the signal is an
@@ -212,6 +232,14 @@ class DevicePlatform {
                              reinterpret_cast<uint64_t*>(symmetric()), op_, axis_index_,
                              num_sms_, stream_, state());
   }
+  // A streaming launch (cuda/channels.h): one block per channel, half its warps senders.
+  template <typename Body>
+  void per_unit(const Body& body, const Meet& meet) {
+    if (status_ != cudaSuccess) return;
+    status_ = launch_units(body, meet, NvshmemNet{pes()}, puts(), reinterpret_cast<uint64_t*>(symmetric()),
+                           op_, axis_index_, stream_, state());
+  }
+  int warps_per_channel() const { return kPhaseWarps; }
   PeerError result(int op) const { return launch_error(op, status_); }
 
  private:

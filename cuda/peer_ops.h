@@ -44,6 +44,7 @@
 #include <string>
 #include <type_traits>
 
+#include "cuda/dispatch_stream.h"
 #include "cuda/phase_functors.h"
 
 namespace jax_ep {
@@ -141,6 +142,26 @@ inline std::string timed_out(int peer, Wait wait, const Timeouts& timeouts) {
          " (did every rank run the same ops?)";
 }
 
+// "timed out after 60 s on channel 1 waiting for peer 3 to drain its ring (...)": a ring
+// wait of a streaming launch (cuda/channels.h) that gave up; `have` and `want` are the
+// counters: the ring's head and the slots sent (kSpace), or the slots consumed and the
+// ring's tail (kData).
+inline std::string ring_timed_out(RingWaitKind kind, int peer, int channel, uint64_t have,
+                                  uint64_t want, const Timeouts& timeouts) {
+  const std::string where = "timed out after " + seconds_text(timeouts.in_op_ns) +
+                            " on channel " + std::to_string(channel) + " waiting for peer " +
+                            std::to_string(peer);
+  if (kind == RingWaitKind::kSpace) {
+    return where + " to drain its ring (it consumed " + std::to_string(have) + " of the " +
+           std::to_string(want) + " slots sent; $JAX_EP_TIMEOUT_S; did every rank run the "
+           "same ops?)";
+  }
+  const bool closed = (want & kRingClosed) != 0;
+  return where + " to fill its ring (" + std::to_string(have) + " slots consumed, tail " +
+         std::to_string(want & ~kRingClosed) + (closed ? ", closed" : ", not closed") +
+         "; $JAX_EP_TIMEOUT_S; did every rank run the same ops?)";
+}
+
 // The error of every call after a barrier of `timed_out_op` gave up waiting for `peer`.
 inline PeerError after_timeout(int op, int timed_out_op, int peer, Wait wait,
                                const Timeouts& timeouts, const char* restart) {
@@ -196,18 +217,35 @@ inline PeerError fits(int op, const char* region, size_t used, size_t reserved) 
                    "(jax_ep.runtime.BufferConfig)"};
 }
 
-// Dispatch: what peers write into this rank (the counts, the received rows and metadata; not
-// src_row, which the finish finds and writes into XLA's result) and,
+// Dispatch: what peers write into this rank. Streamed (a->rings.channels > 0, rank-major,
+// one node): the counts and the rings. In phases: the counts, the received rows and metadata
+// (not src_row, which the finish finds and writes into XLA's result) and,
 // over puts, the send area the puts read from (this rank's rows and scales); node-aware
 // (a->ranks_per_node set), the relay's slots and this rank's staged targets too.
 inline size_t carve_dispatch(char* base, bool puts, DispatchArgs* a) {
   const int R = a->num_ranks, cap = a->capacity, K = a->top_k, rows = a->rows();
   const bool em = a->expert_major;
+  Carver c(base);
+  // Channels (cuda/channels.h): rank-major within one node, the counts and the rings only.
+  Rings& g = a->rings;
+  if (g.channels > 0 && (em || a->nodes() > 1)) g.channels = 0;  // not streamed yet
+  if (g.channels > 0) {
+    a->packed = false;
+    g.num_ranks = R;
+    g.slot_bytes = a->ring_slot();
+    const int64_t rings = static_cast<int64_t>(g.channels) * R;
+    a->counts = c.take<int32_t>(static_cast<int64_t>(R) * a->num_counters());
+    g.tail = c.take<uint64_t>(rings);
+    g.head = c.take<uint64_t>(rings);
+    g.state = c.take<int64_t>(3 * rings);
+    g.recv = c.take<char>(rings * g.ring_slots() * g.slot_bytes);
+    g.send = c.take<char>(puts ? rings * g.ring_slots() * g.slot_bytes : 0);
+    return c.used();
+  }
   // Over puts, rank-major rows travel in packed slots (row, scales and metadata together).
   a->packed = puts && !em;
   const int64_t stride = a->row_stride(), S = a->packed ? 0 : a->scale_cols;
   const int cols = a->packed ? 0 : a->idx_cols();
-  Carver c(base);
   a->counts = c.take<int32_t>(static_cast<int64_t>(R) * a->num_counters());
   a->recv_x = c.take<char>(cap * stride);
   a->recv_scales = c.take<float>(cap * S);
@@ -298,16 +336,19 @@ inline int node_split(bool puts, int n, int num_ranks) {
 
 // The regions a configuration needs: its largest normal-mode call (dispatch with FP8 scales
 // and combine with weights, rank-major and, with expert_major, expert-major; capacity 0 is
-// the ops' default) and its low-latency calls (FP8 or not) with ll_tokens tokens, over puts
+// the ops' default; with rings, the dispatch streamed where it streams) and its low-latency
+// calls (FP8 or not) with ll_tokens tokens, over puts
 // (with their send areas; node-aware with ranks_per_node, 0: one node) or not.
 struct RegionBytes {
   size_t signals, normal, low_latency;
+  size_t dispatch = 0, combine = 0;  // the largest of each op, which `normal` holds
 };
 
 inline RegionBytes buffer_region_bytes(int R, int T, int K, int E, int H, int dtype_bytes,
                                        int64_t capacity, bool expert_major, int ll_tokens,
-                                       bool puts, int ranks_per_node = 0) {
-  size_t normal = 0;
+                                       bool puts, int ranks_per_node = 0,
+                                       const Rings& rings = {}) {
+  size_t dispatch = 0, combine = 0;
   for (const bool em : {false, true}) {
     if (em && !expert_major) continue;
     const int64_t full = em ? static_cast<int64_t>(R) * T * std::min(K, E / R)
@@ -319,6 +360,7 @@ inline RegionBytes buffer_region_bytes(int R, int T, int K, int E, int H, int dt
     d.row_bytes = static_cast<int64_t>(H) * dtype_bytes;
     d.scale_cols = H / kFp8Block;
     d.ranks_per_node = node_split(puts, ranks_per_node, R);
+    d.rings = rings;
     CombineArgs<char> c{};
     c.num_ranks = R, c.num_tokens = T, c.top_k = K;
     c.hidden = H * dtype_bytes;  // rows of dtype_bytes-wide elements, counted in bytes
@@ -326,8 +368,8 @@ inline RegionBytes buffer_region_bytes(int R, int T, int K, int E, int H, int dt
     c.expert_major = em;
     c.weights = reinterpret_cast<const float*>(kAlign);  // any non-null: with weights
     CombineRegions<char> regions;
-    normal = std::max({normal, carve_dispatch(nullptr, puts, &d),
-                       carve_combine(nullptr, c, puts, &regions)});
+    dispatch = std::max(dispatch, carve_dispatch(nullptr, puts, &d));
+    combine = std::max(combine, carve_combine(nullptr, c, puts, &regions));
   }
   size_t low_latency = 0;
   if (ll_tokens > 0) {
@@ -337,7 +379,8 @@ inline RegionBytes buffer_region_bytes(int R, int T, int K, int E, int H, int dt
           std::max(low_latency, carve_low_latency(nullptr, R, ll_tokens, K, E, H, wire, puts, &r));
     }
   }
-  return RegionBytes{kSignalBytes, normal, 2 * low_latency};  // two halves
+  return RegionBytes{kSignalBytes, std::max(dispatch, combine), 2 * low_latency,  // two halves
+                     dispatch, combine};
 }
 
 // Whether the platform reaches its peers by puts.
@@ -384,6 +427,19 @@ PeerError run_op(Platform& p, int op, const DispatchArgs& out) {
   if (!error.ok()) return error;
   return with_peers(p, [&](const auto& peers) {
     using Peers = std::decay_t<decltype(peers)>;
+    if (a.rings.channels > 0) {
+      // Streamed: the count (its tail also zeroes this rank's ring counters before the peers
+      // may write them), then senders and receivers at once, receivers writing XLA's results;
+      // the finish completes them from this rank's own arrays, and its arrival frees this
+      // rank's buffer.
+      p.per_warp(DispatchCount{a}, a.num_chunks, Meet{Wait::kStart, true, Wait::kStart},
+                 DispatchTail<Peers>{a, a.first_rank, 1, peers});
+      const int half = p.warps_per_channel() / 2;
+      p.per_unit(DispatchStream<Peers>{a, peers, half, half}, Meet{});
+      p.per_warp(DispatchFinish<OwnArrays>{landed(a), {}}, a.finish_items(),
+                 Meet{{}, true, {}});
+      return p.result(op);
+    }
     // The count's tail publishes the totals into the peers' buffers (the count starts once
     // the peers are done with the last op's data) and, once every rank's are here, computes
     // this rank's bases. Over puts, the rows go into the send area, and the metadata to the

@@ -67,11 +67,22 @@ struct DispatchTail {
   DispatchArgs a;
   int first, ranks;
   Peers peers{};
+  // Streamed (between devices), also this rank's ring counters, zeroed before the launch
+  // meets the peers (who write them only after).
+  JAX_EP_HOST_DEVICE int64_t ring_counters() const {
+    return a.rings.channels > 0 ? 2 * static_cast<int64_t>(a.rings.channels) * a.num_ranks : 0;
+  }
   JAX_EP_HOST_DEVICE int64_t early_items() const {
-    return static_cast<int64_t>(ranks) * (a.num_counters() + 1);
+    return static_cast<int64_t>(ranks) * (a.num_counters() + 1) + ring_counters();
   }
   JAX_EP_HOST_DEVICE int64_t items() const { return a.num_counters(); }
   JAX_EP_HOST_DEVICE void early(int64_t i) const {
+    const int64_t published = static_cast<int64_t>(ranks) * (a.num_counters() + 1);
+    if (i >= published) {
+      const int64_t j = i - published, half = ring_counters() / 2;
+      (j < half ? a.rings.tail[j] : a.rings.head[j - half]) = 0;
+      return;
+    }
     const int n = a.num_counters() + 1, s = first + static_cast<int>(i / n);
     publish_total(peers, a.chunk_counts + a.local(s) * a.num_chunks * n, a.num_chunks, n,
                   static_cast<int>(i % n), a.counts + static_cast<int64_t>(s) * a.num_counters(),

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cuda/channels.h"
 #include "cuda/common.cuh"
 #include "cuda/phase_functors.h"
 
@@ -105,6 +106,51 @@ cudaError_t per_warp(const Phase& phase, int first_rank, int ranks, int64_t item
   const int64_t blocks = std::clamp<int64_t>((total + kPhaseWarps - 1) / kPhaseWarps, 1, most);
   return launch(per_warp_kernel<Phase, Tail, Meeting>, static_cast<unsigned>(blocks),
                 kPhaseThreads, stream, phase, tail, meet, ticket, first_rank, ranks, items);
+}
+
+// A streaming launch (cuda/channels.h): body(rank, unit, warp, watch) for each unit of ranks
+// [first_rank, first_rank + ranks) x [0, units), one warp each, every lane calling it; the
+// blocks meet the peers as per_warp_kernel's do (no tail).
+template <typename Body, typename Meeting, typename Watch>
+__global__ void __launch_bounds__(kPhaseThreads)
+    per_unit_kernel(Body body, Meeting meet, Watch watch, unsigned* ticket, int first_rank,
+                    int ranks, int64_t units) {
+  meet.first();
+  const int64_t unit = blockIdx.x * static_cast<int64_t>(kPhaseWarps) + threadIdx.x / kWarpSize;
+  if (unit < ranks * units && !meet.failed()) {
+    body(first_rank + static_cast<int>(unit / units), unit % units,
+         Warp{static_cast<int>(threadIdx.x % kWarpSize), kWarpSize}, watch);
+  }
+  meet.done();
+  if (ticket == nullptr || !is_last_block(ticket)) return;
+  meet.last();
+}
+
+// One streaming launch: its units wait for each other, so every block must be resident at
+// once; a launch with more blocks than the GPU holds is refused
+// (cudaErrorCooperativeLaunchTooLarge) rather than left to hang.
+template <typename Body, typename Meeting, typename Watch>
+cudaError_t per_unit(const Body& body, int first_rank, int ranks, int64_t units,
+                     cudaStream_t stream, const Meeting& meet, const Watch& watch) {
+  const int64_t total = static_cast<int64_t>(ranks) * units;
+  if (total == 0 && !meet.has_last() && !meet.waits_first()) return cudaSuccess;
+  unsigned* ticket = nullptr;
+  if (meet.has_last()) {
+    const cudaError_t status = stream_ticket(stream, &ticket);
+    if (status != cudaSuccess) return status;
+  }
+  const auto kernel = per_unit_kernel<Body, Meeting, Watch>;
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return cudaGetLastError();
+  }
+  const int64_t blocks = std::max<int64_t>((total + kPhaseWarps - 1) / kPhaseWarps, 1);
+  if (blocks > static_cast<int64_t>(sms) * blocks_per_sm(kernel)) {
+    return cudaErrorCooperativeLaunchTooLarge;
+  }
+  return launch(kernel, static_cast<unsigned>(blocks), kPhaseThreads, stream, body, meet, watch,
+                ticket, first_rank, ranks, units);
 }
 
 }  // namespace jax_ep::cuda

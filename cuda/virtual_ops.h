@@ -18,8 +18,10 @@
 namespace jax_ep {
 
 template <typename L>
-void run_virtual(L& l, int, const DispatchArgs& a) {
+void run_virtual(L& l, int, const DispatchArgs& in) {
   using Peers = VirtualPeers;
+  DispatchArgs a = in;
+  a.rings = Rings{};  // virtual ranks move rows in phases (rings stream between devices)
   l.per_warp(DispatchCount{a}, a.num_chunks, DispatchTail<Peers>{a, 0, a.num_ranks});
   l.per_warp(DispatchSend<Peers>{a}, a.num_tokens);
   l.per_warp(DispatchFinish<Peers>{a}, a.finish_items());

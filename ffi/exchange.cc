@@ -463,6 +463,26 @@ xffi::Error LowLatencyBuffer(std::string_view op, const xffi::Dictionary& attrs,
   return xffi::Error::Success();
 }
 
+// The optional attributes `channels`, `chunk_tokens` and `ring_chunks` (cuda/channels.h):
+// absent or channels 0, the dispatch runs in phases.
+xffi::Error ParseChannels(std::string_view op, const xffi::Dictionary& attrs, Rings* rings) {
+  if (!attrs.contains("channels")) return xffi::Error::Success();
+  int64_t values[3] = {0, 0, 0};
+  const char* names[] = {"channels", "chunk_tokens", "ring_chunks"};
+  for (int i = 0; i < 3; ++i) JAX_EP_RETURN_IF_ERROR(Attr(op, attrs, names[i], &values[i]));
+  if (values[0] == 0) return xffi::Error::Success();
+  for (int i = 0; i < 3; ++i) {
+    if (values[i] < 1 || values[i] > (1 << 20)) {
+      return Invalid(op, std::string(names[i]) + " must be in [1, 2^20] with channels; got " +
+                             std::to_string(values[i]));
+    }
+  }
+  rings->channels = static_cast<int>(values[0]);
+  rings->chunk_tokens = static_cast<int>(values[1]);
+  rings->ring_chunks = static_cast<int>(values[2]);
+  return xffi::Error::Success();
+}
+
 // The operand whose leading dimension stacks the op's ranks, by PeerOp.
 constexpr size_t kStackedOperand[] = {2, 0, 1, 0, 0, 2};
 
@@ -498,6 +518,7 @@ xffi::Error ParseCall(int op, const AnyBuffer& ranks, xffi::RemainingArgs args,
       DispatchArgs a;
       JAX_EP_RETURN_IF_ERROR(ParseDispatch(args, rets, R, E, capacity, expert_major, &a));
       a.zero_padding = zero_padding != 0;
+      JAX_EP_RETURN_IF_ERROR(ParseChannels(name, attrs, &a.rings));
       call->args = a;
       break;
     }

@@ -119,14 +119,21 @@ void HostPeersInitialize(size_t buffer_bytes, size_t low_latency_bytes, bool put
 
 nb::dict BufferRegions(int num_ranks, int num_tokens, int top_k, int num_experts, int hidden,
                        int dtype_bytes, int64_t capacity, bool expert_major,
-                       int low_latency_tokens, bool puts, int ranks_per_node) {
+                       int low_latency_tokens, bool puts, int ranks_per_node, int channels,
+                       int chunk_tokens, int ring_chunks) {
+  Rings rings;
+  rings.channels = channels;
+  rings.chunk_tokens = chunk_tokens;
+  rings.ring_chunks = ring_chunks;
   const RegionBytes r = buffer_region_bytes(num_ranks, num_tokens, top_k, num_experts, hidden,
                                             dtype_bytes, capacity, expert_major,
-                                            low_latency_tokens, puts, ranks_per_node);
+                                            low_latency_tokens, puts, ranks_per_node, rings);
   nb::dict out;
   out["signals"] = r.signals;
   out["normal"] = r.normal;
   out["low_latency"] = r.low_latency;
+  out["dispatch"] = r.dispatch;  // of normal: the largest dispatch's bytes, and combine's
+  out["combine"] = r.combine;
   return out;
 }
 
@@ -159,11 +166,14 @@ void BindRuntime(nb::module_& m) {
   m.def("buffer_regions", &BufferRegions, nb::arg("num_ranks"), nb::arg("num_tokens"),
         nb::arg("top_k"), nb::arg("num_experts"), nb::arg("hidden"), nb::arg("dtype_bytes"),
         nb::arg("capacity"), nb::arg("expert_major"), nb::arg("low_latency_tokens"),
-        nb::arg("puts") = false, nb::arg("ranks_per_node") = 0,
+        nb::arg("puts") = false, nb::arg("ranks_per_node") = 0, nb::arg("channels") = 0,
+        nb::arg("chunk_tokens") = 0, nb::arg("ring_chunks") = 0,
         "Bytes of each region of the symmetric buffer for the largest calls of a "
-        "configuration, as the ops carve them (cuda/peer_ops.h); capacity 0: the default; "
+        "configuration, as the ops carve them (cuda/peer_ops.h), and of the normal region "
+        "what the largest dispatch and combine use; capacity 0: the default; "
         "puts: with the send areas of peers reached by puts; ranks_per_node: node-aware, "
-        "with the relays' slots (0: one node).");
+        "with the relays' slots (0: one node); channels > 0: the dispatch streamed through "
+        "rings of chunk_tokens x ring_chunks slots (cuda/channels.h).");
   m.def("host_peers_finalize", &host::finalize,
         "Frees the host peers' buffers (no exchange may be running).");
   m.def("host_peers_buffer_bytes", &host::buffer_bytes,

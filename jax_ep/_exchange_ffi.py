@@ -28,7 +28,7 @@ try:  # jax <= 0.10; later versions name the function form compute_on, the same 
 except ImportError:
     from jax.experimental.compute_on import compute_on as compute_on2
 
-from jax_ep import _ep_groups, _exchange_order, _ffi, fp8, quant
+from jax_ep import _ep_groups, _exchange_order, _ffi, fp8, quant, runtime
 from jax_ep.backends import ANYWHERE, Placement
 from jax_ep.structs import DispatchHandle, Received
 
@@ -117,11 +117,16 @@ def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, ca
         "row_entries": ((V, em_rows, K), i32), "needed": ((V,), i32),
         "workspace": ((workspace,), i32),
     }
+    # Between devices the dispatch streams through the buffer's rings, if it has them
+    # (runtime.channels(); where it streams: cuda/peer_ops.h).
+    rings = runtime.channels() if axis_name is not None else None
+    streamed = dict(channels=rings.channels, chunk_tokens=rings.chunk_tokens,
+                    ring_chunks=rings.ring_chunks) if rings else {}
     outs = _exchange_call(
         "jax_ep_dispatch", _types(topk_idx, names_shapes.values()),
         (data, scales, topk_idx, topk_weights),
         dict(num_ranks=R, num_experts=E, capacity=cap, expert_major=expert_major,
-             zero_padding=zero_padding), placement, axis_name=axis_name, stacked=V)
+             zero_padding=zero_padding, **streamed), placement, axis_name=axis_name, stacked=V)
     result = dict(zip(names_shapes, outs, strict=True))
     if not S:
         result["scales"] = None

@@ -60,6 +60,63 @@ _generation = itertools.count()
 
 
 @dataclasses.dataclass(frozen=True)
+class Channels:
+    """Normal dispatch streamed through ring buffers (cuda/channels.h, docs/cuda.md,
+    "Channels"): between devices, rank-major, within one node, each rank's tokens split into
+    `channels` ranges; every (channel, source, receiver) has a ring of chunk_tokens x
+    ring_chunks slots in the receiver's buffer (over puts a send ring too), so the dispatch's
+    symmetric bytes do not grow with the tokens, and senders and receivers run at once.
+    Expert-major and node-aware dispatches still run in phases.
+
+    Attributes:
+      channels: token ranges per rank, each with its own rings and, on a GPU, one block
+        (half its warps send, half receive); at most the GPU's SMs.
+      chunk_tokens: slots a sender fills before it publishes them (one put per chunk and
+        destination over puts).
+      ring_chunks: chunks per ring (2 or more let a sender fill one while the receiver drains
+        another).
+    """
+
+    channels: int = 8
+    chunk_tokens: int = 16
+    ring_chunks: int = 4
+
+    def check(self) -> None:
+        for name in ("channels", "chunk_tokens", "ring_chunks"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or \
+                    not 1 <= value <= 1 << 20:
+                raise ValueError(f"Channels.{name} must be an int in [1, 2^20] (1 is the "
+                                 f"smallest that makes progress); got {value!r}.")
+
+    def slots(self) -> int:
+        """Slots per ring."""
+        return self.chunk_tokens * self.ring_chunks
+
+
+def channels_from_env() -> Channels | None:
+    """`$JAX_EP_CHANNELS`, "channels,chunk_tokens,ring_chunks" (e.g. "8,16,4"): the dispatch
+    streamed through rings of that shape when `initialize()` gets no `Channels`; unset: in
+    phases."""
+    text = os.environ.get("JAX_EP_CHANNELS", "").strip()
+    if not text:
+        return None
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"$JAX_EP_CHANNELS={text!r} is not \"channels,chunk_tokens,"
+                         f"ring_chunks\" (e.g. \"8,16,4\"); unset it to dispatch in phases.")
+    channels = Channels(*(int(p) for p in parts))
+    channels.check()
+    return channels
+
+
+def channels() -> Channels | None:
+    """The rings of the initialized buffer (`initialize()`), or None: the dispatch runs in
+    phases."""
+    return _state.get("channels")
+
+
+@dataclasses.dataclass(frozen=True)
 class BufferConfig:
     """The largest call one rank will make; sizes the symmetric buffer.
 
@@ -75,6 +132,8 @@ class BufferConfig:
       expert_major: size for the expert-major layout too (its default capacity is
         R*T*min(K, E/R) entries, much larger than the rank-major R*T rows).
       low_latency_tokens: T per rank, low-latency mode (0: no low-latency ops).
+      channels: stream the normal dispatch through rings of this shape (`Channels`); None:
+        `$JAX_EP_CHANNELS`, else in phases.
     """
 
     num_tokens: int = 4096
@@ -86,6 +145,7 @@ class BufferConfig:
     capacity: int | None = None
     expert_major: bool = False
     low_latency_tokens: int = 128
+    channels: Channels | None = None
 
     def ranks(self) -> int:
         return jax.device_count() if self.num_ranks is None else self.num_ranks
@@ -109,6 +169,11 @@ class BufferConfig:
         if self.num_experts % self.ranks():
             raise ValueError(f"BufferConfig.num_experts ({self.num_experts}) must be a multiple "
                              f"of the number of ranks ({self.ranks()}).")
+        if self.channels is not None:
+            if not isinstance(self.channels, Channels):
+                raise ValueError(f"BufferConfig.channels must be a jax_ep.runtime.Channels or "
+                                 f"None; got {self.channels!r}.")
+            self.channels.check()
         if self.top_k > min(MAX_TOP_K, self.num_experts):
             raise ValueError(f"BufferConfig.top_k must be at most min({MAX_TOP_K}, num_experts="
                              f"{self.num_experts}), as in the ops; got {self.top_k}.")
@@ -185,8 +250,22 @@ def buffer_regions(config: BufferConfig, *, access: str | None = None,
     normal-mode call reaches into it. Over puts (`access`, default `peer_access()`) the
     regions also hold the send areas the puts read from, and the normal region the rows the
     combine's receivers return; node-aware (`nodes`: ranks per node, default
-    `ranks_per_node()`), the relays' slots.
+    `ranks_per_node()`), the relays' slots. With channels (`config.channels`, else
+    `$JAX_EP_CHANNELS`) the dispatch where it streams holds its counts and rings only.
     """
+    regions = _regions(config, access, nodes)
+    return {name: regions[name] for name in ("signals", "normal", "low_latency")}
+
+
+def normal_region_bytes(config: BufferConfig, *, access: str | None = None,
+                        nodes: int | None = None) -> dict[str, int]:
+    """What the normal region holds at most for each op: {'dispatch', 'combine'} (the region
+    is the larger); arguments as `buffer_regions`."""
+    regions = _regions(config, access, nodes)
+    return {name: regions[name] for name in ("dispatch", "combine")}
+
+
+def _regions(config: BufferConfig, access: str | None, nodes: int | None) -> dict[str, int]:
     config.check()
     access = access or peer_access()
     nodes = ranks_per_node() if nodes is None else nodes
@@ -195,10 +274,12 @@ def buffer_regions(config: BufferConfig, *, access: str | None = None,
     from jax_ep import _ffi
 
     _ffi.require_extension("jax_ep.runtime.buffer_regions")
+    rings = config.channels or channels_from_env() or Channels(0, 0, 0)
     return dict(_ffi.EXT.buffer_regions(
         config.ranks(), config.num_tokens, config.top_k, config.num_experts, config.hidden,
         config.dtype_bytes, config.capacity or 0, config.expert_major,
-        config.low_latency_tokens, access == "put", nodes))
+        config.low_latency_tokens, access == "put", nodes, rings.channels, rings.chunk_tokens,
+        rings.ring_chunks))
 
 
 def required_bytes(config: BufferConfig) -> int:
@@ -213,9 +294,10 @@ def is_initialized() -> bool:
 
 def state() -> dict | None:
     """{'platform', 'rank', 'num_ranks', 'buffer_bytes', 'low_latency_bytes',
-    'peer_access', 'ranks_per_node'} while initialized, else None. platform: "gpu" (one GPU
-    per process, NVSHMEM), "gpus" (the GPUs of this process, CUDA peer access) or "cpu" (host
-    peers); ranks_per_node 0: one node."""
+    'peer_access', 'ranks_per_node', 'channels'} while initialized, else None. platform: "gpu"
+    (one GPU per process, NVSHMEM), "gpus" (the GPUs of this process, CUDA peer access) or
+    "cpu" (host peers); ranks_per_node 0: one node; channels: the dispatch's rings (`Channels`)
+    or None."""
     return dict(_state) if _state else None
 
 
@@ -233,6 +315,9 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
       low_latency_bytes: with `buffer_bytes`, how many of them (at the end) hold the
         low-latency regions; normal-mode calls get the rest.
 
+    The normal dispatch streams through rings (`Channels`) when `config.channels` or
+    `$JAX_EP_CHANNELS` gives them (`channels()` says which), else it runs in phases.
+
     Raises:
       RuntimeError: several processes with several GPUs each, several GPUs of one process
         with puts or nodes, GPUs of one process without peer access among them, several
@@ -242,7 +327,8 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
         not in node order, or NVSHMEM failed (the message says which step).
       ValueError: a bad config, both config and buffer_bytes, low_latency_bytes without
         buffer_bytes, or a bad $JAX_EP_PEER_ACCESS, $JAX_EP_RANKS_PER_NODE or timeout
-        ($JAX_EP_START_TIMEOUT_S, $JAX_EP_TIMEOUT_S, $JAX_EP_EXIT_TIMEOUT_S: positive seconds).
+        ($JAX_EP_START_TIMEOUT_S, $JAX_EP_TIMEOUT_S, $JAX_EP_EXIT_TIMEOUT_S: positive seconds)
+        or $JAX_EP_CHANNELS.
       TypeError: a config that is not a BufferConfig.
     """
     op = "jax_ep.initialize"
@@ -259,6 +345,9 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
     if _state:
         raise RuntimeError(f"{op}: already initialized ({_state}); call jax_ep.finalize() "
                            f"first to change the buffer.")
+    if config is not None:
+        config.check()
+    rings = (config.channels if config is not None else None) or channels_from_env()
     from jax_ep import _exchange_order, _ffi
 
     _ffi.require_extension(op)
@@ -293,7 +382,8 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
             f"hosts), which reach each other with puts: set $JAX_EP_PEER_ACCESS=put (it is "
             f"{access!r}).")
     if buffer_bytes is None:
-        regions = buffer_regions(config or BufferConfig(), access=access, nodes=nodes)
+        config = dataclasses.replace(config or BufferConfig(), channels=rings)
+        regions = buffer_regions(config, access=access, nodes=nodes)
         buffer_bytes, low_latency_bytes = sum(regions.values()), regions["low_latency"]
     if not isinstance(buffer_bytes, int) or not isinstance(low_latency_bytes, int) or \
             low_latency_bytes < 0 or buffer_bytes - low_latency_bytes <= SIGNAL_BYTES:
@@ -319,7 +409,7 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
         _ffi.EXT.host_peers_initialize(buffer_bytes, low_latency_bytes, access == "put", nodes)
         _state.update(platform="cpu", rank=rank, num_ranks=jax.local_device_count())
     _state.update(buffer_bytes=buffer_bytes, low_latency_bytes=low_latency_bytes,
-                  peer_access=access, ranks_per_node=nodes)
+                  peer_access=access, ranks_per_node=nodes, channels=rings)
 
 
 def gpu_platform(num_gpus: int, num_processes: int, access: str, nodes: int) -> str:

@@ -10,6 +10,7 @@ peer addresses. Every op must give results bitwise equal to backend="xla" at R i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import jax
@@ -290,6 +291,8 @@ def host_peers_with(monkeypatch, **env: str):
     """Host peers initialized with these environment variables for one test (their state),
     then the module's again."""
     jax_ep.finalize()
+    if "JAX_EP_CHANNELS" not in env:  # the dispatch in phases unless the test streams it
+        monkeypatch.delenv("JAX_EP_CHANNELS", raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     jax_ep.initialize(buffer_bytes=HOST_PEER_BYTES, low_latency_bytes=HOST_PEER_LOW_LATENCY_BYTES)
@@ -370,6 +373,87 @@ def test_peer_access_sizes_the_send_areas(monkeypatch):
     with pytest.raises(ValueError, match=r"\$JAX_EP_PEER_ACCESS='loads' is not one of "
                                          r"\('store', 'put'\)"):
         runtime.buffer_regions(config)
+
+
+# Channels ($JAX_EP_CHANNELS): the rank-major dispatch streamed through rings a few slots
+# deep (cuda/channels.h), so that every ring wraps around many times; expert-major runs in
+# phases beside it.
+
+
+@pytest.fixture(params=[("store", "2,1,2"), ("put", "3,2,2"), ("put", "1,3,1")],
+                ids=lambda p: f"{p[0]}s, rings {p[1]}")
+def streamed_peers(request, monkeypatch):
+    """Host peers whose dispatch streams through tiny rings, over stores or puts."""
+    access, rings = request.param
+    with host_peers_with(monkeypatch, JAX_EP_PEER_ACCESS=access,
+                         JAX_EP_CHANNELS=rings) as state:
+        assert state["channels"] == runtime.Channels(*map(int, rings.split(",")))
+        yield
+
+
+@pytest.mark.parametrize("R", [2, 3, 8])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_streamed_dispatch_matches_portable_backend(streamed_peers, R, fp8):
+    test_normal_ops_match_portable_backend(R, False, fp8)
+
+
+@pytest.mark.parametrize("R", [3, 8])
+def test_streamed_dispatch_of_everything_to_one_rank(streamed_peers, R):
+    """Every choice on rank 1's experts: its rings from every source fill and wrap while
+    the other receivers' stay empty; T is not a multiple of any chunk."""
+    rng = np.random.default_rng()
+    T, K, E, H = 37, 2, 2 * R, 128
+    idx = rng.choice([2, 3], size=(R, T, K)).astype(np.int32)
+    idx[:, ::5, 1] = -1  # masked choices too
+    w = rng.standard_normal((R, T, K)).astype(np.float32)
+    x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+
+    def program(backend):
+        def per_shard(x, idx, w):
+            recv, handle = jax_ep.dispatch(x, idx, w, num_experts=E, capacity=R * T,
+                                           backend=backend)
+            return recv.with_zero_padding(), jax_ep.combine(recv.x, handle, backend=backend)
+
+        return per_shard
+
+    got, want = both_backends(program, R, x, idx, w)
+    assert_trees_bitwise(got, want)
+    assert int(got[0].num_tokens[1]) == R * T
+
+
+def test_channels_keep_the_dispatch_flat_in_the_tokens(monkeypatch):
+    """The streamed dispatch's symmetric bytes are its counts, ring counters and rings,
+    whatever T (the combine still grows with R*T: it runs in phases); expert-major and
+    node-aware dispatches run in phases."""
+    monkeypatch.delenv("JAX_EP_RANKS_PER_NODE", raising=False)
+    monkeypatch.delenv("JAX_EP_CHANNELS", raising=False)
+    rings = runtime.Channels(2, 4, 2)
+    R, K, E, H = 8, 4, 16, 256
+    slot = 2 * H + 4 * (H // 128 + 2 + 2 * K)  # a row, its scales and its metadata
+    for access in ("store", "put"):
+        sizes = {}
+        for T in (16, 64, 256):
+            config = jax_ep.BufferConfig(num_tokens=T, hidden=H, top_k=K, num_experts=E,
+                                         num_ranks=R, low_latency_tokens=0, channels=rings)
+            split = runtime.normal_region_bytes(config, access=access)
+            phased = runtime.normal_region_bytes(dataclasses.replace(config, channels=None),
+                                                 access=access)
+            assert split["combine"] == phased["combine"] and phased["dispatch"] > 0
+            assert runtime.buffer_regions(config, access=access)["normal"] == max(split.values())
+            sizes[T] = split["dispatch"]
+        ring_bytes = (2 if access == "put" else 1) * 2 * R * rings.slots() * slot
+        assert len(set(sizes.values())) == 1, sizes
+        assert ring_bytes < sizes[16] < ring_bytes + 8 * 256  # the counts and counters
+        # Expert-major dispatches run in phases: their bytes grow with T.
+        em = [runtime.normal_region_bytes(jax_ep.BufferConfig(
+            num_tokens=T, hidden=H, top_k=K, num_experts=E, num_ranks=R, low_latency_tokens=0,
+            expert_major=True, channels=rings), access=access)["dispatch"] for T in (16, 64)]
+        assert em[1] > em[0]
+    with pytest.raises(ValueError, match=r"Channels.chunk_tokens must be an int in \[1, 2\^20\]"):
+        jax_ep.BufferConfig(channels=runtime.Channels(2, 0, 2)).check()
+    monkeypatch.setenv("JAX_EP_CHANNELS", "8,16")
+    with pytest.raises(ValueError, match=r"\$JAX_EP_CHANNELS='8,16' is not"):
+        runtime.channels_from_env()
 
 
 # Node-aware ($JAX_EP_RANKS_PER_NODE with puts): stores within a node, puts between nodes, and

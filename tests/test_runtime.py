@@ -7,6 +7,7 @@ check script (tools/gpu_check.sh) runs it.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -69,12 +70,21 @@ def test_initialize_on_cpu_sets_up_host_peers():
             "platform": "cpu", "rank": 0, "num_ranks": 8,
             "buffer_bytes": runtime.required_bytes(config),
             "low_latency_bytes": runtime.buffer_regions(config)["low_latency"],
-            "peer_access": "store", "ranks_per_node": 0}
+            "peer_access": "store", "ranks_per_node": 0, "channels": None}
         assert _ffi.EXT.host_peers_buffer_bytes() == runtime.required_bytes(config)
         with pytest.raises(RuntimeError, match="already initialized"):
             jax_ep.initialize(config)
     finally:
         jax_ep.finalize()
+    # With rings the buffer holds the streamed dispatch's, and the ops stream through them.
+    streamed = dataclasses.replace(config, channels=runtime.Channels(2, 2, 2))
+    jax_ep.initialize(streamed)
+    try:
+        assert runtime.channels() == runtime.Channels(2, 2, 2)
+        assert _ffi.EXT.host_peers_buffer_bytes() == runtime.required_bytes(streamed)
+    finally:
+        jax_ep.finalize()
+    assert runtime.channels() is None
     assert not runtime.is_initialized() and _ffi.EXT.host_peers_buffer_bytes() == 0
     jax_ep.finalize()  # a no-op when not initialized
 

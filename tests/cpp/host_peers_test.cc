@@ -50,6 +50,8 @@ struct Shape {
   int R, T, K, E, H, capacity;
   bool expert_major, fp8;
   int wire = 0;  // low-latency wire format (cuda/wire.h); 0: e4m3 with fp8, else bf16
+  // Between devices, the dispatch streamed through rings (cuda/channels.h); 0: in phases.
+  int channels = 0, chunk_tokens = 0, ring_chunks = 0;
   int El() const { return E / R; }
   int ll_wire() const { return wire ? wire : fp8 ? kWireE4m3 : kWireBf16; }
   int rows() const { return expert_major ? R * T : capacity; }
@@ -126,7 +128,15 @@ struct DispatchData {
     a.tokens_per_expert = tokens_per_expert.data() + v * s.El();
     a.num_dropped = num_dropped.data() + v;
     a.num_needed = num_needed.data() + v;
+    if (rank >= 0) a.rings = ring_config(s);
     return a;
+  }
+  static Rings ring_config(const Shape& s) {
+    Rings g;
+    g.channels = s.channels;
+    g.chunk_tokens = s.chunk_tokens;
+    g.ring_chunks = s.ring_chunks;
+    return g;
   }
 };
 
@@ -319,6 +329,10 @@ void check_round(const Shape& s, uint32_t seed, const HostGrid& grid, const char
                          ", capacity " + std::to_string(s.capacity) +
                          (s.expert_major ? ", expert-major" : "") + (s.fp8 ? ", fp8" : "") +
                          ", wire " + std::to_string(s.ll_wire()) +
+                         (s.channels ? ", rings " + std::to_string(s.channels) + "x" +
+                                           std::to_string(s.chunk_tokens) + "x" +
+                                           std::to_string(s.ring_chunks)
+                                     : "") +
                          how + ", seed " + std::to_string(seed) + ")";
   expect_equal(dp.recv_x, dv.recv_x, "dispatch recv_x" + at);
   expect_equal(dp.recv_scales, dv.recv_scales, "dispatch recv_scales" + at);
@@ -449,6 +463,30 @@ void check_timeout() {
          "the timeout is remembered: got '" + again.message + "'");
 }
 
+// A ring that never fills: rank 0 streams on 2 channels, rank 1 (a program built for
+// another configuration) on 1, every token staying on its own rank. Rank 0's receiver of
+// channel 1 waits for rank 1 to close its ring there, and gives up naming where.
+void check_ring_timeout() {
+  Shape s{2, 5, 2, 4, 128, 10, false, false, 0, 2, 1, 2};
+  DispatchData d(s);
+  for (int r = 0; r < 2; ++r) {
+    for (int i = 0; i < s.T * s.K; ++i) d.idx[r * s.T * s.K + i] = 2 * r + i % 2;
+  }
+  PeerError errors[2];
+  std::thread one([&] {
+    DispatchArgs a = d.args(s, 1);
+    a.rings.channels = 1;
+    errors[1] = host::run(kPeerDispatch, a, 1, HostGrid{});
+  });
+  errors[0] = host::run(kPeerDispatch, d.args(s, 0), 0, HostGrid{});
+  one.join();
+  expect(errors[0].message.find("timed out after 0.2 s on channel 1 waiting for peer 1 to "
+                                "fill its ring (0 slots consumed, tail 0, not closed") !=
+             std::string::npos,
+         "a ring that never fills is reported: got '" + errors[0].message + "'");
+  expect(errors[1].ok(), "the other rank's op completes: got '" + errors[1].message + "'");
+}
+
 // Two exchanges issued at once on one rank (as two streams, or a program whose exchanges
 // are not ordered, would): whichever comes second is refused at once, naming the cause, and
 // the other meets its peer as usual. Rank 1 starts only after the refusal.
@@ -507,6 +545,22 @@ int main() {
     for (const HostGrid& grid : {warps, loop}) check_round(s, seed + 10 * round++, grid);
   }
   host::finalize();
+  // The dispatch streamed through rings a few slots deep, over stores and over puts, so that
+  // every ring wraps around many times (T not a multiple of a chunk, capacity cuts).
+  const Shape streamed[] = {
+      {R, 13, 3, 8, 256, 20, false, false, 0, 2, 1, 2},
+      {R, 13, 3, 8, 256, 52, false, true, 0, 3, 2, 2},
+      {R, 300, 6, 8, 128, 700, false, false, 0, 2, 3, 2},
+  };
+  for (const bool puts : {false, true}) {
+    if (!host::initialize(32 << 20, 16 << 20, puts).empty()) return 2;
+    for (const Shape& s : streamed) {
+      for (const HostGrid& grid : {warps, loop}) {
+        check_round(s, seed + 10 * round++, grid, puts ? ", puts" : "");
+      }
+    }
+    host::finalize();
+  }
   // Peers reached by puts only.
   if (!host::initialize(32 << 20, 16 << 20, /*puts=*/true).empty()) return 2;
   for (const Shape& s : shapes) check_round(s, seed + 10 * round++, warps, ", puts");
@@ -528,6 +582,9 @@ int main() {
   check_late_peer();
   check_two_at_once();
   check_timeout();
+  host::finalize();
+  if (!host::initialize(1 << 20, 0).empty()) return 2;
+  check_ring_timeout();
   host::finalize();
   std::printf("host peers test: %s\n", failures ? "FAILED" : "passed");
   return failures ? 1 : 0;

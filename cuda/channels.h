@@ -1,0 +1,154 @@
+// Channels: normal dispatch streamed through ring buffers of a fixed size, so that the
+// symmetric buffer does not grow with the tokens, and senders and receivers run at once.
+//
+// The tokens of a rank are split into `channels` contiguous ranges. For each channel c and
+// pair of ranks (s, d), s's rows for d travel through one ring in d's buffer: `slots` slots
+// (chunk_tokens x ring_chunks) and a tail counter that s advances; s's copy of the head
+// counter, that d advances, says how many slots d has consumed. Who waits for whom:
+//
+//     sender s, channel c                          receiver d, channel c
+//     for each token of c going to d:              for each source s (polled in turn):
+//       wait until sent - head < slots  <-- head --  copy slots [consumed, tail) out to
+//       write the slot (row, scales,                 XLA's results; consumed = tail
+//         source, row there, ids, weights)         until s closed its ring and it is empty
+//       every chunk_tokens slots: publish --tail-->
+//     publish the last, with the closed bit
+//
+// A sender waits only on the ring it is writing; a receiver never waits on one ring while
+// another could be drained (it polls its sources in turn), so every full ring is drained and
+// every published slot is read: the exchange always progresses while every unit runs (the
+// units of a streaming launch are co-resident: blocks that fit the GPU at once; one thread
+// each on the CPU). Over a store view a slot is written into the receiver's ring directly and
+// the tail stored after it; over a put view it is written into this rank's copy of the ring
+// (the send ring, same place) and each published range, within one chunk, is one put
+// followed by the tail's signal: one message per (chunk, destination).
+//
+// A unit body is called once per warp with a Warp (on the GPU by every lane, on the CPU once
+// for all lanes): what the lanes must agree on (counters read from memory) is read by the
+// first lane and shared, and per-lane work (copies) runs in Warp::each. Waits are bounded by
+// the op timeout and report the op, the peer, the channel and the counters (RingWait).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/routing.h"  // JAX_EP_HOST_DEVICE
+
+namespace jax_ep {
+
+// ---------------------------------------------------------------------------------------------
+// Warps of a streaming launch
+
+struct Warp {
+  static constexpr int kAllLanes = -1;
+  int lane;   // this thread's lane on the GPU; kAllLanes on the CPU, where one call runs all
+  int lanes;  // lanes of the warp (32 on the GPU)
+
+  // f(lane) for each lane this call runs (on the CPU from the last, as cuda/host_launch.h).
+  template <typename F>
+  JAX_EP_HOST_DEVICE void each(const F& f) const {
+    if (lane != kAllLanes) {
+      f(lane);
+      return;
+    }
+    for (int l = lanes - 1; l >= 0; --l) f(l);
+  }
+  JAX_EP_HOST_DEVICE bool leader() const { return lane == kAllLanes || lane == 0; }
+  // The leader's value, in every lane.
+  template <typename T>
+  JAX_EP_HOST_DEVICE T shared(T value) const {
+#if defined(__CUDA_ARCH__)
+    return __shfl_sync(0xffffffffu, value, 0);
+#else
+    return value;
+#endif
+  }
+  // The lanes' reads and writes so far come before what any lane does next (the leader's
+  // updates of shared counters, read by all lanes after this).
+  JAX_EP_HOST_DEVICE void sync() const {
+#if defined(__CUDA_ARCH__)
+    __syncwarp();
+#endif
+  }
+  // The lanes' writes so far, visible to every rank before what the leader writes next.
+  JAX_EP_HOST_DEVICE void fence() const {
+#if defined(__CUDA_ARCH__)
+    __threadfence_system();
+    __syncwarp();
+#endif
+  }
+};
+
+// A counter that another rank writes into this rank's buffer, read with acquire: what was
+// written before its value is visible after.
+JAX_EP_HOST_DEVICE uint64_t load_acquire(const uint64_t* p) {
+#if defined(__CUDA_ARCH__)
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+#else
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+#endif
+}
+// Stores a counter with release: what this thread wrote before is visible with it.
+JAX_EP_HOST_DEVICE void store_release(uint64_t* p, uint64_t v) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#else
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+#endif
+}
+
+// Sets the counter at `slot` (an address in this rank's buffer) in `rank`'s buffer: a store
+// with release through a store view, a signal after this rank's earlier puts to `rank` with a
+// put view (Peers::signal).
+template <typename Peers>
+JAX_EP_HOST_DEVICE void set_counter(const Peers& peers, uint64_t* slot, int rank,
+                                    uint64_t value) {
+  if constexpr (Peers::kPuts) {
+    peers.signal(slot, rank, value);
+  } else {
+    store_release(peers.at(slot, 0, rank), value);
+  }
+}
+
+// The tail's bit that says the sender wrote its last slot.
+constexpr uint64_t kRingClosed = uint64_t{1} << 63;
+
+// Why a ring wait gave up, for RingWait::give_up.
+enum class RingWaitKind { kSpace, kData };
+
+// ---------------------------------------------------------------------------------------------
+// The rings of an op, in this rank's symmetric buffer (carve_dispatch, cuda/peer_ops.h)
+
+struct Rings {
+  int channels = 0;  // 0: the op runs in phases (no rings)
+  int chunk_tokens = 0, ring_chunks = 0;
+  int num_ranks = 0;
+  int64_t slot_bytes = 0;
+  uint64_t* tail = nullptr;  // [channels, R]: source s's tail of ring (c, s) here
+  uint64_t* head = nullptr;  // [channels, R]: receiver d's head of ring (c, this rank) in d
+  char* recv = nullptr;      // [channels, R, ring_slots(), slot_bytes]: the rings (c, s) here
+  char* send = nullptr;      // the same shape, over puts: the send rings (c, d), the slots
+                             // this rank puts into ring (c, this rank) of d
+  int64_t* state = nullptr;  // [channels, R, 3]: this rank's own counters, never reached by
+                             // peers: per send ring, slots sent and published; per receive
+                             // ring, slots consumed
+
+  JAX_EP_HOST_DEVICE int ring_slots() const { return chunk_tokens * ring_chunks; }
+  JAX_EP_HOST_DEVICE int64_t ring(int c, int peer) const {
+    return static_cast<int64_t>(c) * num_ranks + peer;
+  }
+  // Slot n (counted from the start of the op) of ring (c, peer) in an area of rings.
+  JAX_EP_HOST_DEVICE char* slot(char* area, int c, int peer, int64_t n) const {
+    return area + (ring(c, peer) * ring_slots() + n % ring_slots()) * slot_bytes;
+  }
+  JAX_EP_HOST_DEVICE int64_t& sent(int c, int d) const { return state[3 * ring(c, d)]; }
+  JAX_EP_HOST_DEVICE int64_t& published(int c, int d) const { return state[3 * ring(c, d) + 1]; }
+  JAX_EP_HOST_DEVICE int64_t& consumed(int c, int s) const { return state[3 * ring(c, s) + 2]; }
+  // Channel c's tokens of T: [first, end).
+  JAX_EP_HOST_DEVICE int first_token(int c, int T) const {
+    return static_cast<int>(static_cast<int64_t>(c) * T / channels);
+  }
+};
+
+}  // namespace jax_ep
