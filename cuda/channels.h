@@ -1,5 +1,8 @@
-// Channels: normal dispatch streamed through ring buffers of a fixed size, so that the
-// symmetric buffer does not grow with the tokens, and senders and receivers run at once.
+// Channels: normal dispatch and combine streamed through ring buffers of a fixed size, so
+// that the symmetric buffer does not grow with the tokens, and senders and receivers run at
+// once (cuda/dispatch_stream.h, cuda/combine_stream.h). The picture below is the dispatch's;
+// the combine's runs from the experts' ranks back to the homes, whose receiver sums a token
+// once every rank's ring shows its next slot.
 //
 // The tokens of a rank are split into `channels` contiguous ranges. For each channel c and
 // pair of ranks (s, d), s's rows for d travel through one ring in d's buffer: `slots` slots
@@ -130,9 +133,8 @@ struct Rings {
   char* recv = nullptr;      // [channels, R, ring_slots(), slot_bytes]: the rings (c, s) here
   char* send = nullptr;      // the same shape, over puts: the send rings (c, d), the slots
                              // this rank puts into ring (c, this rank) of d
-  int64_t* state = nullptr;  // [channels, R, 3]: this rank's own counters, never reached by
-                             // peers: per send ring, slots sent and published; per receive
-                             // ring, slots consumed
+  int64_t* state = nullptr;  // [channels, R, kStateWords]: this rank's own counters, never
+                             // reached by peers (RingState)
 
   JAX_EP_HOST_DEVICE int ring_slots() const { return chunk_tokens * ring_chunks; }
   JAX_EP_HOST_DEVICE int64_t ring(int c, int peer) const {
@@ -142,13 +144,110 @@ struct Rings {
   JAX_EP_HOST_DEVICE char* slot(char* area, int c, int peer, int64_t n) const {
     return area + (ring(c, peer) * ring_slots() + n % ring_slots()) * slot_bytes;
   }
-  JAX_EP_HOST_DEVICE int64_t& sent(int c, int d) const { return state[3 * ring(c, d)]; }
-  JAX_EP_HOST_DEVICE int64_t& published(int c, int d) const { return state[3 * ring(c, d) + 1]; }
-  JAX_EP_HOST_DEVICE int64_t& consumed(int c, int s) const { return state[3 * ring(c, s) + 2]; }
+  // Per send ring (c, d): slots sent and published, and where the sender's scan is (a token,
+  // the combine's); per receive ring (c, s): slots consumed, and the tail last read.
+  enum RingState { kSent, kPublished, kCursor, kConsumed, kSeen, kStateWords };
+  JAX_EP_HOST_DEVICE int64_t& at(int c, int peer, RingState word) const {
+    return state[kStateWords * ring(c, peer) + word];
+  }
+  JAX_EP_HOST_DEVICE int64_t& sent(int c, int d) const { return at(c, d, kSent); }
+  JAX_EP_HOST_DEVICE int64_t& published(int c, int d) const { return at(c, d, kPublished); }
+  JAX_EP_HOST_DEVICE int64_t& consumed(int c, int s) const { return at(c, s, kConsumed); }
   // Channel c's tokens of T: [first, end).
   JAX_EP_HOST_DEVICE int first_token(int c, int T) const {
     return static_cast<int>(static_cast<int64_t>(c) * T / channels);
   }
 };
+
+// ---------------------------------------------------------------------------------------------
+// The ring protocol (this rank `me`; Watch: cuda/dispatch_stream.h)
+
+// Makes slots [published, upto) of send ring (c, d) visible to d, with the closed bit when
+// `closed`: over puts one put of the range (within one chunk, so contiguous) with the tail's
+// signal; over stores (the slots are in d's ring already) the tail, after a fence.
+template <typename Peers>
+JAX_EP_HOST_DEVICE void ring_publish(const Rings& g, int me, const Peers& peers, int c, int d,
+                                     int64_t upto, bool closed, const Warp& w) {
+  const int64_t from = g.published(c, d);
+  uint64_t* tail = g.tail + g.ring(c, me);
+  const uint64_t value = static_cast<uint64_t>(upto) | (closed ? kRingClosed : 0);
+  bool sent = false;
+  if constexpr (Peers::kPuts) {
+    if (upto > from) {
+      char* dst = g.slot(g.recv, c, me, from);
+      const char* src = g.slot(g.send, c, d, from);
+      const int64_t bytes = (upto - from) * g.slot_bytes;
+      w.each([&](int lane) { peers.put_signal(dst, d, src, bytes, tail, value, lane, w.lanes); });
+      sent = true;
+    }
+  }
+  w.fence();
+  if (w.leader()) {
+    if (!sent) set_counter(peers, tail, d, value);
+    g.published(c, d) = upto;
+  }
+  w.sync();
+}
+
+// Send ring (c, d)'s head: the slots its receiver consumed, in every lane.
+JAX_EP_HOST_DEVICE int64_t ring_head(const Rings& g, int c, int d, const Warp& w) {
+  const uint64_t* counter = g.head + g.ring(c, d);
+  return static_cast<int64_t>(w.shared(w.leader() ? load_acquire(counter) : uint64_t{0}));
+}
+
+// Whether send ring (c, d) has a free slot for its next one.
+JAX_EP_HOST_DEVICE bool ring_has_space(const Rings& g, int c, int d, const Warp& w) {
+  return g.sent(c, d) - ring_head(g, c, d, w) < g.ring_slots();
+}
+
+// Waits until send ring (c, d) has a free slot, publishing what it holds first so that the
+// receiver can drain it. False when the wait gave up.
+template <typename Peers, typename Watch>
+JAX_EP_HOST_DEVICE bool ring_reserve(const Rings& g, int me, const Peers& peers, int c, int d,
+                                     const Warp& w, const Watch& watch) {
+  if (ring_has_space(g, c, d, w)) return true;
+  const int64_t sent = g.sent(c, d);
+  if (g.published(c, d) < sent) ring_publish(g, me, peers, c, d, sent, false, w);
+  const uint64_t start = watch.now();
+  for (;;) {
+    const int64_t consumed = ring_head(g, c, d, w);
+    if (sent - consumed < g.ring_slots()) return true;
+    if (watch.failed()) return false;
+    if (watch.now() - start > watch.limit()) {
+      if (w.leader()) watch.give_up(RingWaitKind::kSpace, d, c, consumed, sent);
+      return false;
+    }
+    watch.pause();
+  }
+}
+
+// Counts one more slot written into send ring (c, d), publishing at the end of each chunk.
+template <typename Peers>
+JAX_EP_HOST_DEVICE void ring_advance(const Rings& g, int me, const Peers& peers, int c, int d,
+                                     const Warp& w) {
+  const int64_t n = g.sent(c, d) + 1;
+  w.sync();  // every lane read it before the leader changes it
+  if (w.leader()) g.sent(c, d) = n;
+  w.sync();
+  if (n % g.chunk_tokens == 0) ring_publish(g, me, peers, c, d, n, false, w);
+}
+
+// Receive ring (c, s)'s tail, in every lane.
+JAX_EP_HOST_DEVICE uint64_t ring_tail(const Rings& g, int c, int s, const Warp& w) {
+  const uint64_t* counter = g.tail + g.ring(c, s);
+  return w.shared(w.leader() ? load_acquire(counter) : uint64_t{0});
+}
+
+// Returns the slots of receive ring (c, s) consumed so far to its sender (its head), after
+// the lanes' reads of them.
+template <typename Peers>
+JAX_EP_HOST_DEVICE void ring_release(const Rings& g, int me, const Peers& peers, int c, int s,
+                                     const Warp& w) {
+  w.fence();
+  if (w.leader()) {
+    set_counter(peers, g.head + g.ring(c, me), s, static_cast<uint64_t>(g.consumed(c, s)));
+  }
+  w.sync();
+}
 
 }  // namespace jax_ep

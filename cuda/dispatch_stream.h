@@ -59,61 +59,6 @@ JAX_EP_HOST_DEVICE RingMeta ring_meta(const DispatchArgs& a, char* slot) {
   return {src, src + 1, src + 2, reinterpret_cast<float*>(src + 2 + a.top_k)};
 }
 
-// Makes slots [published, upto) of send ring (c, d) visible to d, with the closed bit when
-// `closed`: over puts one put of the range (within one chunk, so contiguous) with the tail's
-// signal; over stores (the slots are in d's ring already) the tail, after a fence.
-template <typename Peers>
-JAX_EP_HOST_DEVICE void ring_publish(const DispatchArgs& a, const Peers& peers, int c, int d,
-                                     int64_t upto, bool closed, const Warp& w) {
-  const Rings& g = a.rings;
-  const int me = a.first_rank;
-  const int64_t from = g.published(c, d);
-  uint64_t* tail = g.tail + g.ring(c, me);
-  const uint64_t value = static_cast<uint64_t>(upto) | (closed ? kRingClosed : 0);
-  bool sent = false;
-  if constexpr (Peers::kPuts) {
-    if (upto > from) {
-      char* dst = g.slot(g.recv, c, me, from);
-      const char* src = g.slot(g.send, c, d, from);
-      const int64_t bytes = (upto - from) * g.slot_bytes;
-      w.each([&](int lane) { peers.put_signal(dst, d, src, bytes, tail, value, lane, w.lanes); });
-      sent = true;
-    }
-  }
-  w.fence();
-  if (w.leader()) {
-    if (!sent) set_counter(peers, tail, d, value);
-    g.published(c, d) = upto;
-  }
-  w.sync();
-}
-
-// Waits until send ring (c, d) has a free slot (its receiver consumed enough), publishing
-// what it holds first so that the receiver can drain it. False when the wait gave up.
-template <typename Peers, typename Watch>
-JAX_EP_HOST_DEVICE bool ring_reserve(const DispatchArgs& a, const Peers& peers, int c, int d,
-                                     const Warp& w, const Watch& watch) {
-  const Rings& g = a.rings;
-  const int64_t sent = g.sent(c, d);
-  auto head = [&] {
-    const uint64_t* counter = g.head + g.ring(c, d);
-    return static_cast<int64_t>(w.shared(w.leader() ? load_acquire(counter) : uint64_t{0}));
-  };
-  if (sent - head() < g.ring_slots()) return true;
-  if (g.published(c, d) < sent) ring_publish(a, peers, c, d, sent, false, w);
-  const uint64_t start = watch.now();
-  for (;;) {
-    const int64_t consumed = head();
-    if (sent - consumed < g.ring_slots()) return true;
-    if (watch.failed()) return false;
-    if (watch.now() - start > watch.limit()) {
-      if (w.leader()) watch.give_up(RingWaitKind::kSpace, d, c, consumed, sent);
-      return false;
-    }
-    watch.pause();
-  }
-}
-
 // Sender warp j of `senders` on channel c: the channel's tokens, in order, into the rings of
 // the receivers d = j, j + senders, ... where they have a row (under the capacity).
 template <typename Peers, typename Watch>
@@ -134,7 +79,7 @@ JAX_EP_HOST_DEVICE void dispatch_stream_send(const DispatchArgs& a, const Peers&
     for (int d = j; d < R; d += senders) {
       const int32_t row = rank_major_row(a, ids, me, t, d);
       if (row < 0 || row >= a.capacity) continue;
-      if (!ring_reserve(a, peers, c, d, w, watch)) return;
+      if (!ring_reserve(g, me, peers, c, d, w, watch)) return;
       const int64_t n = g.sent(c, d);
       char* slot = g.slot(g.send, c, d, n);  // over puts, the send ring
       if constexpr (!Peers::kPuts) slot = peers.at(g.slot(g.recv, c, me, n), 0, d);
@@ -151,13 +96,10 @@ JAX_EP_HOST_DEVICE void dispatch_stream_send(const DispatchArgs& a, const Peers&
           *meta.row = row;
         }
       });
-      w.sync();
-      if (w.leader()) g.sent(c, d) = n + 1;
-      w.sync();
-      if ((n + 1) % g.chunk_tokens == 0) ring_publish(a, peers, c, d, n + 1, false, w);
+      ring_advance(g, me, peers, c, d, w);
     }
   }
-  for (int d = j; d < R; d += senders) ring_publish(a, peers, c, d, g.sent(c, d), true, w);
+  for (int d = j; d < R; d += senders) ring_publish(g, me, peers, c, d, g.sent(c, d), true, w);
 }
 
 // Receiver d's slot of ring (c, s): the row, its scales and its metadata into XLA's results
@@ -199,20 +141,16 @@ JAX_EP_HOST_DEVICE void dispatch_stream_receive(const DispatchArgs& a, const Pee
     int waiting = -1;  // a source whose ring is still open or holds slots
     bool moved = false;
     for (int s = j; s < R; s += receivers) {
-      const uint64_t* counter = g.tail + g.ring(c, s);
-      const uint64_t tail = w.shared(w.leader() ? load_acquire(counter) : uint64_t{0});
+      const uint64_t tail = ring_tail(g, c, s, w);
       const int64_t have = static_cast<int64_t>(tail & ~kRingClosed);
       const int64_t consumed = g.consumed(c, s);
       if (consumed < have) {
         for (int64_t n = consumed; n < have; ++n) {
           dispatch_stream_unpack(a, g.slot(g.recv, c, s, n), me, w);
         }
-        w.fence();  // the slots are read before the source may write them again
-        if (w.leader()) {
-          g.consumed(c, s) = have;
-          set_counter(peers, g.head + g.ring(c, me), s, static_cast<uint64_t>(have));
-        }
         w.sync();
+        if (w.leader()) g.consumed(c, s) = have;
+        ring_release(g, me, peers, c, s, w);
         moved = true;
       }
       if ((tail & kRingClosed) == 0) waiting = s;

@@ -1281,6 +1281,9 @@ struct CombineArgs {
     float* weights;   // [R*T]
     T* rows;          // [R*T, H]
   } returned{};
+  // Channels (cuda/channels.h, between devices, rank-major, one node): the rows return home
+  // through rings (combine_stream.h).
+  Rings rings;
   // Rank whose data sits at index 0 of the per-rank arrays that are not reached through Peers
   // (inputs, workspace, summaries): 0 with virtual ranks (all ranks here), this rank's own
   // number between GPUs (one rank here).

@@ -44,6 +44,7 @@
 #include <string>
 #include <type_traits>
 
+#include "cuda/combine_stream.h"
 #include "cuda/dispatch_stream.h"
 #include "cuda/phase_functors.h"
 
@@ -217,6 +218,17 @@ inline PeerError fits(int op, const char* region, size_t used, size_t reserved) 
                    "(jax_ep.runtime.BufferConfig)"};
 }
 
+// The rings of an op (g's shape set): the counters, this rank's own state, the receive rings
+// and, over puts, the send rings.
+inline void carve_rings(Carver& c, bool puts, Rings* g) {
+  const int64_t rings = static_cast<int64_t>(g->channels) * g->num_ranks;
+  g->tail = c.take<uint64_t>(rings);
+  g->head = c.take<uint64_t>(rings);
+  g->state = c.take<int64_t>(Rings::kStateWords * rings);
+  g->recv = c.take<char>(rings * g->ring_slots() * g->slot_bytes);
+  g->send = c.take<char>(puts ? rings * g->ring_slots() * g->slot_bytes : 0);
+}
+
 // Dispatch: what peers write into this rank. Streamed (a->rings.channels > 0, rank-major,
 // one node): the counts and the rings. In phases: the counts, the received rows and metadata
 // (not src_row, which the finish finds and writes into XLA's result) and,
@@ -233,13 +245,8 @@ inline size_t carve_dispatch(char* base, bool puts, DispatchArgs* a) {
     a->packed = false;
     g.num_ranks = R;
     g.slot_bytes = a->ring_slot();
-    const int64_t rings = static_cast<int64_t>(g.channels) * R;
     a->counts = c.take<int32_t>(static_cast<int64_t>(R) * a->num_counters());
-    g.tail = c.take<uint64_t>(rings);
-    g.head = c.take<uint64_t>(rings);
-    g.state = c.take<int64_t>(3 * rings);
-    g.recv = c.take<char>(rings * g.ring_slots() * g.slot_bytes);
-    g.send = c.take<char>(puts ? rings * g.ring_slots() * g.slot_bytes : 0);
+    carve_rings(c, puts, &g);
     return c.used();
   }
   // Over puts, rank-major rows travel in packed slots (row, scales and metadata together).
@@ -279,18 +286,26 @@ struct CombineRegions {
   typename CombineArgs<T>::Returned returned{};
 };
 
+// Streamed (a->rings.channels > 0, rank-major, one node: the caller says), the rings only.
 template <typename T>
-size_t carve_combine(char* base, const CombineArgs<T>& a, bool puts, CombineRegions<T>* r) {
-  const int64_t H = a.hidden, rows = static_cast<int64_t>(a.num_ranks) * a.num_tokens;
-  const bool em = a.expert_major;
+size_t carve_combine(char* base, CombineArgs<T>* a, bool puts, CombineRegions<T>* r) {
+  const int64_t H = a->hidden, rows = static_cast<int64_t>(a->num_ranks) * a->num_tokens;
+  const bool em = a->expert_major;
   Carver c(base);
-  r->staged.y = c.take<T>(em ? 0 : a.capacity * H);
-  r->staged.weights = c.take<float>(!em && a.weights ? a.capacity : 0);
+  if (a->rings.channels > 0) {
+    Rings& g = a->rings;
+    g.num_ranks = a->num_ranks;
+    g.slot_bytes = combine_slot_bytes(*a);
+    carve_rings(c, puts, &g);
+    return c.used();
+  }
+  r->staged.y = c.take<T>(em ? 0 : a->capacity * H);
+  r->staged.weights = c.take<float>(!em && a->weights ? a->capacity : 0);
   r->staged.src_row = c.take<int32_t>(rows);
   r->partial = c.take<T>(em ? rows * H : 0);
   if (puts) {
     r->returned.row = c.take<int32_t>(rows);
-    r->returned.weights = c.take<float>(!em && a.weights ? rows : 0);
+    r->returned.weights = c.take<float>(!em && a->weights ? rows : 0);
     r->returned.rows = c.take<T>(rows * H);
   }
   return c.used();
@@ -367,9 +382,10 @@ inline RegionBytes buffer_region_bytes(int R, int T, int K, int E, int H, int dt
     c.capacity = d.capacity;
     c.expert_major = em;
     c.weights = reinterpret_cast<const float*>(kAlign);  // any non-null: with weights
+    if (!em && d.ranks_per_node == 0) c.rings = rings;
     CombineRegions<char> regions;
     dispatch = std::max(dispatch, carve_dispatch(nullptr, puts, &d));
-    combine = std::max(combine, carve_combine(nullptr, c, puts, &regions));
+    combine = std::max(combine, carve_combine(nullptr, &c, puts, &regions));
   }
   size_t low_latency = 0;
   if (ll_tokens > 0) {
@@ -473,10 +489,24 @@ PeerError run_op(Platform& p, int op, const CombineArgs<T>& in) {
   a.first_rank = p.rank();
   const int64_t rows = static_cast<int64_t>(a.num_ranks) * a.num_tokens;
   const bool em = a.expert_major, puts = uses_puts(p);
+  if (em || ranks_per_node(p, a.num_ranks) > 0) a.rings.channels = 0;  // not streamed yet
   CombineRegions<T> r;
-  const size_t used = carve_combine(p.symmetric() + kSignalBytes, a, puts, &r);
+  const size_t used = carve_combine(p.symmetric() + kSignalBytes, &a, puts, &r);
   PeerError error = fits(op, "normal-mode", used, p.low_latency_offset() - kSignalBytes);
   if (!error.ok()) return error;
+  if (a.rings.channels > 0) {
+    // Streamed: the ring counters zeroed once the peers are done with the last op (and
+    // before they write them), then senders and receivers at once; its arrival frees the
+    // buffer.
+    return with_peers(p, [&](const auto& peers) {
+      using Peers = std::decay_t<decltype(peers)>;
+      const RingsZero zero{a.rings};
+      p.per_warp(zero, zero.items(), Meet{Wait::kStart, true, Wait::kStart});
+      const int senders = std::max(p.warps_per_channel() - 1, 1);
+      p.per_unit(CombineStream<T, Peers>{a, peers, senders}, Meet{{}, true, {}});
+      return p.result(op);
+    });
+  }
   a.staged = {r.staged.y, a.weights ? r.staged.weights : nullptr, r.staged.src_row};
   a.partial = em ? r.partial : nullptr;
   a.returned = r.returned;

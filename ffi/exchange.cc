@@ -464,7 +464,7 @@ xffi::Error LowLatencyBuffer(std::string_view op, const xffi::Dictionary& attrs,
 }
 
 // The optional attributes `channels`, `chunk_tokens` and `ring_chunks` (cuda/channels.h):
-// absent or channels 0, the dispatch runs in phases.
+// absent or channels 0, the normal dispatch or combine runs in phases.
 xffi::Error ParseChannels(std::string_view op, const xffi::Dictionary& attrs, Rings* rings) {
   if (!attrs.contains("channels")) return xffi::Error::Success();
   int64_t values[3] = {0, 0, 0};
@@ -528,6 +528,7 @@ xffi::Error ParseCall(int op, const AnyBuffer& ranks, xffi::RemainingArgs args,
       CombineArgs<float> a;
       RowType type;
       JAX_EP_RETURN_IF_ERROR(ParseCombine(args, rets, R, expert_major, &type, &a));
+      JAX_EP_RETURN_IF_ERROR(ParseChannels(name, attrs, &a.rings));
       switch (type) {
         case RowType::kF32: call->args = a; break;
         case RowType::kBF16: call->args = Retype<Bf16>(a); break;

@@ -63,6 +63,7 @@ CombineArgs<T> Retype(const CombineArgs<float>& a) {
   out.row_entries = a.row_entries;
   out.out = reinterpret_cast<T*>(a.out);
   out.first_rank = a.first_rank;
+  out.rings = a.rings;
   return out;
 }
 

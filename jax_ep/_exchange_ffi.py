@@ -90,6 +90,16 @@ def _attrs(**attrs) -> dict:
     return {k: np.int64(int(v)) for k, v in attrs.items() if v is not None}
 
 
+def _rings(axis_name: str | None) -> dict:
+    """Between devices, the normal ops stream through the buffer's rings, if it has them
+    (runtime.channels(); which calls stream: cuda/peer_ops.h)."""
+    rings = runtime.channels() if axis_name is not None else None
+    if rings is None:
+        return {}
+    return dict(channels=rings.channels, chunk_tokens=rings.chunk_tokens,
+                ring_chunks=rings.ring_chunks)
+
+
 def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, capacity,
              expert_major, axis_name=None, zero_padding=False, placement=ANYWHERE):
     """Normal dispatch; returns the 16 results of "jax_ep_dispatch" as a dict. Rows of "x"
@@ -117,16 +127,12 @@ def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, ca
         "row_entries": ((V, em_rows, K), i32), "needed": ((V,), i32),
         "workspace": ((workspace,), i32),
     }
-    # Between devices the dispatch streams through the buffer's rings, if it has them
-    # (runtime.channels(); where it streams: cuda/peer_ops.h).
-    rings = runtime.channels() if axis_name is not None else None
-    streamed = dict(channels=rings.channels, chunk_tokens=rings.chunk_tokens,
-                    ring_chunks=rings.ring_chunks) if rings else {}
     outs = _exchange_call(
         "jax_ep_dispatch", _types(topk_idx, names_shapes.values()),
         (data, scales, topk_idx, topk_weights),
         dict(num_ranks=R, num_experts=E, capacity=cap, expert_major=expert_major,
-             zero_padding=zero_padding, **streamed), placement, axis_name=axis_name, stacked=V)
+             zero_padding=zero_padding, **_rings(axis_name)), placement, axis_name=axis_name,
+        stacked=V)
     result = dict(zip(names_shapes, outs, strict=True))
     if not S:
         result["scales"] = None
@@ -177,8 +183,8 @@ def combine(y, weights, src_row, row_entries, *, num_ranks, top_k, expert_major,
     return _exchange_call(
         "jax_ep_combine", _types(y, [((V, T, H), y.dtype)])[0],
         (y, weights, src_row, row_entries),
-        dict(num_ranks=num_ranks, expert_major=expert_major), placement, axis_name=axis_name,
-        stacked=V)
+        dict(num_ranks=num_ranks, expert_major=expert_major, **_rings(axis_name)), placement,
+        axis_name=axis_name, stacked=V)
 
 
 # The wire formats of low-latency dispatch by their number in cuda/wire.h.

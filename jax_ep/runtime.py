@@ -61,16 +61,17 @@ _generation = itertools.count()
 
 @dataclasses.dataclass(frozen=True)
 class Channels:
-    """Normal dispatch streamed through ring buffers (cuda/channels.h, docs/cuda.md,
-    "Channels"): between devices, rank-major, within one node, each rank's tokens split into
-    `channels` ranges; every (channel, source, receiver) has a ring of chunk_tokens x
-    ring_chunks slots in the receiver's buffer (over puts a send ring too), so the dispatch's
-    symmetric bytes do not grow with the tokens, and senders and receivers run at once.
-    Expert-major and node-aware dispatches still run in phases.
+    """Normal dispatch and combine streamed through ring buffers (cuda/channels.h,
+    docs/cuda.md, "Channels"): between devices, rank-major, within one node, each rank's
+    tokens split into `channels` ranges; every (channel, sender, receiver) has a ring of
+    chunk_tokens x ring_chunks slots in the receiver's buffer (over puts a send ring too), so
+    their symmetric bytes do not grow with the tokens, and senders and receivers run at once.
+    Expert-major and node-aware calls still run in phases.
 
     Attributes:
       channels: token ranges per rank, each with its own rings and, on a GPU, one block
-        (half its warps send, half receive); at most the GPU's SMs.
+        (dispatch: half its warps send, half receive; combine: one receives); at most the
+        GPU's SMs.
       chunk_tokens: slots a sender fills before it publishes them (one put per chunk and
         destination over puts).
       ring_chunks: chunks per ring (2 or more let a sender fill one while the receiver drains
@@ -95,9 +96,9 @@ class Channels:
 
 
 def channels_from_env() -> Channels | None:
-    """`$JAX_EP_CHANNELS`, "channels,chunk_tokens,ring_chunks" (e.g. "8,16,4"): the dispatch
-    streamed through rings of that shape when `initialize()` gets no `Channels`; unset: in
-    phases."""
+    """`$JAX_EP_CHANNELS`, "channels,chunk_tokens,ring_chunks" (e.g. "8,16,4"): dispatch and
+    combine streamed through rings of that shape when `initialize()` gets no `Channels`;
+    unset: in phases."""
     text = os.environ.get("JAX_EP_CHANNELS", "").strip()
     if not text:
         return None
@@ -111,8 +112,8 @@ def channels_from_env() -> Channels | None:
 
 
 def channels() -> Channels | None:
-    """The rings of the initialized buffer (`initialize()`), or None: the dispatch runs in
-    phases."""
+    """The rings of the initialized buffer (`initialize()`), or None: dispatch and combine run
+    in phases."""
     return _state.get("channels")
 
 
@@ -132,8 +133,8 @@ class BufferConfig:
       expert_major: size for the expert-major layout too (its default capacity is
         R*T*min(K, E/R) entries, much larger than the rank-major R*T rows).
       low_latency_tokens: T per rank, low-latency mode (0: no low-latency ops).
-      channels: stream the normal dispatch through rings of this shape (`Channels`); None:
-        `$JAX_EP_CHANNELS`, else in phases.
+      channels: stream the normal dispatch and combine through rings of this shape
+        (`Channels`); None: `$JAX_EP_CHANNELS`, else in phases.
     """
 
     num_tokens: int = 4096
@@ -251,7 +252,8 @@ def buffer_regions(config: BufferConfig, *, access: str | None = None,
     regions also hold the send areas the puts read from, and the normal region the rows the
     combine's receivers return; node-aware (`nodes`: ranks per node, default
     `ranks_per_node()`), the relays' slots. With channels (`config.channels`, else
-    `$JAX_EP_CHANNELS`) the dispatch where it streams holds its counts and rings only.
+    `$JAX_EP_CHANNELS`) dispatch and combine, where they stream, hold their rings (and the
+    dispatch its counts) only.
     """
     regions = _regions(config, access, nodes)
     return {name: regions[name] for name in ("signals", "normal", "low_latency")}
@@ -315,8 +317,8 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
       low_latency_bytes: with `buffer_bytes`, how many of them (at the end) hold the
         low-latency regions; normal-mode calls get the rest.
 
-    The normal dispatch streams through rings (`Channels`) when `config.channels` or
-    `$JAX_EP_CHANNELS` gives them (`channels()` says which), else it runs in phases.
+    Normal dispatch and combine stream through rings (`Channels`) when `config.channels` or
+    `$JAX_EP_CHANNELS` gives them (`channels()` says which), else they run in phases.
 
     Raises:
       RuntimeError: several processes with several GPUs each, several GPUs of one process

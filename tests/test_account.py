@@ -29,9 +29,10 @@ pytestmark = pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension mis
 
 @pytest.fixture(autouse=True)
 def _dispatch_in_phases():
-    """The account counts the dispatch in phases; with rings ($JAX_EP_CHANNELS) it streams."""
+    """The account counts the normal ops in phases; with rings ($JAX_EP_CHANNELS) they
+    stream."""
     if runtime.channels() is not None:
-        pytest.skip("the account counts the dispatch in phases, not streamed through rings")
+        pytest.skip("the account counts the normal ops in phases, not streamed through rings")
 KINDS = ["uniform", "hot_expert", "empty_ranks", "duplicates"]
 AXIS = "ep"
 

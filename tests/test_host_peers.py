@@ -10,7 +10,6 @@ peer addresses. Every op must give results bitwise equal to backend="xla" at R i
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 
 import jax
@@ -375,9 +374,9 @@ def test_peer_access_sizes_the_send_areas(monkeypatch):
         runtime.buffer_regions(config)
 
 
-# Channels ($JAX_EP_CHANNELS): the rank-major dispatch streamed through rings a few slots
-# deep (cuda/channels.h), so that every ring wraps around many times; expert-major runs in
-# phases beside it.
+# Channels ($JAX_EP_CHANNELS): the rank-major dispatch and combine streamed through rings a
+# few slots deep (cuda/channels.h), so that every ring wraps around many times; expert-major
+# runs in phases beside them.
 
 
 @pytest.fixture(params=[("store", "2,1,2"), ("put", "3,2,2"), ("put", "1,3,1")],
@@ -393,14 +392,15 @@ def streamed_peers(request, monkeypatch):
 
 @pytest.mark.parametrize("R", [2, 3, 8])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_streamed_dispatch_matches_portable_backend(streamed_peers, R, fp8):
+def test_streamed_ops_match_portable_backend(streamed_peers, R, fp8):
     test_normal_ops_match_portable_backend(R, False, fp8)
 
 
 @pytest.mark.parametrize("R", [3, 8])
-def test_streamed_dispatch_of_everything_to_one_rank(streamed_peers, R):
+def test_streamed_ops_of_everything_to_one_rank(streamed_peers, R):
     """Every choice on rank 1's experts: its rings from every source fill and wrap while
-    the other receivers' stay empty; T is not a multiple of any chunk."""
+    the other receivers' stay empty, and back home only rank 1's rings carry rows; T is not
+    a multiple of any chunk."""
     rng = np.random.default_rng()
     T, K, E, H = 37, 2, 2 * R, 128
     idx = rng.choice([2, 3], size=(R, T, K)).astype(np.int32)
@@ -421,34 +421,37 @@ def test_streamed_dispatch_of_everything_to_one_rank(streamed_peers, R):
     assert int(got[0].num_tokens[1]) == R * T
 
 
-def test_channels_keep_the_dispatch_flat_in_the_tokens(monkeypatch):
-    """The streamed dispatch's symmetric bytes are its counts, ring counters and rings,
-    whatever T (the combine still grows with R*T: it runs in phases); expert-major and
-    node-aware dispatches run in phases."""
+def test_channels_keep_the_normal_region_flat_in_the_tokens(monkeypatch):
+    """Streamed, the dispatch's and the combine's symmetric bytes are their ring counters and
+    rings (and the dispatch's counts), whatever T; expert-major and node-aware calls run in
+    phases and grow with R*T. With the default Channels, the normal region at EP64 over puts
+    (DeepSeek's shapes, one node) stays under 1 GiB."""
     monkeypatch.delenv("JAX_EP_RANKS_PER_NODE", raising=False)
     monkeypatch.delenv("JAX_EP_CHANNELS", raising=False)
     rings = runtime.Channels(2, 4, 2)
     R, K, E, H = 8, 4, 16, 256
-    slot = 2 * H + 4 * (H // 128 + 2 + 2 * K)  # a row, its scales and its metadata
+    dispatch_slot = 2 * H + 4 * (H // 128 + 2 + 2 * K)  # a row, its scales, its metadata
+    combine_slot = 2 * H + 16  # a row, its weight and token, to 16 bytes
     for access in ("store", "put"):
-        sizes = {}
-        for T in (16, 64, 256):
+        def split(T, access=access, **kw):
             config = jax_ep.BufferConfig(num_tokens=T, hidden=H, top_k=K, num_experts=E,
-                                         num_ranks=R, low_latency_tokens=0, channels=rings)
-            split = runtime.normal_region_bytes(config, access=access)
-            phased = runtime.normal_region_bytes(dataclasses.replace(config, channels=None),
-                                                 access=access)
-            assert split["combine"] == phased["combine"] and phased["dispatch"] > 0
-            assert runtime.buffer_regions(config, access=access)["normal"] == max(split.values())
-            sizes[T] = split["dispatch"]
-        ring_bytes = (2 if access == "put" else 1) * 2 * R * rings.slots() * slot
-        assert len(set(sizes.values())) == 1, sizes
-        assert ring_bytes < sizes[16] < ring_bytes + 8 * 256  # the counts and counters
-        # Expert-major dispatches run in phases: their bytes grow with T.
-        em = [runtime.normal_region_bytes(jax_ep.BufferConfig(
-            num_tokens=T, hidden=H, top_k=K, num_experts=E, num_ranks=R, low_latency_tokens=0,
-            expert_major=True, channels=rings), access=access)["dispatch"] for T in (16, 64)]
-        assert em[1] > em[0]
+                                         num_ranks=R, low_latency_tokens=0, **kw)
+            return runtime.normal_region_bytes(config, access=access)
+
+        sizes = {T: split(T, channels=rings) for T in (16, 64, 256)}
+        assert len({tuple(v.values()) for v in sizes.values()}) == 1, sizes
+        copies = 2 if access == "put" else 1
+        for op, slot in (("dispatch", dispatch_slot), ("combine", combine_slot)):
+            ring_bytes = copies * rings.channels * R * rings.slots() * slot
+            assert ring_bytes < sizes[16][op] <= ring_bytes + 4096  # counters and counts
+        phased = [split(T) for T in (16, 64)]
+        assert phased[1]["combine"] > phased[0]["combine"]  # in phases: grows with T
+        em = [split(T, channels=rings, expert_major=True)["dispatch"] for T in (16, 64)]
+        assert em[1] > em[0]  # expert-major runs in phases
+    for T in (4096, 16384):
+        config = jax_ep.BufferConfig(num_tokens=T, num_ranks=64, low_latency_tokens=0,
+                                     channels=runtime.Channels())
+        assert runtime.buffer_regions(config, access="put", nodes=0)["normal"] < 1 << 30
     with pytest.raises(ValueError, match=r"Channels.chunk_tokens must be an int in \[1, 2\^20\]"):
         jax_ep.BufferConfig(channels=runtime.Channels(2, 0, 2)).check()
     monkeypatch.setenv("JAX_EP_CHANNELS", "8,16")

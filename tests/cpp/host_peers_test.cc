@@ -165,6 +165,7 @@ struct CombineData {
     a.src_row = d.src_row.data() + v * rows;
     a.row_entries = s.expert_major ? d.row_entries.data() + v * rows * s.K : nullptr;
     a.out = out.data() + v * s.T * s.H;
+    if (rank >= 0) a.rings = DispatchData::ring_config(s);
     return a;
   }
 };
@@ -545,8 +546,8 @@ int main() {
     for (const HostGrid& grid : {warps, loop}) check_round(s, seed + 10 * round++, grid);
   }
   host::finalize();
-  // The dispatch streamed through rings a few slots deep, over stores and over puts, so that
-  // every ring wraps around many times (T not a multiple of a chunk, capacity cuts).
+  // Dispatch and combine streamed through rings a few slots deep, over stores and over puts,
+  // so that every ring wraps around many times (T not a multiple of a chunk, capacity cuts).
   const Shape streamed[] = {
       {R, 13, 3, 8, 256, 20, false, false, 0, 2, 1, 2},
       {R, 13, 3, 8, 256, 52, false, true, 0, 3, 2, 2},

@@ -1,0 +1,219 @@
+// Normal combine streamed through channels (cuda/channels.h): between devices, rank-major, one
+// node, over a store view or a put view. Each rank returns the rows it holds to their homes
+// through rings, per channel (a range of the homes' tokens) and home, in token order: a slot
+// is the row of y, its weight and its token. The home's receiver warp of a channel sums its
+// tokens one after another, each once every rank's ring shows its next slot (or is closed and
+// empty): the ranks whose next slot is this token are the terms, in rank order, the sum of the
+// phased combine (sum_rows), so the bits are the same.
+//
+// A receiver waits on one ring at a time (the next rank it needs), so a sender must never
+// wait on one ring while it holds slots for another: sender warps poll their homes in turn,
+// sending what fits, and publish what they hold before they move on.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/channels.h"
+#include "cuda/exchange.h"
+
+namespace jax_ep {
+
+// Bytes of a combine ring slot: the row of H values, its weight and its token, to 16.
+template <typename T>
+JAX_EP_HOST_DEVICE int64_t combine_slot_bytes(const CombineArgs<T>& a) {
+  return (a.hidden * static_cast<int64_t>(sizeof(T)) + 8 + 15) / 16 * 16;
+}
+// A combine slot's weight and token, after its row.
+template <typename T>
+JAX_EP_HOST_DEVICE float* slot_weight(const CombineArgs<T>& a, char* slot) {
+  return reinterpret_cast<float*>(slot + a.hidden * static_cast<int64_t>(sizeof(T)));
+}
+template <typename T>
+JAX_EP_HOST_DEVICE int32_t* slot_token(const CombineArgs<T>& a, char* slot) {
+  return reinterpret_cast<int32_t*>(slot_weight(a, slot) + 1);
+}
+
+// Sender warp j of `senders` on channel c: the rows this rank holds for the channel's tokens of
+// homes s = j, j + senders, ..., polled in turn: each home's in token order while its ring
+// has room; a home whose scan reached the channel's end gets its ring closed.
+template <typename T, typename Peers, typename Watch>
+JAX_EP_HOST_DEVICE void combine_stream_send(const CombineArgs<T>& a, const Peers& peers, int c,
+                                            int j, int senders, const Warp& w,
+                                            const Watch& watch) {
+  const Rings& g = a.rings;
+  const int R = a.num_ranks, Tn = a.num_tokens, me = a.first_rank;
+  const int64_t H = a.hidden, rows = static_cast<int64_t>(R) * Tn;
+  const int32_t* src_row = a.src_row + a.local(me) * rows;
+  const T* y = a.y + a.local(me) * a.capacity * H;
+  const float* weights = a.weights ? a.weights + a.local(me) * a.capacity : nullptr;
+  const int first = g.first_token(c, Tn), end = g.first_token(c + 1, Tn);
+  if (w.leader()) {
+    for (int s = j; s < R; s += senders) {
+      g.sent(c, s) = g.published(c, s) = 0;
+      g.at(c, s, Rings::kCursor) = first;
+    }
+  }
+  w.sync();
+  uint64_t start = watch.now();
+  for (;;) {
+    int stuck = -1;  // a home whose ring is full
+    bool moved = false;
+    for (int s = j; s < R; s += senders) {
+      int64_t t = g.at(c, s, Rings::kCursor);
+      if (t > end) continue;  // closed
+      for (; t < end; ++t) {
+        const int32_t row = src_row[static_cast<int64_t>(s) * Tn + t];
+        if (row < 0) continue;
+        if (!ring_has_space(g, c, s, w)) break;
+        const int64_t n = g.sent(c, s);
+        char* slot = g.slot(g.send, c, s, n);  // over puts, the send ring
+        if constexpr (!Peers::kPuts) slot = peers.at(g.slot(g.recv, c, me, n), 0, s);
+        w.each([&](int lane) {
+          copy_row(slot, y + row * H, H * static_cast<int64_t>(sizeof(T)), lane, w.lanes);
+          if (lane == 0) {
+            *slot_weight(a, slot) = weights ? weights[row] : 0.0f;
+            *slot_token(a, slot) = static_cast<int32_t>(t);
+          }
+        });
+        ring_advance(g, me, peers, c, s, w);
+        moved = true;
+      }
+      if (t == end) {
+        ring_publish(g, me, peers, c, s, g.sent(c, s), true, w);
+        t = end + 1;
+        moved = true;
+      } else {
+        stuck = s;
+        if (g.published(c, s) < g.sent(c, s)) {
+          ring_publish(g, me, peers, c, s, g.sent(c, s), false, w);
+        }
+      }
+      w.sync();
+      if (w.leader()) g.at(c, s, Rings::kCursor) = t;
+      w.sync();
+    }
+    if (stuck < 0) return;
+    if (moved) {
+      start = watch.now();
+      continue;
+    }
+    if (watch.failed()) return;
+    if (watch.now() - start > watch.limit()) {
+      if (w.leader()) {
+        watch.give_up(RingWaitKind::kSpace, stuck, c, ring_head(g, c, stuck, w),
+                      g.sent(c, stuck));
+      }
+      return;
+    }
+    watch.pause();
+  }
+}
+
+// Waits until receive ring (c, r) shows a slot not yet consumed, or is closed and empty;
+// false when the wait gave up.
+template <typename Watch>
+JAX_EP_HOST_DEVICE bool combine_ring_ready(const Rings& g, int c, int r, const Warp& w,
+                                           const Watch& watch) {
+  auto ready = [&](uint64_t tail) {
+    return (tail & kRingClosed) != 0 ||
+           g.consumed(c, r) < static_cast<int64_t>(tail & ~kRingClosed);
+  };
+  if (ready(static_cast<uint64_t>(g.at(c, r, Rings::kSeen)))) return true;
+  const uint64_t start = watch.now();
+  for (;;) {
+    const uint64_t tail = ring_tail(g, c, r, w);
+    w.sync();
+    if (w.leader()) g.at(c, r, Rings::kSeen) = static_cast<int64_t>(tail);
+    w.sync();
+    if (ready(tail)) return true;
+    if (watch.failed()) return false;
+    if (watch.now() - start > watch.limit()) {
+      if (w.leader()) watch.give_up(RingWaitKind::kData, r, c, g.consumed(c, r), tail);
+      return false;
+    }
+    watch.pause();
+  }
+}
+
+// The receiver warp of channel c: the channel's tokens of this rank, one after another, each
+// summed over the ranks whose next slot is that token, in rank order, into XLA's result.
+template <typename T, typename Peers, typename Watch>
+JAX_EP_HOST_DEVICE void combine_stream_receive(const CombineArgs<T>& a, const Peers& peers,
+                                               int c, const Warp& w, const Watch& watch) {
+  const Rings& g = a.rings;
+  const int R = a.num_ranks, Tn = a.num_tokens, me = a.first_rank;
+  const int64_t H = a.hidden;
+  if (w.leader()) {
+    for (int r = 0; r < R; ++r) g.consumed(c, r) = g.at(c, r, Rings::kSeen) = 0;
+  }
+  w.sync();
+  // Whether ring (c, r)'s next slot holds token t (ready: a slot, or closed and empty).
+  auto holds = [&](int r, int t) {
+    const int64_t n = g.consumed(c, r);
+    return n < (g.at(c, r, Rings::kSeen) & ~static_cast<int64_t>(kRingClosed)) &&
+           *slot_token(a, g.slot(g.recv, c, r, n)) == t;
+  };
+  const int end = g.first_token(c + 1, Tn);
+  for (int t = g.first_token(c, Tn); t < end; ++t) {
+    for (int r = 0; r < R; ++r) {
+      if (!combine_ring_ready(g, c, r, w, watch)) return;
+    }
+    T* out = a.out + (a.local(me) * Tn + t) * H;
+    w.each([&](int lane) {
+      sum_rows(out, H, a.weights != nullptr, R,
+               [&](Terms<T>& terms, int r) {
+                 for (; r < R && !terms.full(); ++r) {
+                   if (!holds(r, t)) continue;
+                   char* slot = g.slot(g.recv, c, r, g.consumed(c, r));
+                   terms.add(reinterpret_cast<const T*>(slot), *slot_weight(a, slot));
+                 }
+                 return r;
+               },
+               lane, w.lanes);
+    });
+    for (int r = 0; r < R; ++r) {
+      if (!holds(r, t)) continue;
+      const int64_t n = g.consumed(c, r) + 1;
+      w.sync();
+      if (w.leader()) g.consumed(c, r) = n;
+      w.sync();
+      if (n % g.chunk_tokens == 0) ring_release(g, me, peers, c, r, w);
+    }
+  }
+  for (int r = 0; r < R; ++r) ring_release(g, me, peers, c, r, w);
+}
+
+// The streaming launch of a combine: per channel, `senders` sender warps then one receiver.
+template <typename T, typename Peers>
+struct CombineStream {
+  CombineArgs<T> a;
+  Peers peers{};
+  int senders = 1;
+  JAX_EP_HOST_DEVICE int64_t units() const {
+    return static_cast<int64_t>(a.rings.channels) * (senders + 1);
+  }
+  template <typename Watch>
+  JAX_EP_HOST_DEVICE void operator()(int /*rank*/, int64_t unit, const Warp& w,
+                                     const Watch& watch) const {
+    const int c = static_cast<int>(unit / (senders + 1)), j = static_cast<int>(unit % (senders + 1));
+    if (j < senders) {
+      combine_stream_send(a, peers, c, j, senders, w, watch);
+    } else {
+      combine_stream_receive(a, peers, c, w, watch);
+    }
+  }
+};
+
+// Zeroes this rank's ring counters (items: 2 x channels x R), before the launch that carries
+// it meets the peers, who write them only after.
+struct RingsZero {
+  Rings g;
+  JAX_EP_HOST_DEVICE int64_t items() const { return 2 * static_cast<int64_t>(g.channels) * g.num_ranks; }
+  JAX_EP_HOST_DEVICE void operator()(int /*rank*/, int64_t i, int lane, int /*lanes*/) const {
+    if (lane != 0) return;
+    const int64_t half = items() / 2;
+    (i < half ? g.tail[i] : g.head[i - half]) = 0;
+  }
+};
+
+}  // namespace jax_ep
