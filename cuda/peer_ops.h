@@ -286,7 +286,7 @@ struct CombineRegions {
   typename CombineArgs<T>::Returned returned{};
 };
 
-// Streamed (a->rings.channels > 0, rank-major, one node: the caller says), the rings only.
+// Streamed (a->rings.channels > 0, rank-major: the caller says), the rings only.
 template <typename T>
 size_t carve_combine(char* base, CombineArgs<T>* a, bool puts, CombineRegions<T>* r) {
   const int64_t H = a->hidden, rows = static_cast<int64_t>(a->num_ranks) * a->num_tokens;
@@ -382,7 +382,7 @@ inline RegionBytes buffer_region_bytes(int R, int T, int K, int E, int H, int dt
     c.capacity = d.capacity;
     c.expert_major = em;
     c.weights = reinterpret_cast<const float*>(kAlign);  // any non-null: with weights
-    if (!em && d.ranks_per_node == 0) c.rings = rings;
+    if (!em) c.rings = rings;
     CombineRegions<char> regions;
     dispatch = std::max(dispatch, carve_dispatch(nullptr, puts, &d));
     combine = std::max(combine, carve_combine(nullptr, &c, puts, &regions));
@@ -489,7 +489,7 @@ PeerError run_op(Platform& p, int op, const CombineArgs<T>& in) {
   a.first_rank = p.rank();
   const int64_t rows = static_cast<int64_t>(a.num_ranks) * a.num_tokens;
   const bool em = a.expert_major, puts = uses_puts(p);
-  if (em || ranks_per_node(p, a.num_ranks) > 0) a.rings.channels = 0;  // not streamed yet
+  if (em) a.rings.channels = 0;  // not streamed yet
   CombineRegions<T> r;
   const size_t used = carve_combine(p.symmetric() + kSignalBytes, &a, puts, &r);
   PeerError error = fits(op, "normal-mode", used, p.low_latency_offset() - kSignalBytes);

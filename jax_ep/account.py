@@ -601,17 +601,20 @@ def table(accounts: Sequence[Account], ranks: int = 1) -> str:
 
 
 def symmetric_bytes(num_ranks: int, tokens: int, ll_tokens: int, puts: bool,
-                    ranks_per_node: int = 0) -> dict[str, int] | None:
-    """The symmetric buffer one rank needs at DeepSeek's shapes (jax_ep.runtime.buffer_regions,
-    rank-major); None without the compiled extension."""
+                    ranks_per_node: int = 0, channels=None) -> dict[str, int] | None:
+    """The symmetric buffer one rank needs at DeepSeek's shapes, rank-major: the regions of
+    jax_ep.runtime.buffer_regions and the normal region's share of each op (dispatch,
+    combine), in phases or streamed through `channels` (a runtime.Channels); None without the
+    compiled extension."""
     from jax_ep import _ffi, runtime
 
     if _ffi.EXT is None:
         return None
     config = runtime.BufferConfig(num_tokens=tokens, num_ranks=num_ranks,
-                                  low_latency_tokens=ll_tokens)
-    return runtime.buffer_regions(config, access="put" if puts else "store",
-                                  nodes=ranks_per_node)
+                                  low_latency_tokens=ll_tokens, channels=channels)
+    where = dict(access="put" if puts else "store", nodes=ranks_per_node)
+    return {**runtime.buffer_regions(config, **where),
+            **runtime.normal_region_bytes(config, **where)}
 
 
 def expected(accounts: Sequence[Account], puts: bool = False) -> list[str]:
@@ -674,12 +677,27 @@ def main(argv: Sequence[str] | None = None) -> None:
                                      ll_tokens=args.ll_tokens, puts=puts,
                                      ranks_per_node=args.ranks_per_node)
         print(table(accounts, args.ranks))
+        nodes = args.ranks_per_node if puts else 0
         regions = symmetric_bytes(args.ranks, args.tokens, args.ll_tokens, puts,
-                                  args.ranks_per_node) if between else None
+                                  nodes) if between else None
         if regions:
+            from jax_ep import runtime
+
+            rings = runtime.Channels()
+            streamed = symmetric_bytes(args.ranks, args.tokens, args.ll_tokens, puts, nodes,
+                                       channels=rings)
+            gib = 2**30
+            where = ("node-aware: in phases" if 0 < nodes < args.ranks
+                     else "whatever T")
             print(f"\nSymmetric buffer per rank (jax_ep.runtime.buffer_regions, rank-major): "
-                  f"normal {regions['normal'] / 2**30:.2f} GiB, low latency "
-                  f"{regions['low_latency'] / 2**30:.2f} GiB.")
+                  f"normal {regions['normal'] / gib:.2f} GiB (dispatch "
+                  f"{regions['dispatch'] / gib:.2f}, combine {regions['combine'] / gib:.2f}), "
+                  f"low latency {regions['low_latency'] / gib:.2f} GiB. Streamed through "
+                  f"{rings.channels} channels of rings of {rings.chunk_tokens} x "
+                  f"{rings.ring_chunks} slots (runtime.Channels(), {where}): normal "
+                  f"{streamed['normal'] / gib:.2f} GiB (dispatch "
+                  f"{streamed['dispatch'] / gib:.2f}, combine "
+                  f"{streamed['combine'] / gib:.2f}).")
         print()
         missed += [line for line in expected(accounts, puts) if line not in missed]
     if missed:

@@ -62,11 +62,11 @@ _generation = itertools.count()
 @dataclasses.dataclass(frozen=True)
 class Channels:
     """Normal dispatch and combine streamed through ring buffers (cuda/channels.h,
-    docs/cuda.md, "Channels"): between devices, rank-major, within one node, each rank's
-    tokens split into `channels` ranges; every (channel, sender, receiver) has a ring of
-    chunk_tokens x ring_chunks slots in the receiver's buffer (over puts a send ring too), so
-    their symmetric bytes do not grow with the tokens, and senders and receivers run at once.
-    Expert-major and node-aware calls still run in phases.
+    docs/cuda.md, "Channels"): between devices, rank-major (the dispatch within one node),
+    each rank's tokens split into `channels` ranges; every (channel, sender, receiver) has a
+    ring of chunk_tokens x ring_chunks slots in the receiver's buffer (over puts a send ring
+    too), so their symmetric bytes do not grow with the tokens, and senders and receivers run
+    at once. Expert-major calls and the node-aware dispatch still run in phases.
 
     Attributes:
       channels: token ranges per rank, each with its own rings and, on a GPU, one block

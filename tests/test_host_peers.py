@@ -423,9 +423,10 @@ def test_streamed_ops_of_everything_to_one_rank(streamed_peers, R):
 
 def test_channels_keep_the_normal_region_flat_in_the_tokens(monkeypatch):
     """Streamed, the dispatch's and the combine's symmetric bytes are their ring counters and
-    rings (and the dispatch's counts), whatever T; expert-major and node-aware calls run in
-    phases and grow with R*T. With the default Channels, the normal region at EP64 over puts
-    (DeepSeek's shapes, one node) stays under 1 GiB."""
+    rings (and the dispatch's counts), whatever T; expert-major calls and the node-aware
+    dispatch run in phases and grow with R*T. With the default Channels, the normal region at
+    EP64 over puts (DeepSeek's shapes, one node) stays under 1 GiB, and node-aware the
+    combine's."""
     monkeypatch.delenv("JAX_EP_RANKS_PER_NODE", raising=False)
     monkeypatch.delenv("JAX_EP_CHANNELS", raising=False)
     rings = runtime.Channels(2, 4, 2)
@@ -452,6 +453,8 @@ def test_channels_keep_the_normal_region_flat_in_the_tokens(monkeypatch):
         config = jax_ep.BufferConfig(num_tokens=T, num_ranks=64, low_latency_tokens=0,
                                      channels=runtime.Channels())
         assert runtime.buffer_regions(config, access="put", nodes=0)["normal"] < 1 << 30
+        aware = runtime.normal_region_bytes(config, access="put", nodes=8)
+        assert aware["combine"] < 1 << 30 < aware["dispatch"]
     with pytest.raises(ValueError, match=r"Channels.chunk_tokens must be an int in \[1, 2\^20\]"):
         jax_ep.BufferConfig(channels=runtime.Channels(2, 0, 2)).check()
     monkeypatch.setenv("JAX_EP_CHANNELS", "8,16")
@@ -479,6 +482,15 @@ def node_peers(request, monkeypatch):
 @pytest.mark.parametrize("expert_major, fp8", [(False, False), (True, False), (False, True)])
 def test_node_aware_normal_ops_match_portable_backend(node_peers, R, expert_major, fp8):
     test_normal_ops_match_portable_backend(R, expert_major, fp8)
+
+
+@pytest.mark.parametrize("R", [4, 5, 8])
+def test_node_aware_with_channels_matches_portable_backend(monkeypatch, R):
+    """In nodes of 3 with rings: the dispatch runs in phases through the relays, the combine
+    streams over puts (as its phased form, straight to each home)."""
+    with host_peers_with(monkeypatch, JAX_EP_PEER_ACCESS="put", JAX_EP_RANKS_PER_NODE="3",
+                         JAX_EP_CHANNELS="2,2,2"):
+        test_normal_ops_match_portable_backend(R, False, False)
 
 
 @pytest.mark.parametrize("R", [4, 8])

@@ -571,6 +571,8 @@ int main() {
     return 2;
   }
   for (const Shape& s : shapes) check_round(s, seed + 10 * round++, warps, ", nodes of 2");
+  // With rings: the dispatch through the relays in phases, the combine streamed over puts.
+  for (const Shape& s : streamed) check_round(s, seed + 10 * round++, warps, ", nodes of 2");
   host::finalize();
   // EP groups of a mesh, side by side.
   if (!host::initialize(16 << 20, 4 << 20).empty()) return 2;
