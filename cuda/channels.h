@@ -160,7 +160,44 @@ struct Rings {
 };
 
 // ---------------------------------------------------------------------------------------------
-// The ring protocol (this rank `me`; Watch: cuda/dispatch_stream.h)
+// Waiting: a streaming launch's Watch, which the platform provides:
+//   bool failed() const;               a wait of this op gave up (stop)
+//   uint64_t now() const;              nanoseconds, for the timeouts
+//   uint64_t limit() const;            the op timeout, nanoseconds
+//   void pause() const;                a short back-off between polls
+//   void give_up(RingWaitKind, int peer, int channel, uint64_t have, uint64_t want) const;
+//                                      records why a ring wait gave up (the leader calls it)
+
+// The bound of a polling loop: the op timeout since the last progress.
+template <typename Watch>
+class Patience {
+ public:
+  JAX_EP_HOST_DEVICE explicit Patience(const Watch& watch) : watch_(watch), start_(watch.now()) {}
+  // After a round of polls, which `moved` something or not: whether to poll again. False when
+  // a wait of this op gave up elsewhere, or nothing moved for the op timeout (expired()).
+  JAX_EP_HOST_DEVICE bool again(bool moved) {
+    if (moved) {
+      start_ = watch_.now();
+      return true;
+    }
+    if (watch_.failed()) return false;
+    if (watch_.now() - start_ > watch_.limit()) {
+      expired_ = true;
+      return false;
+    }
+    watch_.pause();
+    return true;
+  }
+  JAX_EP_HOST_DEVICE bool expired() const { return expired_; }
+
+ private:
+  const Watch& watch_;
+  uint64_t start_;
+  bool expired_ = false;
+};
+
+// ---------------------------------------------------------------------------------------------
+// The ring protocol (this rank `me`)
 
 // Makes slots [published, upto) of send ring (c, d) visible to d, with the closed bit when
 // `closed`: over puts one put of the range (within one chunk, so contiguous) with the tail's
@@ -208,17 +245,16 @@ JAX_EP_HOST_DEVICE bool ring_reserve(const Rings& g, int me, const Peers& peers,
   if (ring_has_space(g, c, d, w)) return true;
   const int64_t sent = g.sent(c, d);
   if (g.published(c, d) < sent) ring_publish(g, me, peers, c, d, sent, false, w);
-  const uint64_t start = watch.now();
-  for (;;) {
-    const int64_t consumed = ring_head(g, c, d, w);
+  Patience<Watch> patience(watch);
+  int64_t consumed = 0;
+  do {
+    consumed = ring_head(g, c, d, w);
     if (sent - consumed < g.ring_slots()) return true;
-    if (watch.failed()) return false;
-    if (watch.now() - start > watch.limit()) {
-      if (w.leader()) watch.give_up(RingWaitKind::kSpace, d, c, consumed, sent);
-      return false;
-    }
-    watch.pause();
+  } while (patience.again(false));
+  if (patience.expired() && w.leader()) {
+    watch.give_up(RingWaitKind::kSpace, d, c, consumed, sent);
   }
+  return false;
 }
 
 // Counts one more slot written into send ring (c, d), publishing at the end of each chunk.

@@ -54,10 +54,11 @@ JAX_EP_HOST_DEVICE void combine_stream_send(const CombineArgs<T>& a, const Peers
     }
   }
   w.sync();
-  uint64_t start = watch.now();
-  for (;;) {
-    int stuck = -1;  // a home whose ring is full
-    bool moved = false;
+  Patience<Watch> patience(watch);
+  int stuck = -1;  // a home whose ring is full
+  for (bool moved = true; patience.again(moved);) {
+    stuck = -1;
+    moved = false;
     for (int s = j; s < R; s += senders) {
       int64_t t = g.at(c, s, Rings::kCursor);
       if (t > end) continue;  // closed
@@ -93,19 +94,10 @@ JAX_EP_HOST_DEVICE void combine_stream_send(const CombineArgs<T>& a, const Peers
       w.sync();
     }
     if (stuck < 0) return;
-    if (moved) {
-      start = watch.now();
-      continue;
-    }
-    if (watch.failed()) return;
-    if (watch.now() - start > watch.limit()) {
-      if (w.leader()) {
-        watch.give_up(RingWaitKind::kSpace, stuck, c, ring_head(g, c, stuck, w),
-                      g.sent(c, stuck));
-      }
-      return;
-    }
-    watch.pause();
+  }
+  const int64_t head = ring_head(g, c, stuck, w);
+  if (patience.expired() && w.leader()) {
+    watch.give_up(RingWaitKind::kSpace, stuck, c, head, g.sent(c, stuck));
   }
 }
 
@@ -119,20 +111,19 @@ JAX_EP_HOST_DEVICE bool combine_ring_ready(const Rings& g, int c, int r, const W
            g.consumed(c, r) < static_cast<int64_t>(tail & ~kRingClosed);
   };
   if (ready(static_cast<uint64_t>(g.at(c, r, Rings::kSeen)))) return true;
-  const uint64_t start = watch.now();
-  for (;;) {
-    const uint64_t tail = ring_tail(g, c, r, w);
+  Patience<Watch> patience(watch);
+  uint64_t tail = 0;
+  do {
+    tail = ring_tail(g, c, r, w);
     w.sync();
     if (w.leader()) g.at(c, r, Rings::kSeen) = static_cast<int64_t>(tail);
     w.sync();
     if (ready(tail)) return true;
-    if (watch.failed()) return false;
-    if (watch.now() - start > watch.limit()) {
-      if (w.leader()) watch.give_up(RingWaitKind::kData, r, c, g.consumed(c, r), tail);
-      return false;
-    }
-    watch.pause();
+  } while (patience.again(false));
+  if (patience.expired() && w.leader()) {
+    watch.give_up(RingWaitKind::kData, r, c, g.consumed(c, r), tail);
   }
+  return false;
 }
 
 // The receiver warp of channel c: the channel's tokens of this rank, one after another, each

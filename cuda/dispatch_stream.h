@@ -6,13 +6,8 @@
 // slots arriving from their sources straight into XLA's results; the finish then fills in
 // what the contract defines beyond the received rows (dispatch_finish over OwnArrays).
 //
-// A streaming body is called per (rank, unit) with a Warp and the launch's Watch, which a
-// platform provides:
-//   bool failed() const;               a wait of this op gave up (stop)
-//   uint64_t now() const;              nanoseconds, for the timeouts
-//   uint64_t limit() const;            the op timeout, nanoseconds
-//   void pause() const;                a short back-off between polls
-//   void give_up(RingWaitKind, int peer, int channel, uint64_t have, uint64_t want) const;
+// A streaming body is called per (rank, unit) with a Warp and the launch's Watch
+// (cuda/channels.h).
 #pragma once
 
 #include <cstdint>
@@ -136,10 +131,11 @@ JAX_EP_HOST_DEVICE void dispatch_stream_receive(const DispatchArgs& a, const Pee
     for (int s = j; s < R; s += receivers) g.consumed(c, s) = 0;
   }
   w.sync();
-  uint64_t start = watch.now();
-  for (;;) {
-    int waiting = -1;  // a source whose ring is still open or holds slots
-    bool moved = false;
+  Patience<Watch> patience(watch);
+  int waiting = -1;  // a source whose ring is still open
+  for (bool moved = true; patience.again(moved);) {
+    waiting = -1;
+    moved = false;
     for (int s = j; s < R; s += receivers) {
       const uint64_t tail = ring_tail(g, c, s, w);
       const int64_t have = static_cast<int64_t>(tail & ~kRingClosed);
@@ -156,19 +152,10 @@ JAX_EP_HOST_DEVICE void dispatch_stream_receive(const DispatchArgs& a, const Pee
       if ((tail & kRingClosed) == 0) waiting = s;
     }
     if (waiting < 0) return;
-    if (moved) {
-      start = watch.now();
-      continue;
-    }
-    if (watch.failed()) return;
-    if (watch.now() - start > watch.limit()) {
-      if (w.leader()) {
-        const uint64_t tail = load_acquire(g.tail + g.ring(c, waiting));
-        watch.give_up(RingWaitKind::kData, waiting, c, g.consumed(c, waiting), tail);
-      }
-      return;
-    }
-    watch.pause();
+  }
+  const uint64_t tail = ring_tail(g, c, waiting, w);
+  if (patience.expired() && w.leader()) {
+    watch.give_up(RingWaitKind::kData, waiting, c, g.consumed(c, waiting), tail);
   }
 }
 

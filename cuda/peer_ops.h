@@ -445,13 +445,14 @@ PeerError run_op(Platform& p, int op, const DispatchArgs& out) {
     using Peers = std::decay_t<decltype(peers)>;
     if (a.rings.channels > 0) {
       // Streamed: the count (its tail also zeroes this rank's ring counters before the peers
-      // may write them), then senders and receivers at once, receivers writing XLA's results;
-      // the finish completes them from this rank's own arrays, and its arrival frees this
-      // rank's buffer.
+      // may write them), then senders and receivers at once, receivers writing XLA's results
+      // (its arrival completes its puts and signals, heads included, before the peers' next
+      // op zeroes their counters); the finish completes the results from this rank's own
+      // arrays, and its arrival frees this rank's buffer.
       p.per_warp(DispatchCount{a}, a.num_chunks, Meet{Wait::kStart, true, Wait::kStart},
                  DispatchTail<Peers>{a, a.first_rank, 1, peers});
       const int half = p.warps_per_channel() / 2;
-      p.per_unit(DispatchStream<Peers>{a, peers, half, half}, Meet{});
+      p.per_unit(DispatchStream<Peers>{a, peers, half, half}, Meet{{}, true, {}});
       p.per_warp(DispatchFinish<OwnArrays>{landed(a), {}}, a.finish_items(),
                  Meet{{}, true, {}});
       return p.result(op);
