@@ -29,7 +29,8 @@
 // A unit body is called once per warp with a Warp (on the GPU by every lane, on the CPU once
 // for all lanes): what the lanes must agree on (counters read from memory) is read by the
 // first lane and shared, and per-lane work (copies) runs in Warp::each. Waits are bounded by
-// the op timeout and report the op, the peer, the channel and the counters (RingWait).
+// the op timeout since the last progress (Patience) and report the op, the peer, the channel
+// and the counters (Watch::give_up).
 #pragma once
 
 #include <cstdint>
@@ -117,11 +118,11 @@ JAX_EP_HOST_DEVICE void set_counter(const Peers& peers, uint64_t* slot, int rank
 // The tail's bit that says the sender wrote its last slot.
 constexpr uint64_t kRingClosed = uint64_t{1} << 63;
 
-// Why a ring wait gave up, for RingWait::give_up.
+// Why a ring wait gave up, for Watch::give_up.
 enum class RingWaitKind { kSpace, kData };
 
 // ---------------------------------------------------------------------------------------------
-// The rings of an op, in this rank's symmetric buffer (carve_dispatch, cuda/peer_ops.h)
+// The rings of an op, in this rank's symmetric buffer (carve_rings, cuda/peer_ops.h)
 
 struct Rings {
   int channels = 0;  // 0: the op runs in phases (no rings)
