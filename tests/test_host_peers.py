@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import HOST_PEER_BYTES, HOST_PEER_LOW_LATENCY_BYTES
-from harness import forget_failed_exchange, sharded, to_numpy
+from harness import forget_failed_exchange, sharded, to_numpy, two_group_axes
 from test_cuda_backend import gradient_program
 from test_virtual import assert_bitwise, routing
 
@@ -419,6 +419,51 @@ def test_streamed_ops_of_everything_to_one_rank(streamed_peers, R):
     got, want = both_backends(program, R, x, idx, w)
     assert_trees_bitwise(got, want)
     assert int(got[0].num_tokens[1]) == R * T
+
+
+def test_streamed_ops_send_one_message_per_chunk(monkeypatch):
+    """Over puts, rings deep enough that no sender waits: each (channel, sender, receiver)
+    stream of n rows is floor(n / chunk) puts with their signals plus its close; the combine's
+    receiver returns its head once per chunk and once at the end, the dispatch's at most once
+    per published range. The dispatch's count also puts each rank's R + E totals to every
+    rank, value by value. The CPU meter counts every put and signal."""
+    if two_group_axes():
+        pytest.skip("counts the messages of one EP group")
+    R, T, K, E, H = 4, 64, 4, 16, 128
+    rings = runtime.Channels(2, 8, 8)
+    rng = np.random.default_rng()
+    idx, w = routing(rng, R, T, K, E, "masked")
+    x = rng.standard_normal((R, T, H)).astype(np.float32)
+    first = [c * T // rings.channels for c in range(rings.channels + 1)]
+    goes = np.zeros((R, T, R), bool)  # token t of source s has a row on rank d
+    for e in range(E):
+        goes[..., e // (E // R)] |= (idx == e).any(-1)
+    n = np.stack([goes[:, first[c]:first[c + 1]].sum(1) for c in range(rings.channels)])
+    assert n.max() <= rings.slots()  # no sender waits for space
+    streams = int((n // rings.chunk_tokens + 1).sum())
+
+    def program(combine):
+        def per_shard(x, idx, w):
+            recv, handle = jax_ep.dispatch(x, idx, w, num_experts=E, backend="cuda")
+            return jax_ep.combine(recv.x, handle, backend="cuda") if combine else recv.x
+
+        return sharded(per_shard, R)
+
+    with host_peers_with(monkeypatch, JAX_EP_PEER_ACCESS="put",
+                         JAX_EP_CHANNELS=f"{rings.channels},{rings.chunk_tokens},"
+                                         f"{rings.ring_chunks}"):
+        counted = []
+        for combine in (False, True):
+            run = program(combine)
+            jax.block_until_ready(run(x, idx, w))  # compiled
+            _ffi.EXT.meter(reset=True)
+            jax.block_until_ready(run(x, idx, w))
+            counted.append(_ffi.EXT.meter(reset=True)["messages"])
+    totals = R * R * (R + E)  # the count's
+    dispatch, both = counted[0] - totals, counted[1] - totals
+    assert streams <= dispatch <= 2 * streams
+    assert 3 * streams <= both <= 4 * streams  # the combine's: 2 per stream
+    assert both < 2 * goes.sum()  # fewer than one message per row and op
 
 
 def test_channels_keep_the_normal_region_flat_in_the_tokens(monkeypatch):
