@@ -227,6 +227,18 @@ JAX_EP_HOST_DEVICE void ring_publish(const Rings& g, int me, const Peers& peers,
   w.sync();
 }
 
+// Where this rank writes slot n of its stream to d on channel c: straight into d's ring
+// (c, me) through a store view; over puts into its send ring (c, d), which ring_publish puts.
+template <typename Peers>
+JAX_EP_HOST_DEVICE char* ring_write_slot(const Rings& g, int me, const Peers& peers, int c,
+                                         int d, int64_t n) {
+  if constexpr (Peers::kPuts) {
+    return g.slot(g.send, c, d, n);
+  } else {
+    return peers.at(g.slot(g.recv, c, me, n), 0, d);
+  }
+}
+
 // Send ring (c, d)'s head: the slots its receiver consumed, in every lane.
 JAX_EP_HOST_DEVICE int64_t ring_head(const Rings& g, int c, int d, const Warp& w) {
   const uint64_t* counter = g.head + g.ring(c, d);

@@ -67,12 +67,7 @@ JAX_EP_HOST_DEVICE void combine_stream_send(const CombineArgs<T>& a, const Peers
         if (row < 0) continue;
         if (!ring_has_space(g, c, s, w)) break;
         const int64_t n = g.sent(c, s);
-        char* slot;  // s's ring, or over puts the send ring here
-        if constexpr (Peers::kPuts) {
-          slot = g.slot(g.send, c, s, n);
-        } else {
-          slot = peers.at(g.slot(g.recv, c, me, n), 0, s);
-        }
+        char* slot = ring_write_slot(g, me, peers, c, s, n);
         w.each([&](int lane) {
           copy_row(slot, y + row * H, H * static_cast<int64_t>(sizeof(T)), lane, w.lanes);
           if (lane == 0) {

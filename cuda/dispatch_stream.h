@@ -76,12 +76,7 @@ JAX_EP_HOST_DEVICE void dispatch_stream_send(const DispatchArgs& a, const Peers&
       if (row < 0 || row >= a.capacity) continue;
       if (!ring_reserve(g, me, peers, c, d, w, watch)) return;
       const int64_t n = g.sent(c, d);
-      char* slot;  // d's ring, or over puts the send ring here
-      if constexpr (Peers::kPuts) {
-        slot = g.slot(g.send, c, d, n);
-      } else {
-        slot = peers.at(g.slot(g.recv, c, me, n), 0, d);
-      }
+      char* slot = ring_write_slot(g, me, peers, c, d, n);
       const RingMeta meta = ring_meta(a, slot);
       w.each([&](int lane) {
         copy_row(slot, a.x + here * a.row_bytes, a.row_bytes, lane, w.lanes);
