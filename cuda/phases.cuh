@@ -145,8 +145,9 @@ cudaError_t per_unit(const Body& body, int first_rank, int ranks, int64_t units,
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
     return cudaGetLastError();
   }
+  static const int per_sm = blocks_per_sm(kernel);  // once per kernel, as per_warp does
   const int64_t blocks = std::max<int64_t>((total + kPhaseWarps - 1) / kPhaseWarps, 1);
-  if (blocks > static_cast<int64_t>(sms) * blocks_per_sm(kernel)) {
+  if (blocks > static_cast<int64_t>(sms) * per_sm) {
     return cudaErrorCooperativeLaunchTooLarge;
   }
   return launch(kernel, static_cast<unsigned>(blocks), kPhaseThreads, stream, body, meet, watch,
