@@ -127,38 +127,49 @@ enum class RingWaitKind { kSpace, kData };
 struct Rings {
   int channels = 0;  // 0: the op runs in phases (no rings)
   int chunk_tokens = 0, ring_chunks = 0;
-  int num_ranks = 0;
+  int links = 0;  // rings per channel: one per peer (one node), see RingLink
   int64_t slot_bytes = 0;
-  uint64_t* tail = nullptr;  // [channels, R]: source s's tail of ring (c, s) here
-  uint64_t* head = nullptr;  // [channels, R]: receiver d's head of ring (c, this rank) in d
-  char* recv = nullptr;      // [channels, R, ring_slots(), slot_bytes]: the rings (c, s) here
-  char* send = nullptr;      // the same shape, over puts: the send rings (c, d), the slots
-                             // this rank puts into ring (c, this rank) of d
-  int64_t* state = nullptr;  // [channels, R, kStateWords]: this rank's own counters, never
+  uint64_t* tail = nullptr;  // [channels, links]: the tails of the rings here, set by senders
+  uint64_t* head = nullptr;  // [channels, links]: the heads of this rank's send rings, set by
+                             // their receivers
+  char* recv = nullptr;      // [channels, links, ring_slots(), slot_bytes]: the rings here
+  char* send = nullptr;      // the same shape, over puts: the send rings, the slots this rank
+                             // puts into its ring in each receiver
+  int64_t* state = nullptr;  // [channels, links, kStateWords]: this rank's own counters, never
                              // reached by peers (RingState)
 
   JAX_EP_HOST_DEVICE int ring_slots() const { return chunk_tokens * ring_chunks; }
-  JAX_EP_HOST_DEVICE int64_t ring(int c, int peer) const {
-    return static_cast<int64_t>(c) * num_ranks + peer;
+  JAX_EP_HOST_DEVICE int64_t ring(int c, int link) const {
+    return static_cast<int64_t>(c) * links + link;
   }
-  // Slot n (counted from the start of the op) of ring (c, peer) in an area of rings.
-  JAX_EP_HOST_DEVICE char* slot(char* area, int c, int peer, int64_t n) const {
-    return area + (ring(c, peer) * ring_slots() + n % ring_slots()) * slot_bytes;
+  // Slot n (counted from the start of the op) of ring (c, link) in an area of rings.
+  JAX_EP_HOST_DEVICE char* slot(char* area, int c, int link, int64_t n) const {
+    return area + (ring(c, link) * ring_slots() + n % ring_slots()) * slot_bytes;
   }
-  // Per send ring (c, d): slots sent and published, and where the sender's scan is (a token,
-  // the combine's); per receive ring (c, s): slots consumed, and the tail last read.
+  // Per send ring (c, l): slots sent and published, and where the sender's scan is (a token,
+  // the combine's); per receive ring (c, l): slots consumed, and the tail last read.
   enum RingState { kSent, kPublished, kCursor, kConsumed, kSeen, kStateWords };
-  JAX_EP_HOST_DEVICE int64_t& at(int c, int peer, RingState word) const {
-    return state[kStateWords * ring(c, peer) + word];
+  JAX_EP_HOST_DEVICE int64_t& at(int c, int link, RingState word) const {
+    return state[kStateWords * ring(c, link) + word];
   }
-  JAX_EP_HOST_DEVICE int64_t& sent(int c, int d) const { return at(c, d, kSent); }
-  JAX_EP_HOST_DEVICE int64_t& published(int c, int d) const { return at(c, d, kPublished); }
-  JAX_EP_HOST_DEVICE int64_t& consumed(int c, int s) const { return at(c, s, kConsumed); }
+  JAX_EP_HOST_DEVICE int64_t& sent(int c, int l) const { return at(c, l, kSent); }
+  JAX_EP_HOST_DEVICE int64_t& published(int c, int l) const { return at(c, l, kPublished); }
+  JAX_EP_HOST_DEVICE int64_t& consumed(int c, int l) const { return at(c, l, kConsumed); }
   // Channel c's tokens of T: [first, end).
   JAX_EP_HOST_DEVICE int first_token(int c, int T) const {
     return static_cast<int>(static_cast<int64_t>(c) * T / channels);
   }
 };
+
+// The ring between this rank and a peer, seen from this rank: `here`, its index among this
+// rank's links (its send state, head and send ring as the sender; its tail, slots and
+// consumed count as the receiver); `there`, its index among the peer's; `rank`, the peer.
+// Within one node a ring's index is its other end's rank (flat_link); node-aware, rings
+// between the ranks of a node and to the relays have their own numbers (dispatch_stream.h).
+struct RingLink {
+  int here, there, rank;
+};
+JAX_EP_HOST_DEVICE RingLink flat_link(int me, int peer) { return {peer, me, peer}; }
 
 // ---------------------------------------------------------------------------------------------
 // Waiting: a streaming launch's Watch, which the platform provides:
@@ -198,105 +209,123 @@ class Patience {
 };
 
 // ---------------------------------------------------------------------------------------------
-// The ring protocol (this rank `me`)
+// The ring protocol (this rank's end of ring (c, l))
 
-// Makes slots [published, upto) of send ring (c, d) visible to d, with the closed bit when
-// `closed`: over puts one put of the range (within one chunk, so contiguous) with the tail's
-// signal; over stores (the slots are in d's ring already) the tail, after a fence.
+// Makes slots [published, upto) of send ring (c, l) visible to its receiver, with the closed
+// bit when `closed`: over puts one put of the range (within one chunk, so contiguous) with the
+// tail's signal; over stores (the slots are in the receiver's ring already) the tail, after a
+// fence.
 template <typename Peers>
-JAX_EP_HOST_DEVICE void ring_publish(const Rings& g, int me, const Peers& peers, int c, int d,
+JAX_EP_HOST_DEVICE void ring_publish(const Rings& g, const Peers& peers, int c, RingLink l,
                                      int64_t upto, bool closed, const Warp& w) {
-  const int64_t from = g.published(c, d);
-  uint64_t* tail = g.tail + g.ring(c, me);
+  const int64_t from = g.published(c, l.here);
+  uint64_t* tail = g.tail + g.ring(c, l.there);
   const uint64_t value = static_cast<uint64_t>(upto) | (closed ? kRingClosed : 0);
   bool sent = false;
   if constexpr (Peers::kPuts) {
     if (upto > from) {
-      char* dst = g.slot(g.recv, c, me, from);
-      const char* src = g.slot(g.send, c, d, from);
+      char* dst = g.slot(g.recv, c, l.there, from);
+      const char* src = g.slot(g.send, c, l.here, from);
       const int64_t bytes = (upto - from) * g.slot_bytes;
-      w.each([&](int lane) { peers.put_signal(dst, d, src, bytes, tail, value, lane, w.lanes); });
+      w.each([&](int lane) {
+        peers.put_signal(dst, l.rank, src, bytes, tail, value, lane, w.lanes);
+      });
       sent = true;
     }
   }
   w.fence();
   if (w.leader()) {
-    if (!sent) set_counter(peers, tail, d, value);
-    g.published(c, d) = upto;
+    if (!sent) set_counter(peers, tail, l.rank, value);
+    g.published(c, l.here) = upto;
   }
   w.sync();
 }
 
-// Where this rank writes slot n of its stream to d on channel c: straight into d's ring
-// (c, me) through a store view; over puts into its send ring (c, d), which ring_publish puts.
+// Where this rank writes slot n of send ring (c, l): straight into the receiver's ring through
+// a store view; over puts into this rank's send ring, which ring_publish puts.
 template <typename Peers>
-JAX_EP_HOST_DEVICE char* ring_write_slot(const Rings& g, int me, const Peers& peers, int c,
-                                         int d, int64_t n) {
+JAX_EP_HOST_DEVICE char* ring_write_slot(const Rings& g, const Peers& peers, int c, RingLink l,
+                                         int64_t n) {
   if constexpr (Peers::kPuts) {
-    return g.slot(g.send, c, d, n);
+    return g.slot(g.send, c, l.here, n);
   } else {
-    return peers.at(g.slot(g.recv, c, me, n), 0, d);
+    return peers.at(g.slot(g.recv, c, l.there, n), 0, l.rank);
   }
 }
 
-// Send ring (c, d)'s head: the slots its receiver consumed, in every lane.
-JAX_EP_HOST_DEVICE int64_t ring_head(const Rings& g, int c, int d, const Warp& w) {
-  const uint64_t* counter = g.head + g.ring(c, d);
-  return static_cast<int64_t>(w.shared(w.leader() ? load_acquire(counter) : uint64_t{0}));
+// Send ring (c, l)'s head: the slots its receiver consumed, in every lane.
+JAX_EP_HOST_DEVICE int64_t ring_head(const Rings& g, int c, int l, const Warp& w) {
+  const uint64_t* counter = g.head + g.ring(c, l);
+  const uint64_t head = w.shared(w.leader() ? load_acquire(counter) : uint64_t{0});
+  w.sync();  // the leader's acquire orders every lane's accesses after it
+  return static_cast<int64_t>(head);
 }
 
-// Whether send ring (c, d) has a free slot for its next one.
-JAX_EP_HOST_DEVICE bool ring_has_space(const Rings& g, int c, int d, const Warp& w) {
-  return g.sent(c, d) - ring_head(g, c, d, w) < g.ring_slots();
+// Whether send ring (c, l) has a free slot for its next one.
+JAX_EP_HOST_DEVICE bool ring_has_space(const Rings& g, int c, int l, const Warp& w) {
+  return g.sent(c, l) - ring_head(g, c, l, w) < g.ring_slots();
 }
 
-// Waits until send ring (c, d) has a free slot, publishing what it holds first so that the
+// Waits until send ring (c, l) has a free slot, publishing what it holds first so that the
 // receiver can drain it. False when the wait gave up.
 template <typename Peers, typename Watch>
-JAX_EP_HOST_DEVICE bool ring_reserve(const Rings& g, int me, const Peers& peers, int c, int d,
+JAX_EP_HOST_DEVICE bool ring_reserve(const Rings& g, const Peers& peers, int c, RingLink l,
                                      const Warp& w, const Watch& watch) {
-  if (ring_has_space(g, c, d, w)) return true;
-  const int64_t sent = g.sent(c, d);
-  if (g.published(c, d) < sent) ring_publish(g, me, peers, c, d, sent, false, w);
+  if (ring_has_space(g, c, l.here, w)) return true;
+  const int64_t sent = g.sent(c, l.here);
+  if (g.published(c, l.here) < sent) ring_publish(g, peers, c, l, sent, false, w);
   Patience<Watch> patience(watch);
   int64_t consumed = 0;
   do {
-    consumed = ring_head(g, c, d, w);
+    consumed = ring_head(g, c, l.here, w);
     if (sent - consumed < g.ring_slots()) return true;
   } while (patience.again(false));
   if (patience.expired() && w.leader()) {
-    watch.give_up(RingWaitKind::kSpace, d, c, consumed, sent);
+    watch.give_up(RingWaitKind::kSpace, l.rank, c, consumed, sent);
   }
   return false;
 }
 
-// Counts one more slot written into send ring (c, d), publishing at the end of each chunk.
+// Counts one more slot written into send ring (c, l), publishing at the end of each chunk.
 template <typename Peers>
-JAX_EP_HOST_DEVICE void ring_advance(const Rings& g, int me, const Peers& peers, int c, int d,
+JAX_EP_HOST_DEVICE void ring_advance(const Rings& g, const Peers& peers, int c, RingLink l,
                                      const Warp& w) {
-  const int64_t n = g.sent(c, d) + 1;
+  const int64_t n = g.sent(c, l.here) + 1;
   w.sync();  // every lane read it before the leader changes it
-  if (w.leader()) g.sent(c, d) = n;
+  if (w.leader()) g.sent(c, l.here) = n;
   w.sync();
-  if (n % g.chunk_tokens == 0) ring_publish(g, me, peers, c, d, n, false, w);
+  if (n % g.chunk_tokens == 0) ring_publish(g, peers, c, l, n, false, w);
 }
 
-// Receive ring (c, s)'s tail, in every lane.
-JAX_EP_HOST_DEVICE uint64_t ring_tail(const Rings& g, int c, int s, const Warp& w) {
-  const uint64_t* counter = g.tail + g.ring(c, s);
-  return w.shared(w.leader() ? load_acquire(counter) : uint64_t{0});
+// Receive ring (c, l)'s tail, in every lane.
+JAX_EP_HOST_DEVICE uint64_t ring_tail(const Rings& g, int c, int l, const Warp& w) {
+  const uint64_t* counter = g.tail + g.ring(c, l);
+  const uint64_t tail = w.shared(w.leader() ? load_acquire(counter) : uint64_t{0});
+  w.sync();  // the leader's acquire orders every lane's reads of the slots after it
+  return tail;
 }
 
-// Returns the slots of receive ring (c, s) consumed so far to its sender (its head), after
+// Returns the slots of receive ring (c, l) consumed so far to its sender (its head), after
 // the lanes' reads of them.
 template <typename Peers>
-JAX_EP_HOST_DEVICE void ring_release(const Rings& g, int me, const Peers& peers, int c, int s,
+JAX_EP_HOST_DEVICE void ring_release(const Rings& g, const Peers& peers, int c, RingLink l,
                                      const Warp& w) {
   w.fence();
   if (w.leader()) {
-    set_counter(peers, g.head + g.ring(c, me), s, static_cast<uint64_t>(g.consumed(c, s)));
+    set_counter(peers, g.head + g.ring(c, l.there), l.rank,
+                static_cast<uint64_t>(g.consumed(c, l.here)));
   }
   w.sync();
+}
+
+// This rank's ring counters of g (tails, then heads: 2 x channels x links), zeroed one by one
+// before the launch that zeroes them meets the peers, who write them only after.
+JAX_EP_HOST_DEVICE int64_t ring_counters(const Rings& g) {
+  return 2 * static_cast<int64_t>(g.channels) * g.links;
+}
+JAX_EP_HOST_DEVICE void zero_ring_counter(const Rings& g, int64_t i) {
+  const int64_t half = ring_counters(g) / 2;
+  (i < half ? g.tail[i] : g.head[i - half]) = 0;
 }
 
 }  // namespace jax_ep

@@ -67,7 +67,7 @@ JAX_EP_HOST_DEVICE void combine_stream_send(const CombineArgs<T>& a, const Peers
         if (row < 0) continue;
         if (!ring_has_space(g, c, s, w)) break;
         const int64_t n = g.sent(c, s);
-        char* slot = ring_write_slot(g, me, peers, c, s, n);
+        char* slot = ring_write_slot(g, peers, c, flat_link(me, s), n);
         w.each([&](int lane) {
           copy_row(slot, y + row * H, H * static_cast<int64_t>(sizeof(T)), lane, w.lanes);
           if (lane == 0) {
@@ -75,17 +75,17 @@ JAX_EP_HOST_DEVICE void combine_stream_send(const CombineArgs<T>& a, const Peers
             *slot_token(a, slot) = static_cast<int32_t>(t);
           }
         });
-        ring_advance(g, me, peers, c, s, w);
+        ring_advance(g, peers, c, flat_link(me, s), w);
         moved = true;
       }
       if (t == end) {
-        ring_publish(g, me, peers, c, s, g.sent(c, s), true, w);
+        ring_publish(g, peers, c, flat_link(me, s), g.sent(c, s), true, w);
         t = end + 1;
         moved = true;
       } else {
         stuck = s;
         if (g.published(c, s) < g.sent(c, s)) {
-          ring_publish(g, me, peers, c, s, g.sent(c, s), false, w);
+          ring_publish(g, peers, c, flat_link(me, s), g.sent(c, s), false, w);
         }
       }
       w.sync();
@@ -167,10 +167,10 @@ JAX_EP_HOST_DEVICE void combine_stream_receive(const CombineArgs<T>& a, const Pe
       w.sync();
       if (w.leader()) g.consumed(c, r) = n;
       w.sync();
-      if (n % g.chunk_tokens == 0) ring_release(g, me, peers, c, r, w);
+      if (n % g.chunk_tokens == 0) ring_release(g, peers, c, flat_link(me, r), w);
     }
   }
-  for (int r = 0; r < R; ++r) ring_release(g, me, peers, c, r, w);
+  for (int r = 0; r < R; ++r) ring_release(g, peers, c, flat_link(me, r), w);
 }
 
 // The streaming launch of a combine: per channel, `senders` sender warps then one receiver.
@@ -185,7 +185,8 @@ struct CombineStream {
   template <typename Watch>
   JAX_EP_HOST_DEVICE void operator()(int /*rank*/, int64_t unit, const Warp& w,
                                      const Watch& watch) const {
-    const int c = static_cast<int>(unit / (senders + 1)), j = static_cast<int>(unit % (senders + 1));
+    const int per = senders + 1;
+    const int c = static_cast<int>(unit / per), j = static_cast<int>(unit % per);
     if (j < senders) {
       combine_stream_send(a, peers, c, j, senders, w, watch);
     } else {
@@ -194,15 +195,12 @@ struct CombineStream {
   }
 };
 
-// Zeroes this rank's ring counters (items: 2 x channels x R), before the launch that carries
-// it meets the peers, who write them only after.
+// Zeroes this rank's ring counters before the launch that carries it meets the peers.
 struct RingsZero {
   Rings g;
-  JAX_EP_HOST_DEVICE int64_t items() const { return 2 * static_cast<int64_t>(g.channels) * g.num_ranks; }
+  JAX_EP_HOST_DEVICE int64_t items() const { return ring_counters(g); }
   JAX_EP_HOST_DEVICE void operator()(int /*rank*/, int64_t i, int lane, int /*lanes*/) const {
-    if (lane != 0) return;
-    const int64_t half = items() / 2;
-    (i < half ? g.tail[i] : g.head[i - half]) = 0;
+    if (lane == 0) zero_ring_counter(g, i);
   }
 };
 

@@ -1,10 +1,13 @@
 // Normal dispatch streamed through channels (cuda/channels.h): between devices (one rank per
-// call), rank-major, one node, over a store view or a put view. It replaces the phased
-// dispatch's send and receive areas: after the count (which also zeroes this rank's ring
-// counters), one streaming launch runs, per channel, sender warps that write each token's
-// slot into the ring of every receiver it has a row on, and receiver warps that copy the
-// slots arriving from their sources straight into XLA's results; the finish then fills in
-// what the contract defines beyond the received rows (dispatch_finish over OwnArrays).
+// call), rank-major, over a store view or a put view, in one node or node-aware. It replaces
+// the phased dispatch's send, receive and relay areas: after the count (which also zeroes
+// this rank's ring counters), one streaming launch runs, per channel, sender warps that write
+// each token's slot into the ring of every receiver of its node it has a row on (node-aware,
+// and into the relay ring of each other node it has a row in), node-aware forwarder warps
+// that pass each slot from the relay rings on to its targets in the relay's node as it
+// lands, and receiver warps that copy the slots arriving in their node rings straight into
+// XLA's results; the finish then fills in what the contract defines beyond the received rows
+// (dispatch_finish over OwnArrays).
 //
 // A streaming body is called per (rank, unit) with a Warp and the launch's Watch
 // (cuda/channels.h).
@@ -42,61 +45,190 @@ inline DispatchArgs landed(const DispatchArgs& a) {
   return f;
 }
 
-// The metadata of a ring slot, after its row and scales.
+// The metadata of a ring slot, after its row and scales; a relay ring's slot also holds the
+// token's targets in the relay's node (targets() (receiver, row) pairs, up to one with
+// receiver -1).
 struct RingMeta {
-  int32_t* src;    // s*T + t
-  int32_t* row;    // the row on the receiver
-  int32_t* ids;    // [K], the source's clean ids
-  float* weights;  // [K]
+  int32_t* src;      // s*T + t
+  int32_t* row;      // the row on the receiver
+  int32_t* ids;      // [K], the source's clean ids
+  float* weights;    // [K]
+  int32_t* targets;  // [targets(), 2], relay rings only
 };
 JAX_EP_HOST_DEVICE RingMeta ring_meta(const DispatchArgs& a, char* slot) {
   int32_t* src = reinterpret_cast<int32_t*>(slot + a.row_bytes) + a.scale_cols;
-  return {src, src + 1, src + 2, reinterpret_cast<float*>(src + 2 + a.top_k)};
+  float* weights = reinterpret_cast<float*>(src + 2 + a.top_k);
+  return {src, src + 1, src + 2, weights, reinterpret_cast<int32_t*>(weights + a.top_k)};
 }
 
-// Sender warp j of `senders` on channel c: the channel's tokens, in order, into the rings of
-// the receivers d = j, j + senders, ... where they have a row (under the capacity).
-template <typename Peers, typename Watch>
-JAX_EP_HOST_DEVICE void dispatch_stream_send(const DispatchArgs& a, const Peers& peers, int c,
-                                             int j, int senders, const Warp& w,
-                                             const Watch& watch) {
-  const Rings& g = a.rings;
-  const int R = a.num_ranks, T = a.num_tokens, K = a.top_k, me = a.first_rank;
+// Writes a slot: the row and its scales, then its metadata (`row`, its row on the receiver;
+// -1 in a relay ring).
+JAX_EP_HOST_DEVICE void fill_slot(const DispatchArgs& a, char* slot, const char* x,
+                                  const float* scales, int32_t src, int32_t row,
+                                  const int32_t* ids, const float* weights, const Warp& w) {
+  const int K = a.top_k;
   const int64_t S = a.scale_cols;
+  const RingMeta meta = ring_meta(a, slot);
+  w.each([&](int lane) {
+    copy_row(slot, x, a.row_bytes, lane, w.lanes);
+    if (S > 0) copy_row(slot + a.row_bytes, scales, S * 4, lane, w.lanes);
+    for (int k = lane; k < K; k += w.lanes) {
+      meta.ids[k] = ids[k];
+      meta.weights[k] = weights[k];
+    }
+    if (lane == 0) {
+      *meta.src = src;
+      *meta.row = row;
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// The rings of a streamed dispatch, per channel
+//
+// Node rings (a.rings), in each receiver: one from each rank of its node (direct; one node:
+// from every rank), then, node-aware, one from each forwarder warp of each rank of the node
+// (relayed). Relay rings (a.relays, node-aware, over puts), in each relay: one from each
+// source it relays, numbered by the source's node and, where a smaller node makes a relay
+// serve several sources of a node, by their order (relay_fan). Node-aware, the picture:
+//
+//   source s --direct (stores)---------------------------------------> receivers of s's node
+//   source s --relay ring (puts)--> relay_of(s, m) --relayed (stores)--> receivers of node m
+//
+// The receivers never block (they poll their rings in turn), so every node ring drains; a
+// forwarder blocks only on a node ring, so every relay ring drains; a sender blocks on either.
+
+// Forwarder warps per channel on a relay: each drains its share of the relay rings into its
+// own ring in each receiver of the node.
+constexpr int kForwarders = 2;
+
+JAX_EP_HOST_DEVICE int forwarders(const DispatchArgs& a) {
+  return a.nodes() > 1 ? kForwarders : 0;
+}
+JAX_EP_HOST_DEVICE int node_links(const DispatchArgs& a) {
+  return a.node_ranks() * (1 + forwarders(a));
+}
+// Sources of one node a relay may serve: more than one when its node is smaller (the last).
+JAX_EP_HOST_DEVICE int relay_fan(const DispatchArgs& a) {
+  const int smallest = a.node_size(a.nodes() - 1);
+  return (a.node_ranks() + smallest - 1) / smallest;
+}
+JAX_EP_HOST_DEVICE int relay_links(const DispatchArgs& a) {
+  return a.nodes() > 1 ? a.nodes() * relay_fan(a) : 0;
+}
+// Rank x's end among the node rings: direct (f < 0), or of its forwarder f.
+JAX_EP_HOST_DEVICE int node_end(const DispatchArgs& a, int x, int f) {
+  return f < 0 ? a.in_node(x) : a.node_ranks() + a.in_node(x) * kForwarders + f;
+}
+// The node ring between this rank and `peer` (of its node), direct or of the forwarder f of
+// whichever of the two sends.
+JAX_EP_HOST_DEVICE RingLink node_link(const DispatchArgs& a, int me, int peer, int f) {
+  return {node_end(a, peer, f), node_end(a, me, f), peer};
+}
+// Node ring i of receiver `me`: its link, with rank -1 where no rank of the node writes it.
+JAX_EP_HOST_DEVICE RingLink node_ring(const DispatchArgs& a, int me, int i) {
+  const int P = a.node_ranks(), first = a.node_of(me) * P, size = a.node_size(a.node_of(me));
+  const int writer = i < P ? i : (i - P) / kForwarders;
+  if (writer >= size) return {i, 0, -1};
+  return node_link(a, me, first + writer, i < P ? -1 : (i - P) % kForwarders);
+}
+// Source s's relay ring at its relay in node m: its index there.
+JAX_EP_HOST_DEVICE int relay_end(const DispatchArgs& a, int s, int m) {
+  return a.node_of(s) * relay_fan(a) + a.in_node(s) / a.node_size(m);
+}
+// Relay ring i of relay `me`: its link to its source, with rank -1 where it has none.
+JAX_EP_HOST_DEVICE RingLink relay_ring(const DispatchArgs& a, int me, int i) {
+  const int m = a.node_of(me), n = i / relay_fan(a);
+  const int in_node = a.in_node(me) + i % relay_fan(a) * a.node_size(m);
+  if (n == m || in_node >= a.node_size(n)) return {i, 0, -1};
+  return {i, m, n * a.node_ranks() + in_node};
+}
+
+// ---------------------------------------------------------------------------------------------
+// The roles of a streaming dispatch launch (this rank `me`, channel c)
+
+// Node-aware, token t's targets in node m (receiver, row), into `pairs` by the leader; the
+// number of them in every lane.
+JAX_EP_HOST_DEVICE int node_targets(const DispatchArgs& a, const int32_t* ids, int me, int t,
+                                    int m, int32_t* pairs, const Warp& w) {
+  const int P = a.node_ranks(), first = m * P, size = a.node_size(m);
+  int n = 0;
+  for (int i = 0; i < size && n < a.targets(); ++i) {
+    const int32_t row = rank_major_row(a, ids, me, t, first + i);
+    if (row < 0 || row >= a.capacity) continue;
+    if (pairs != nullptr && w.leader()) {
+      pairs[2 * n] = first + i;
+      pairs[2 * n + 1] = row;
+    }
+    ++n;
+  }
+  if (pairs != nullptr && w.leader()) {
+    for (int i = n; i < a.targets(); ++i) pairs[2 * i] = pairs[2 * i + 1] = -1;
+  }
+  return n;
+}
+
+// Sender warp j of `senders`: the channel's tokens, in order, into the rings of its
+// destinations i = j, j + senders, ...: the ranks of its node (direct, where the token has a
+// row under the capacity), then node-aware the other nodes (the relay ring to the token's
+// relay there, where it has a target).
+template <typename NodePeers, typename RelayPeers, typename Watch>
+JAX_EP_HOST_DEVICE void dispatch_stream_send(const DispatchArgs& a, const NodePeers& node,
+                                             const RelayPeers& relay, int c, int j, int senders,
+                                             const Warp& w, const Watch& watch) {
+  const Rings &g = a.rings, &q = a.relays;
+  const int T = a.num_tokens, K = a.top_k, me = a.first_rank, home = a.node_of(me);
+  const int first = home * a.node_ranks(), size = a.node_size(home);
+  const int dests = size + (a.nodes() > 1 ? a.nodes() : 0);
+  auto link = [&](int i) {
+    return i < size ? node_link(a, me, first + i, -1)
+                    : RingLink{i - size, relay_end(a, me, i - size), a.relay_of(me, i - size)};
+  };
   if (w.leader()) {
-    for (int d = j; d < R; d += senders) g.sent(c, d) = g.published(c, d) = 0;
+    for (int i = j; i < dests; i += senders) {
+      const Rings& r = i < size ? g : q;
+      r.sent(c, link(i).here) = r.published(c, link(i).here) = 0;
+    }
   }
   w.sync();
   const int end = g.first_token(c + 1, T);
   for (int t = g.first_token(c, T); t < end; ++t) {
     const int32_t* ids = a.route(me, t);
     const int64_t here = a.local(me) * T + t;
-    for (int d = j; d < R; d += senders) {
-      const int32_t row = rank_major_row(a, ids, me, t, d);
-      if (row < 0 || row >= a.capacity) continue;
-      if (!ring_reserve(g, me, peers, c, d, w, watch)) return;
-      const int64_t n = g.sent(c, d);
-      char* slot = ring_write_slot(g, me, peers, c, d, n);
-      const RingMeta meta = ring_meta(a, slot);
-      w.each([&](int lane) {
-        copy_row(slot, a.x + here * a.row_bytes, a.row_bytes, lane, w.lanes);
-        if (S > 0) copy_row(slot + a.row_bytes, a.scales + here * S, S * 4, lane, w.lanes);
-        for (int k = lane; k < K; k += w.lanes) {
-          meta.ids[k] = ids[k];
-          meta.weights[k] = a.topk_weights[here * K + k];
-        }
-        if (lane == 0) {
-          *meta.src = static_cast<int32_t>(static_cast<int64_t>(me) * T + t);
-          *meta.row = row;
-        }
-      });
-      ring_advance(g, me, peers, c, d, w);
+    const int32_t src = static_cast<int32_t>(static_cast<int64_t>(me) * T + t);
+    const char* x = a.x + here * a.row_bytes;
+    const float* scales = a.scales + here * a.scale_cols;
+    const float* weights = a.topk_weights + here * K;
+    for (int i = j; i < dests; i += senders) {
+      const RingLink l = link(i);
+      if (i < size) {
+        const int32_t row = rank_major_row(a, ids, me, t, l.rank);
+        if (row < 0 || row >= a.capacity) continue;
+        if (!ring_reserve(g, node, c, l, w, watch)) return;
+        char* slot = ring_write_slot(g, node, c, l, g.sent(c, l.here));
+        fill_slot(a, slot, x, scales, src, row, ids, weights, w);
+        ring_advance(g, node, c, l, w);
+      } else {
+        if (l.here == home || node_targets(a, ids, me, t, l.here, nullptr, w) == 0) continue;
+        if (!ring_reserve(q, relay, c, l, w, watch)) return;
+        char* slot = ring_write_slot(q, relay, c, l, q.sent(c, l.here));
+        fill_slot(a, slot, x, scales, src, -1, ids, weights, w);
+        node_targets(a, ids, me, t, l.here, ring_meta(a, slot).targets, w);
+        ring_advance(q, relay, c, l, w);
+      }
     }
   }
-  for (int d = j; d < R; d += senders) ring_publish(g, me, peers, c, d, g.sent(c, d), true, w);
+  for (int i = j; i < dests; i += senders) {
+    const RingLink l = link(i);
+    if (i < size) {
+      ring_publish(g, node, c, l, g.sent(c, l.here), true, w);
+    } else if (l.here != home) {
+      ring_publish(q, relay, c, l, q.sent(c, l.here), true, w);
+    }
+  }
 }
 
-// Receiver d's slot of ring (c, s): the row, its scales and its metadata into XLA's results
+// Receiver d's slot of a node ring: the row, its scales and its metadata into XLA's results
 // at the row the sender found (the ids and weights of d's experts; -1 and 0 for others).
 JAX_EP_HOST_DEVICE void dispatch_stream_unpack(const DispatchArgs& a, const char* slot, int d,
                                                const Warp& w) {
@@ -117,66 +249,135 @@ JAX_EP_HOST_DEVICE void dispatch_stream_unpack(const DispatchArgs& a, const char
   });
 }
 
-// Receiver warp j of `receivers` on channel c: the rings (c, s) of sources s = j,
-// j + receivers, ..., polled in turn, each drained into XLA's results as its slots arrive
-// (and its head returned to the source), until every source closed its ring and it is empty.
-template <typename Peers, typename Watch>
-JAX_EP_HOST_DEVICE void dispatch_stream_receive(const DispatchArgs& a, const Peers& peers,
-                                                int c, int j, int receivers, const Warp& w,
-                                                const Watch& watch) {
-  const Rings& g = a.rings;
-  const int R = a.num_ranks, me = a.first_rank;
+// Drains the rings i = j, j + step, ... < links of g (`ring(i)` their links; rank -1: unused)
+// until every one is closed and empty: polled in turn, each one's new slots passed to
+// `take(i, slot)`, then, by chunk and at the end of a batch, its head returned to its sender.
+// When nothing arrives in a round, `idle()`. False when a wait gave up.
+template <typename Peers, typename Watch, typename Ring, typename Take, typename Idle>
+JAX_EP_HOST_DEVICE bool drain_rings(const Rings& g, const Peers& peers, int c, int j, int step,
+                                    int links, const Ring& ring, const Take& take,
+                                    const Idle& idle, const Warp& w, const Watch& watch) {
   if (w.leader()) {
-    for (int s = j; s < R; s += receivers) g.consumed(c, s) = 0;
+    for (int i = j; i < links; i += step) g.consumed(c, i) = 0;
   }
   w.sync();
   Patience<Watch> patience(watch);
-  int waiting = -1;  // a source whose ring is still open
+  int waiting = -1;  // a ring still open
   for (bool moved = true; patience.again(moved);) {
     waiting = -1;
     moved = false;
-    for (int s = j; s < R; s += receivers) {
-      const uint64_t tail = ring_tail(g, c, s, w);
+    for (int i = j; i < links; i += step) {
+      const RingLink l = ring(i);
+      if (l.rank < 0) continue;
+      const uint64_t tail = ring_tail(g, c, i, w);
       const int64_t have = static_cast<int64_t>(tail & ~kRingClosed);
-      const int64_t consumed = g.consumed(c, s);
-      if (consumed < have) {
-        for (int64_t n = consumed; n < have; ++n) {
-          dispatch_stream_unpack(a, g.slot(g.recv, c, s, n), me, w);
-        }
+      for (int64_t n = g.consumed(c, i); n < have;) {
+        if (!take(i, g.slot(g.recv, c, i, n))) return false;
+        ++n;
         w.sync();
-        if (w.leader()) g.consumed(c, s) = have;
-        ring_release(g, me, peers, c, s, w);
+        if (w.leader()) g.consumed(c, i) = n;
+        w.sync();
+        if (n % g.chunk_tokens == 0 || n == have) ring_release(g, peers, c, l, w);
         moved = true;
       }
-      if ((tail & kRingClosed) == 0) waiting = s;
+      if ((tail & kRingClosed) == 0) waiting = i;
     }
-    if (waiting < 0) return;
+    if (waiting < 0) return true;
+    if (!moved) idle();
   }
   const uint64_t tail = ring_tail(g, c, waiting, w);
   if (patience.expired() && w.leader()) {
-    watch.give_up(RingWaitKind::kData, waiting, c, g.consumed(c, waiting), tail);
+    watch.give_up(RingWaitKind::kData, ring(waiting).rank, c, g.consumed(c, waiting), tail);
   }
+  return false;
 }
 
-// The streaming launch of a dispatch: per channel, `senders` sender warps then `receivers`
-// receiver warps (units() of them per rank).
-template <typename Peers>
+// Receiver warp j of `receivers`: node rings i = j, j + receivers, ..., drained into XLA's
+// results as their slots arrive.
+template <typename NodePeers, typename Watch>
+JAX_EP_HOST_DEVICE void dispatch_stream_receive(const DispatchArgs& a, const NodePeers& node,
+                                                int c, int j, int receivers, const Warp& w,
+                                                const Watch& watch) {
+  const int me = a.first_rank;
+  drain_rings(
+      a.rings, node, c, j, receivers, node_links(a),
+      [&](int i) { return node_ring(a, me, i); },
+      [&](int, const char* slot) {
+        dispatch_stream_unpack(a, slot, me, w);
+        return true;
+      },
+      [] {}, w, watch);
+}
+
+// Node-aware, forwarder warp f of a relay: its relay rings i = f, f + kForwarders, ..., each
+// slot stored into the node ring of forwarder f in each of its targets (waiting for space
+// there) as it arrives; while nothing arrives, what it wrote is published; at the end its
+// node rings are closed.
+template <typename NodePeers, typename RelayPeers, typename Watch>
+JAX_EP_HOST_DEVICE void dispatch_stream_forward(const DispatchArgs& a, const NodePeers& node,
+                                                const RelayPeers& relay, int c, int f,
+                                                const Warp& w, const Watch& watch) {
+  const Rings& g = a.rings;
+  const int me = a.first_rank, P = a.node_ranks();
+  const int first = a.node_of(me) * P, size = a.node_size(a.node_of(me));
+  if (w.leader()) {
+    for (int d = first; d < first + size; ++d) {
+      const int here = node_link(a, me, d, f).here;
+      g.sent(c, here) = g.published(c, here) = 0;
+    }
+  }
+  w.sync();
+  auto publish = [&](bool closed) {
+    for (int d = first; d < first + size; ++d) {
+      const RingLink l = node_link(a, me, d, f);
+      if (closed || g.published(c, l.here) < g.sent(c, l.here)) {
+        ring_publish(g, node, c, l, g.sent(c, l.here), closed, w);
+      }
+    }
+  };
+  const bool drained = drain_rings(
+      a.relays, relay, c, f, kForwarders, relay_links(a),
+      [&](int i) { return relay_ring(a, me, i); },
+      [&](int, const char* slot) {
+        const RingMeta meta = ring_meta(a, const_cast<char*>(slot));
+        for (int p = 0; p < a.targets() && meta.targets[2 * p] >= 0; ++p) {
+          const RingLink l = node_link(a, me, meta.targets[2 * p], f);
+          if (!ring_reserve(g, node, c, l, w, watch)) return false;
+          char* to = ring_write_slot(g, node, c, l, g.sent(c, l.here));
+          fill_slot(a, to, slot, reinterpret_cast<const float*>(slot + a.row_bytes), *meta.src,
+                    meta.targets[2 * p + 1], meta.ids, meta.weights, w);
+          ring_advance(g, node, c, l, w);
+        }
+        return true;
+      },
+      [&] { publish(false); }, w, watch);
+  if (drained) publish(true);
+}
+
+// The streaming launch of a dispatch: per channel, `senders` sender warps, node-aware
+// forwarders(a) forwarder warps, then `receivers` receiver warps (units() of them per rank).
+// NodePeers reach the node's ranks (one node: the op's view), RelayPeers the relays (puts).
+template <typename NodePeers, typename RelayPeers>
 struct DispatchStream {
   DispatchArgs a;
-  Peers peers{};
+  NodePeers node{};
+  RelayPeers relay{};
   int senders = 1, receivers = 1;
+  JAX_EP_HOST_DEVICE int per_channel() const { return senders + forwarders(a) + receivers; }
   JAX_EP_HOST_DEVICE int64_t units() const {
-    return static_cast<int64_t>(a.rings.channels) * (senders + receivers);
+    return static_cast<int64_t>(a.rings.channels) * per_channel();
   }
   template <typename Watch>
   JAX_EP_HOST_DEVICE void operator()(int /*rank*/, int64_t unit, const Warp& w,
                                      const Watch& watch) const {
-    const int per = senders + receivers;
+    const int per = per_channel(), F = forwarders(a);
     const int c = static_cast<int>(unit / per), j = static_cast<int>(unit % per);
     if (j < senders) {
-      dispatch_stream_send(a, peers, c, j, senders, w, watch);
+      dispatch_stream_send(a, node, relay, c, j, senders, w, watch);
+    } else if (j < senders + F) {
+      dispatch_stream_forward(a, node, relay, c, j - senders, w, watch);
     } else {
-      dispatch_stream_receive(a, peers, c, j - senders, receivers, w, watch);
+      dispatch_stream_receive(a, node, c, j - senders - F, receivers, w, watch);
     }
   }
 };

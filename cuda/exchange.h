@@ -450,9 +450,13 @@ struct DispatchArgs {
   float* relay_scales = nullptr;     // [R*T, scale_cols]
   int32_t* relay_targets = nullptr;  // [R*T, targets(), 2]
   int32_t* send_targets = nullptr;
-  // Channels (cuda/channels.h, between devices, rank-major, one node): the rows stream
-  // through rings of ring slots (ring_slot()); the receivers write XLA's results.
+  // Channels (cuda/channels.h, between devices, rank-major): the rows stream through rings
+  // of ring slots (ring_slot()), within a node (one node: between every pair of ranks); the
+  // receivers write XLA's results. Node-aware, from each source to its relays through the
+  // relay rings (relay_slot(): with the token's targets in the relay's node), which the
+  // relays forward into the rings of their node (dispatch_stream.h).
   Rings rings;
+  Rings relays;
 
   // Per-receiver results, reached through Peers: [R, ...].
   char* recv_x;               // [R, capacity, row_bytes]
@@ -521,12 +525,19 @@ struct DispatchArgs {
   JAX_EP_HOST_DEVICE int node_of(int rank) const {
     return ranks_per_node > 0 ? rank / ranks_per_node : 0;
   }
+  // Ranks of a full node (one node: all), a rank's index in its node, the ranks of node m.
+  JAX_EP_HOST_DEVICE int node_ranks() const {
+    return ranks_per_node > 0 ? ranks_per_node : num_ranks;
+  }
+  JAX_EP_HOST_DEVICE int in_node(int rank) const { return rank % node_ranks(); }
+  JAX_EP_HOST_DEVICE int node_size(int m) const {
+    const int left = num_ranks - m * node_ranks();
+    return left < node_ranks() ? left : node_ranks();
+  }
   // The rank of node m that relays source s's tokens: the one with s's index in its node
   // (wrapped around a smaller last node).
   JAX_EP_HOST_DEVICE int relay_of(int s, int m) const {
-    const int first = m * ranks_per_node;
-    const int size = num_ranks - first < ranks_per_node ? num_ranks - first : ranks_per_node;
-    return first + (s % ranks_per_node) % size;
+    return m * node_ranks() + in_node(s) % node_size(m);
   }
   // (receiver, row) pairs of a relay slot: at most one per choice, K.
   JAX_EP_HOST_DEVICE int targets() const { return top_k; }
@@ -538,6 +549,11 @@ struct DispatchArgs {
   // token's K ids and K weights, rounded up to 16 (dispatch_stream.h).
   JAX_EP_HOST_DEVICE int64_t ring_slot() const {
     return (row_bytes + 4 * (scale_cols + 2 + 2 * int64_t{top_k}) + 15) / 16 * 16;
+  }
+  // Bytes of a relay ring's slot: a ring slot's and the targets() (receiver, row) pairs in
+  // the relay's node, rounded up to 16.
+  JAX_EP_HOST_DEVICE int64_t relay_slot() const {
+    return (row_bytes + 4 * (scale_cols + 2 + 2 * int64_t{top_k} + 2 * targets()) + 15) / 16 * 16;
   }
   // Bytes from one row to the next in the receive, send and relay areas.
   JAX_EP_HOST_DEVICE int64_t row_stride() const { return packed ? packed_slot() : row_bytes; }

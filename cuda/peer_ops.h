@@ -221,7 +221,7 @@ inline PeerError fits(int op, const char* region, size_t used, size_t reserved) 
 // The rings of an op (g's shape set): the counters, this rank's own state, the receive rings
 // and, over puts, the send rings.
 inline void carve_rings(Carver& c, bool puts, Rings* g) {
-  const int64_t rings = static_cast<int64_t>(g->channels) * g->num_ranks;
+  const int64_t rings = static_cast<int64_t>(g->channels) * g->links;
   g->tail = c.take<uint64_t>(rings);
   g->head = c.take<uint64_t>(rings);
   g->state = c.take<int64_t>(Rings::kStateWords * rings);
@@ -229,8 +229,9 @@ inline void carve_rings(Carver& c, bool puts, Rings* g) {
   g->send = c.take<char>(puts ? rings * g->ring_slots() * g->slot_bytes : 0);
 }
 
-// Dispatch: what peers write into this rank. Streamed (a->rings.channels > 0, rank-major,
-// one node): the counts and the rings. In phases: the counts, the received rows and metadata
+// Dispatch: what peers write into this rank. Streamed (a->rings.channels > 0, rank-major):
+// the counts and the rings (node-aware: the node rings over the node's stores, and the relay
+// rings). In phases: the counts, the received rows and metadata
 // (not src_row, which the finish finds and writes into XLA's result) and,
 // over puts, the send area the puts read from (this rank's rows and scales); node-aware
 // (a->ranks_per_node set), the relay's slots and this rank's staged targets too.
@@ -238,15 +239,20 @@ inline size_t carve_dispatch(char* base, bool puts, DispatchArgs* a) {
   const int R = a->num_ranks, cap = a->capacity, K = a->top_k, rows = a->rows();
   const bool em = a->expert_major;
   Carver c(base);
-  // Channels (cuda/channels.h): rank-major within one node, the counts and the rings only.
+  // Channels (cuda/channels.h, cuda/dispatch_stream.h): rank-major, the counts and rings only.
   Rings& g = a->rings;
-  if (g.channels > 0 && (em || a->nodes() > 1)) g.channels = 0;  // not streamed yet
+  if (em) g.channels = 0;  // not streamed yet
   if (g.channels > 0) {
+    const bool aware = a->nodes() > 1;
     a->packed = false;
-    g.num_ranks = R;
+    g.links = node_links(*a);
     g.slot_bytes = a->ring_slot();
+    a->relays = g;
+    a->relays.links = relay_links(*a);
+    a->relays.slot_bytes = a->relay_slot();
     a->counts = c.take<int32_t>(static_cast<int64_t>(R) * a->num_counters());
-    carve_rings(c, puts, &g);
+    carve_rings(c, puts && !aware, &g);
+    if (aware) carve_rings(c, true, &a->relays);
     return c.used();
   }
   // Over puts, rank-major rows travel in packed slots (row, scales and metadata together).
@@ -294,7 +300,7 @@ size_t carve_combine(char* base, CombineArgs<T>* a, bool puts, CombineRegions<T>
   Carver c(base);
   if (a->rings.channels > 0) {
     Rings& g = a->rings;
-    g.num_ranks = a->num_ranks;
+    g.links = a->num_ranks;
     g.slot_bytes = combine_slot_bytes(*a);
     carve_rings(c, puts, &g);
     return c.used();
@@ -445,14 +451,24 @@ PeerError run_op(Platform& p, int op, const DispatchArgs& out) {
     using Peers = std::decay_t<decltype(peers)>;
     if (a.rings.channels > 0) {
       // Streamed: the count (its tail also zeroes this rank's ring counters before the peers
-      // may write them), then senders and receivers at once, receivers writing XLA's results
-      // (its arrival completes its puts and signals, heads included, before the peers' next
+      // may write them), then senders, node-aware forwarders, and receivers at once,
+      // receivers writing XLA's results (node-aware, the node's rings over its store view,
+      // the relays' over puts; its arrival completes its puts and signals, heads included,
+      // before the peers' next
       // op zeroes their counters); the finish completes the results from this rank's own
       // arrays, and its arrival frees this rank's buffer.
       p.per_warp(DispatchCount{a}, a.num_chunks, Meet{Wait::kStart, true, Wait::kStart},
                  DispatchTail<Peers>{a, a.first_rank, 1, peers});
-      const int half = p.warps_per_channel() / 2;
-      p.per_unit(DispatchStream<Peers>{a, peers, half, half}, Meet{{}, true, {}});
+      const int spare = std::max(p.warps_per_channel() - forwarders(a), 2);
+      const int senders = spare / 2, receivers = spare - senders;
+      if (a.nodes() == 1) {
+        p.per_unit(DispatchStream<Peers, Peers>{a, peers, peers, senders, receivers},
+                   Meet{{}, true, {}});
+      } else if constexpr (Peers::kPuts) {  // node-aware: the node's stores, puts to relays
+        using NodePeers = typename Platform::Peers;
+        p.per_unit(DispatchStream<NodePeers, Peers>{a, p.peers(), peers, senders, receivers},
+                   Meet{{}, true, {}});
+      }
       p.per_warp(DispatchFinish<OwnArrays>{landed(a), {}}, a.finish_items(),
                  Meet{{}, true, {}});
       return p.result(op);

@@ -67,10 +67,11 @@ struct DispatchTail {
   DispatchArgs a;
   int first, ranks;
   Peers peers{};
-  // Streamed (between devices), also this rank's ring counters, zeroed before the launch
-  // meets the peers (who write them only after).
+  // Streamed (between devices), also this rank's ring counters (node rings, then relay
+  // rings), zeroed before the launch meets the peers (who write them only after).
   JAX_EP_HOST_DEVICE int64_t ring_counters() const {
-    return a.rings.channels > 0 ? 2 * static_cast<int64_t>(a.rings.channels) * a.num_ranks : 0;
+    return a.rings.channels > 0 ? jax_ep::ring_counters(a.rings) + jax_ep::ring_counters(a.relays)
+                                : 0;
   }
   JAX_EP_HOST_DEVICE int64_t early_items() const {
     return static_cast<int64_t>(ranks) * (a.num_counters() + 1) + ring_counters();
@@ -79,8 +80,8 @@ struct DispatchTail {
   JAX_EP_HOST_DEVICE void early(int64_t i) const {
     const int64_t published = static_cast<int64_t>(ranks) * (a.num_counters() + 1);
     if (i >= published) {
-      const int64_t j = i - published, half = ring_counters() / 2;
-      (j < half ? a.rings.tail[j] : a.rings.head[j - half]) = 0;
+      const int64_t j = i - published, node = jax_ep::ring_counters(a.rings);
+      j < node ? zero_ring_counter(a.rings, j) : zero_ring_counter(a.relays, j - node);
       return;
     }
     const int n = a.num_counters() + 1, s = first + static_cast<int>(i / n);

@@ -62,16 +62,17 @@ _generation = itertools.count()
 @dataclasses.dataclass(frozen=True)
 class Channels:
     """Normal dispatch and combine streamed through ring buffers (cuda/channels.h,
-    docs/cuda.md, "Channels"): between devices, rank-major (the dispatch within one node),
-    each rank's tokens split into `channels` ranges; every (channel, sender, receiver) has a
-    ring of chunk_tokens x ring_chunks slots in the receiver's buffer (over puts a send ring
-    too), so their symmetric bytes do not grow with the tokens, and senders and receivers run
-    at once. Expert-major calls and the node-aware dispatch still run in phases.
+    docs/cuda.md, "Channels"): between devices, rank-major, each rank's tokens split into
+    `channels` ranges; every (channel, sender, receiver) has a ring of chunk_tokens x
+    ring_chunks slots in the receiver's buffer (over puts a send ring too; node-aware, the
+    dispatch's rings between nodes go to the relays, which forward each chunk into the rings
+    of their node as it lands), so their symmetric bytes do not grow with the tokens, and
+    senders and receivers run at once. Expert-major calls still run in phases.
 
     Attributes:
       channels: token ranges per rank, each with its own rings and, on a GPU, one block
-        (dispatch: half its warps send, half receive; combine: one receives); at most the
-        GPU's SMs.
+        (dispatch: half its warps send, half receive, node-aware but two that forward a
+        relay's chunks; combine: one receives); at most the GPU's SMs.
       chunk_tokens: slots a sender fills before it publishes them (one put per chunk and
         destination over puts).
       ring_chunks: chunks per ring (2 or more let a sender fill one while the receiver drains

@@ -379,13 +379,15 @@ def test_peer_access_sizes_the_send_areas(monkeypatch):
 # runs in phases beside them.
 
 
-@pytest.fixture(params=[("store", "2,1,2"), ("put", "3,2,2"), ("put", "1,3,1")],
-                ids=lambda p: f"{p[0]}s, rings {p[1]}")
+@pytest.fixture(params=[("store", "2,1,2", 0), ("put", "3,2,2", 0), ("put", "1,3,1", 0),
+                        ("put", "2,1,2", 3), ("put", "1,2,2", 2)],
+                ids=lambda p: f"{p[0]}s, rings {p[1]}" + (f", nodes of {p[2]}" if p[2] else ""))
 def streamed_peers(request, monkeypatch):
-    """Host peers whose dispatch streams through tiny rings, over stores or puts."""
-    access, rings = request.param
-    with host_peers_with(monkeypatch, JAX_EP_PEER_ACCESS=access,
-                         JAX_EP_CHANNELS=rings) as state:
+    """Host peers whose dispatch streams through tiny rings, over stores or puts, in one node
+    or through relays in nodes of 2 or 3."""
+    access, rings, nodes = request.param
+    with host_peers_with(monkeypatch, JAX_EP_PEER_ACCESS=access, JAX_EP_CHANNELS=rings,
+                         **({"JAX_EP_RANKS_PER_NODE": str(nodes)} if nodes else {})) as state:
         assert state["channels"] == runtime.Channels(*map(int, rings.split(",")))
         yield
 
@@ -421,6 +423,31 @@ def test_streamed_ops_of_everything_to_one_rank(streamed_peers, R):
     assert int(got[0].num_tokens[1]) == R * T
 
 
+def streamed_messages(monkeypatch, rings, x, idx, w, E, **env):
+    """The messages over puts of a streamed dispatch, and of it and its combine, less the
+    count's totals (each rank's R + E to every rank, value by value)."""
+    R = x.shape[0]
+
+    def program(combine):
+        def per_shard(x, idx, w):
+            recv, handle = jax_ep.dispatch(x, idx, w, num_experts=E, backend="cuda")
+            return jax_ep.combine(recv.x, handle, backend="cuda") if combine else recv.x
+
+        return sharded(per_shard, R)
+
+    with host_peers_with(monkeypatch, JAX_EP_PEER_ACCESS="put",
+                         JAX_EP_CHANNELS=f"{rings.channels},{rings.chunk_tokens},"
+                                         f"{rings.ring_chunks}", **env):
+        counted = []
+        for combine in (False, True):
+            run = program(combine)
+            jax.block_until_ready(run(x, idx, w))  # compiled
+            _ffi.EXT.meter(reset=True)
+            jax.block_until_ready(run(x, idx, w))
+            counted.append(_ffi.EXT.meter(reset=True)["messages"] - R * R * (R + E))
+    return counted
+
+
 def test_streamed_ops_send_one_message_per_chunk(monkeypatch):
     """Over puts, rings deep enough that no sender waits: each (channel, sender, receiver)
     stream of n rows is floor(n / chunk) puts with their signals plus its close; the combine's
@@ -442,36 +469,47 @@ def test_streamed_ops_send_one_message_per_chunk(monkeypatch):
     assert n.max() <= rings.slots()  # no sender waits for space
     streams = int((n // rings.chunk_tokens + 1).sum())
 
-    def program(combine):
-        def per_shard(x, idx, w):
-            recv, handle = jax_ep.dispatch(x, idx, w, num_experts=E, backend="cuda")
-            return jax_ep.combine(recv.x, handle, backend="cuda") if combine else recv.x
-
-        return sharded(per_shard, R)
-
-    with host_peers_with(monkeypatch, JAX_EP_PEER_ACCESS="put",
-                         JAX_EP_CHANNELS=f"{rings.channels},{rings.chunk_tokens},"
-                                         f"{rings.ring_chunks}"):
-        counted = []
-        for combine in (False, True):
-            run = program(combine)
-            jax.block_until_ready(run(x, idx, w))  # compiled
-            _ffi.EXT.meter(reset=True)
-            jax.block_until_ready(run(x, idx, w))
-            counted.append(_ffi.EXT.meter(reset=True)["messages"])
-    totals = R * R * (R + E)  # the count's
-    dispatch, both = counted[0] - totals, counted[1] - totals
+    dispatch, both = streamed_messages(monkeypatch, rings, x, idx, w, E)
     assert streams <= dispatch <= 2 * streams
     assert 3 * streams <= both <= 4 * streams  # the combine's: 2 per stream
     assert both < 2 * goes.sum()  # fewer than one message per row and op
 
 
+def test_node_aware_dispatch_sends_one_message_per_chunk_to_each_relay(monkeypatch):
+    """In two nodes of 2, rings deep enough that no sender waits: only the relay rings are
+    puts, each (channel, source, other node) stream of n rows floor(n / chunk) puts with
+    their signals plus its close, and the relay returns its head at most once per range;
+    within a node the rows are stores."""
+    if two_group_axes():
+        pytest.skip("counts the messages of one EP group")
+    R, T, K, E, H = 4, 64, 4, 16, 128
+    rings = runtime.Channels(2, 8, 8)
+    rng = np.random.default_rng()
+    idx, w = routing(rng, R, T, K, E, "masked")
+    x = rng.standard_normal((R, T, H)).astype(np.float32)
+    first = [c * T // rings.channels for c in range(rings.channels + 1)]
+    crosses = np.zeros((R, T, 2), bool)  # token t of source s has a row in node m
+    for e in range(E):
+        crosses[..., e // (E // 2)] |= (idx == e).any(-1)
+    for s in range(R):
+        crosses[s, :, s // 2] = False  # its own node: direct
+    n = np.stack([crosses[:, first[c]:first[c + 1]].sum(1) for c in range(rings.channels)])
+    assert n.max() <= rings.slots()  # no sender waits for space
+    other = 1 - np.arange(R) // 2  # each source's other node
+    streams = int((n // rings.chunk_tokens + 1)[:, np.arange(R), other].sum())
+    dispatch, _ = streamed_messages(monkeypatch, rings, x, idx, w, E,
+                                    JAX_EP_RANKS_PER_NODE="2")
+    assert streams <= dispatch <= 2 * streams
+    assert dispatch < crosses.sum()  # fewer than one message per row crossing nodes
+
+
 def test_channels_keep_the_normal_region_flat_in_the_tokens(monkeypatch):
     """Streamed, the dispatch's and the combine's symmetric bytes are their ring counters and
-    rings (and the dispatch's counts), whatever T; expert-major calls and the node-aware
-    dispatch run in phases and grow with R*T. With the default Channels, the normal region at
-    EP64 over puts (DeepSeek's shapes, one node) stays under 1 GiB, and node-aware the
-    combine's."""
+    rings (and the dispatch's counts), whatever T; expert-major calls run in phases and grow
+    with R*T. Node-aware, the dispatch's rings are those of the node (from each rank of the
+    node and each of its forwarders) and those from the sources a rank relays. With the
+    default Channels, the normal region at EP64 over puts (DeepSeek's shapes) stays under
+    1 GiB, in one node and in nodes of 8."""
     monkeypatch.delenv("JAX_EP_RANKS_PER_NODE", raising=False)
     monkeypatch.delenv("JAX_EP_CHANNELS", raising=False)
     rings = runtime.Channels(2, 4, 2)
@@ -494,12 +532,20 @@ def test_channels_keep_the_normal_region_flat_in_the_tokens(monkeypatch):
         assert phased[1]["combine"] > phased[0]["combine"]  # in phases: grows with T
         em = [split(T, channels=rings, expert_major=True)["dispatch"] for T in (16, 64)]
         assert em[1] > em[0]  # expert-major runs in phases
+    # Node-aware, nodes of 4 ranks: per channel 4 x (1 + 2 forwarders) node rings over stores,
+    # and 2 relay rings (one per node) over puts, of slots with K (receiver, row) pairs.
+    relay_slot = -(-(dispatch_slot + 8 * K) // 16) * 16
+    for T in (16, 64, 256):
+        config = jax_ep.BufferConfig(num_tokens=T, hidden=H, top_k=K, num_experts=E,
+                                     num_ranks=R, low_latency_tokens=0, channels=rings)
+        aware = runtime.normal_region_bytes(config, access="put", nodes=4)
+        ring_bytes = rings.channels * rings.slots() * (12 * dispatch_slot + 2 * 2 * relay_slot)
+        assert ring_bytes < aware["dispatch"] <= ring_bytes + 4096
     for T in (4096, 16384):
         config = jax_ep.BufferConfig(num_tokens=T, num_ranks=64, low_latency_tokens=0,
                                      channels=runtime.Channels())
         assert runtime.buffer_regions(config, access="put", nodes=0)["normal"] < 1 << 30
-        aware = runtime.normal_region_bytes(config, access="put", nodes=8)
-        assert aware["combine"] < 1 << 30 < aware["dispatch"]
+        assert runtime.buffer_regions(config, access="put", nodes=8)["normal"] < 1 << 30
     with pytest.raises(ValueError, match=r"Channels.chunk_tokens must be an int in \[1, 2\^20\]"):
         jax_ep.BufferConfig(channels=runtime.Channels(2, 0, 2)).check()
     monkeypatch.setenv("JAX_EP_CHANNELS", "8,16")
@@ -531,8 +577,9 @@ def test_node_aware_normal_ops_match_portable_backend(node_peers, R, expert_majo
 
 @pytest.mark.parametrize("R", [4, 5, 8])
 def test_node_aware_with_channels_matches_portable_backend(monkeypatch, R):
-    """In nodes of 3 with rings: the dispatch runs in phases through the relays, the combine
-    streams over puts (as its phased form, straight to each home)."""
+    """In nodes of 3 with rings: the dispatch streams through the relays (a smaller last node
+    makes a relay serve several sources of a node), the combine over puts (as its phased form,
+    straight to each home)."""
     with host_peers_with(monkeypatch, JAX_EP_PEER_ACCESS="put", JAX_EP_RANKS_PER_NODE="3",
                          JAX_EP_CHANNELS="2,2,2"):
         test_normal_ops_match_portable_backend(R, False, False)
