@@ -159,7 +159,7 @@ __device__ __forceinline__ uint64_t global_ns() {
 // this rank's symmetric buffer counts the launches of EP rank p that arrived; `epoch` those
 // of this rank. `Net` reaches the peers: `signal(slot, value, rank)` sets `slot` (an address
 // in this rank's buffer) in rank's buffer after this rank's earlier writes, `quiet()`
-// completes this thread's puts.
+// completes the puts this PE issued before it (NVSHMEM's per-PE quiet).
 template <typename Net>
 struct DeviceMeet {
   uint64_t* signals;
@@ -172,7 +172,7 @@ struct DeviceMeet {
   int before_code = 0, after_code = 0;   // PeerStatus codes of their timeouts
   uint64_t before_arrivals = kAllEarlier;  // Meet::before_arrivals
   bool arrive = false;
-  bool quiet = false;  // an arriving launch over puts: done() completes the thread's puts
+  bool quiet = false;  // an arriving launch over puts: done() completes the block's puts
 
   __host__ __device__ bool waits_first() const { return before_ns != 0; }
   __host__ __device__ bool has_last() const { return arrive || after_ns != 0; }
@@ -189,11 +189,13 @@ struct DeviceMeet {
     __shared__ bool flag;
     return flag;
   }
-  // Every thread after its items. NVSHMEM specifies nvshmem_quiet per PE; each thread quiets
-  // its own puts anyway, so that the arrival's signal follows every put of the launch however
-  // an implementation scopes it.
+  // Every thread after its items. NVSHMEM specifies nvshmem_quiet per PE (it completes every
+  // put the GPU issued before it), so one thread per block quiets, once the block's threads
+  // have issued theirs: with IBGDA each quiet polls every queue pair, so never one per thread.
   __device__ void done() const {
-    if (quiet) net.quiet();
+    if (!quiet) return;
+    __syncthreads();
+    if (threadIdx.x == 0) net.quiet();
   }
   __device__ void last() const {
     if (arrive) tell_peers();
@@ -224,9 +226,9 @@ struct DeviceMeet {
       arrivals = *epoch + 1;
       *epoch = arrivals;
     }
-    __syncthreads();
-    net.quiet();
+    if (threadIdx.x == 0) net.quiet();  // the tail's puts (done() quieted the items')
     __threadfence_system();
+    __syncthreads();
     for (int p = threadIdx.x; p < n; p += blockDim.x) net.signal(signals + me, arrivals, p);
   }
 

@@ -384,17 +384,31 @@ JAX_EP_HOST_DEVICE int32_t scan_chunks(int32_t* column, int chunks, int64_t stri
 
 // The count's tail for counter c of one source, before the launch meets the peers (`table`:
 // the source's chunk counts, n counters a chunk, the last one its invalid ids): scan_chunks,
-// then the total published to `counts` (the source's row of them) on every one of the R ranks
-// (one shared copy with virtual ranks), or, for the last counter, to *num_invalid.
-template <typename Peers>
-JAX_EP_HOST_DEVICE void publish_total(const Peers& peers, int32_t* table, int chunks, int n,
-                                      int c, int32_t* counts, int R, int32_t* num_invalid) {
+// then the total into `counts` (the source's row of them in this rank's copy, which
+// publish_totals sends to the peers) or, for the last counter, *num_invalid.
+JAX_EP_HOST_DEVICE void count_total(int32_t* table, int chunks, int n, int c, int32_t* counts,
+                                    int32_t* num_invalid) {
   const int32_t total = scan_chunks(table + c, chunks, n);
   if (c == n - 1) {
     *num_invalid = total;
-    return;
+  } else {
+    counts[c] = total;
   }
-  for (int d = 0; d < R; ++d) store_to(peers, counts, 0, d, c, total);
+}
+
+// Then a source's row of `n` totals (`counts`, in this rank's copy) into rank d's copy: one
+// put with a put view, stores with a store view; nothing where d's copy is this one (this
+// rank, or the copy that virtual ranks share).
+template <typename Peers>
+JAX_EP_HOST_DEVICE void publish_totals(const Peers& peers, int32_t* counts, int n, int d,
+                                       int me, int lane, int lanes) {
+  if constexpr (Peers::kPuts) {
+    if (d != me) peers.put(counts, d, counts, int64_t{n} * 4, lane, lanes);
+  } else {
+    int32_t* to = peers.at(counts, 0, d);
+    if (to == counts) return;
+    for (int i = lane; i < n; i += lanes) to[i] = counts[i];
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

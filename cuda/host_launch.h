@@ -74,14 +74,15 @@ void for_units(int64_t units, int threads, const Unit& unit) {
 
 // One launch (cuda/phases.cuh per_warp): phase(rank, item, lane, lanes) with one item per
 // warp, then, in the unit that finishes last (found with a ticket, as on the GPU), the tail's
-// early items, meet.last() and the tail's items, each from the last. Every unit runs
-// meet.first() before its items and meet.done() after them. A launch with no items still runs when it has a tail or meets
-// its peers.
+// early items, its publish items (all lanes of each), meet.last() and the tail's items, each
+// from the last. Every unit runs meet.first() before its items and meet.done() after them. A
+// launch with no items still runs when it has a tail or meets its peers.
 template <typename Phase, typename Tail = NoTail, typename Meeting = NoMeet>
 void host_per_warp(const Phase& phase, int first_rank, int ranks, int64_t items,
                    const HostGrid& grid, const Tail& tail = {}, const Meeting& meet = {}) {
   const int64_t total = static_cast<int64_t>(ranks) * items, units = grid.num_warps();
-  const bool after = tail.early_items() > 0 || tail.items() > 0 || meet.has_last();
+  const bool after = tail.early_items() > 0 || tail.publish_items() > 0 || tail.items() > 0 ||
+                     meet.has_last();
   if (total == 0 && !after && !meet.waits_first()) return;  // the GPU launches nothing either
   meter_launch(total);
   std::atomic<int64_t> ticket{0};
@@ -97,6 +98,9 @@ void host_per_warp(const Phase& phase, int first_rank, int ranks, int64_t items,
     meet.done();
     if (!after || ticket.fetch_add(1, std::memory_order_acq_rel) != units - 1) return;
     for (int64_t i = tail.early_items() - 1; i >= 0 && !meet.failed(); --i) tail.early(i);
+    for (int64_t i = tail.publish_items() - 1; i >= 0 && !meet.failed(); --i) {
+      for (int lane = grid.lanes - 1; lane >= 0; --lane) tail.publish(i, lane, grid.lanes);
+    }
     meet.last();
     for (int64_t i = tail.items() - 1; i >= 0 && !meet.failed(); --i) tail(i);
   });

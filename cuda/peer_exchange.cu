@@ -10,8 +10,9 @@
 //
 // Peers reached by puts (another node, or $JAX_EP_PEER_ACCESS=put): `NvshmemPutPeers` puts
 // with NVSHMEM, which takes whatever transport reaches the peer (P2P on one node, IBGDA or IBRC
-// over InfiniBand or RoCE); every thread quiets its puts before its block counts itself
-// finished, and the arrival quiets again before it signals (DeviceMeet::done, tell_peers).
+// over InfiniBand or RoCE); one thread per block quiets the block's puts before it counts
+// itself finished, and the arrival quiets again before it signals (DeviceMeet::done,
+// tell_peers).
 // The group chooses its view once, at jax_ep.initialize() (SymmetricBuffer::puts).
 //
 // Groups: the EP axis may be one axis of a larger mesh (cuda/ep_group.h). The first exchange
@@ -111,7 +112,7 @@ struct NvshmemPutPeers {
 };
 
 // NVSHMEM's way to the peers, for DeviceMeet (cuda/device_peers.cuh): the signal is an
-// NVSHMEM signal op to the rank's PE, and quiet completes the thread's puts.
+// NVSHMEM signal op to the rank's PE, and quiet completes the puts the PE issued before it.
 struct NvshmemNet {
   const int* pes;
   __device__ void signal(uint64_t* slot, uint64_t value, int rank) const {

@@ -13,12 +13,16 @@
 namespace jax_ep {
 
 // A launch without a tail. A tail runs in the block that finishes its launch last, after
-// every item: early(i) for i < early_items() before the launch meets the peers (what they
-// need from it), then (i) for i < items() after (what needs theirs).
+// every item: early(i) for i < early_items() (one thread each), then publish(i, lane, lanes)
+// for i < publish_items() (one warp each: what the early items computed, sent to the peers),
+// before the launch meets the peers (what they need from it), then (i) for i < items() after
+// (what needs theirs).
 struct NoTail {
   JAX_EP_HOST_DEVICE int64_t early_items() const { return 0; }
+  JAX_EP_HOST_DEVICE int64_t publish_items() const { return 0; }
   JAX_EP_HOST_DEVICE int64_t items() const { return 0; }
   JAX_EP_HOST_DEVICE void early(int64_t) const {}
+  JAX_EP_HOST_DEVICE void publish(int64_t, int, int) const {}
   JAX_EP_HOST_DEVICE void operator()(int64_t) const {}
 };
 
@@ -61,7 +65,8 @@ struct DispatchCount {
   }
 };
 // The tail of DispatchCount for its sources [first, first + ranks): their totals, published
-// before the launch meets the peers, and, once every rank's are here, their bases.
+// (a row per source and rank) before the launch meets the peers, and, once every rank's are
+// here, their bases.
 template <typename Peers>
 struct DispatchTail {
   DispatchArgs a;
@@ -76,6 +81,9 @@ struct DispatchTail {
   JAX_EP_HOST_DEVICE int64_t early_items() const {
     return static_cast<int64_t>(ranks) * (a.num_counters() + 1) + ring_counters();
   }
+  JAX_EP_HOST_DEVICE int64_t publish_items() const {
+    return static_cast<int64_t>(ranks) * a.num_ranks;
+  }
   JAX_EP_HOST_DEVICE int64_t items() const { return a.num_counters(); }
   JAX_EP_HOST_DEVICE void early(int64_t i) const {
     const int64_t published = static_cast<int64_t>(ranks) * (a.num_counters() + 1);
@@ -85,9 +93,14 @@ struct DispatchTail {
       return;
     }
     const int n = a.num_counters() + 1, s = first + static_cast<int>(i / n);
-    publish_total(peers, a.chunk_counts + a.local(s) * a.num_chunks * n, a.num_chunks, n,
-                  static_cast<int>(i % n), a.counts + static_cast<int64_t>(s) * a.num_counters(),
-                  a.num_ranks, a.num_invalid + a.local(s));
+    count_total(a.chunk_counts + a.local(s) * a.num_chunks * n, a.num_chunks, n,
+                static_cast<int>(i % n), a.counts + static_cast<int64_t>(s) * a.num_counters(),
+                a.num_invalid + a.local(s));
+  }
+  JAX_EP_HOST_DEVICE void publish(int64_t i, int lane, int lanes) const {
+    const int s = first + static_cast<int>(i / a.num_ranks), n = a.num_counters();
+    publish_totals(peers, a.counts + static_cast<int64_t>(s) * n, n,
+                   static_cast<int>(i % a.num_ranks), s, lane, lanes);
   }
   JAX_EP_HOST_DEVICE void operator()(int64_t c) const {
     dispatch_bases(a, first, ranks, static_cast<int>(c));
@@ -191,12 +204,20 @@ struct LowLatencyTotals {
   JAX_EP_HOST_DEVICE int64_t early_items() const {
     return static_cast<int64_t>(ranks) * (a.num_experts + 1);
   }
+  JAX_EP_HOST_DEVICE int64_t publish_items() const {
+    return static_cast<int64_t>(ranks) * a.num_ranks;
+  }
   JAX_EP_HOST_DEVICE int64_t items() const { return ranks == a.num_ranks ? a.num_experts : 0; }
   JAX_EP_HOST_DEVICE void early(int64_t i) const {
     const int n = a.num_experts + 1, s = first + static_cast<int>(i / n);
-    publish_total(peers, a.chunk_counts + a.local(s) * a.num_chunks * n, a.num_chunks, n,
-                  static_cast<int>(i % n), a.counts + static_cast<int64_t>(s) * a.num_experts,
-                  a.num_ranks, a.num_invalid + a.local(s));
+    count_total(a.chunk_counts + a.local(s) * a.num_chunks * n, a.num_chunks, n,
+                static_cast<int>(i % n), a.counts + static_cast<int64_t>(s) * a.num_experts,
+                a.num_invalid + a.local(s));
+  }
+  JAX_EP_HOST_DEVICE void publish(int64_t i, int lane, int lanes) const {
+    const int s = first + static_cast<int>(i / a.num_ranks), E = a.num_experts;
+    publish_totals(peers, a.counts + static_cast<int64_t>(s) * E, E,
+                   static_cast<int>(i % a.num_ranks), s, lane, lanes);
   }
   JAX_EP_HOST_DEVICE void operator()(int64_t e) const {
     int32_t count = 0;

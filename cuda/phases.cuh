@@ -77,7 +77,11 @@ __global__ void __launch_bounds__(kPhaseThreads, MinBlocksPerSm<Phase>::value)
   for (int64_t i = threadIdx.x; !skip && i < tail.early_items(); i += kPhaseThreads) {
     tail.early(i);
   }
-  __syncthreads();  // the early items' writes before the meet and the other items
+  __syncthreads();  // the early items' writes before what publishes them
+  for (int64_t i = threadIdx.x / kWarpSize; !skip && i < tail.publish_items(); i += kPhaseWarps) {
+    tail.publish(i, lane, kWarpSize);
+  }
+  __syncthreads();  // the tail's writes before the meet and the other items
   meet.last();
   for (int64_t i = threadIdx.x; !skip && i < tail.items(); i += kPhaseThreads) tail(i);
 }
@@ -91,7 +95,8 @@ cudaError_t per_warp(const Phase& phase, int first_rank, int ranks, int64_t item
                      cudaStream_t stream, int num_sms, const Tail& tail = {},
                      const Meeting& meet = {}) {
   const int64_t total = static_cast<int64_t>(ranks) * items;
-  const bool after = tail.early_items() > 0 || tail.items() > 0 || meet.has_last();
+  const bool after = tail.early_items() > 0 || tail.publish_items() > 0 || tail.items() > 0 ||
+                     meet.has_last();
   if (total == 0 && !after && !meet.waits_first()) return cudaSuccess;
   unsigned* ticket = nullptr;
   if (after) {

@@ -249,23 +249,25 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
     # Waits: the count's for the peers' last op and for their counts, the finish's for the rows.
     landing = delivered * row
     moving = _smallest(1, T, finish)  # the send (and stage, relay), the finish
-    # Between devices every launch meets the peers, so it runs, items or not.
+    # Between devices every launch meets the peers, so it runs, items or not. Over puts the
+    # count puts each rank's row of R + E totals to every other rank, counted with the rows.
+    totals = R * (R - 1) * (R + E) * 4 if puts else 0
     if puts and 0 < ranks_per_node < R:
         # The count, the send, the relay (every token of every rank) and the finish meet the
         # peers; the stage does not (it runs with items only).
+        aware = _node_aware_dispatch(kept, topk_idx, E, expert_major, ranks_per_node, row,
+                                     _message(row, K, expert_major), padding, minimum, landing,
+                                     _smallest(1, chunks, T, R * T, finish, T, always=4))
         return dataclasses.replace(
-            _node_aware_dispatch(kept, topk_idx, E, expert_major, ranks_per_node, row,
-                                 _message(row, K, expert_major), padding, minimum, landing,
-                                 _smallest(1, chunks, T, R * T, finish, T, always=4)),
-            row_warps=moving,
+            aware, read=aware.read + totals, written=aware.written + totals, row_warps=moving,
             messages=_dispatch_messages(topk_idx, E, expert_major, kept, scale_bytes > 0,
                                         ranks_per_node))
     if puts:
         # The stage copies every token's row into the send area; the send puts one copy per
         # destination from there (rank-major, the row's packed slot).
         staged, message = R * T * row, _message(row, K, expert_major)
-        read = staged + delivered * message
-        written = staged + delivered * message + padding * row
+        read = staged + delivered * message + totals
+        written = staged + delivered * message + padding * row + totals
         return Account("dispatch", 4, 3, read + landing, written + landing,
                        minimum + 2 * landing, _smallest(1, chunks, T, finish, T, always=3),
                        moving, _dispatch_messages(topk_idx, E, expert_major, kept,
@@ -276,8 +278,8 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
 
 def _dispatch_messages(topk_idx, num_experts, expert_major, kept, scales,
                        ranks_per_node=0) -> int:
-    """Puts and value puts of a dispatch over puts, every rank's: the count publishes each of
-    its R + E totals to every rank; rank-major, the send puts each delivered row as one
+    """Puts and value puts of a dispatch over puts, every rank's: the count puts its row of
+    R + E totals to every other rank; rank-major, the send puts each delivered row as one
     message (its packed slot: the row, FP8 scales, source, ids and weights); expert-major, the
     stage puts each token's metadata into the receivers where it has a row, value by value
     (the row's source and unused entry slots, and each choice's entry and its place in the
@@ -288,7 +290,7 @@ def _dispatch_messages(topk_idx, num_experts, expert_major, kept, scales,
     R, T, K = ids.shape
     rank = np.where(ids >= 0, ids // (num_experts // R), -1)
     on = (rank[..., None] == np.arange(R)).sum(axis=2)  # [R, T, R]: choices on each rank
-    counts = R * R * (R + num_experts)
+    counts = R * (R - 1)
     if expert_major:
         goes = on > 0
         metadata = int(goes.sum()) + int(np.where(goes, K - on, 0).sum())
@@ -443,12 +445,15 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     if puts:
         read = R * T * 2 * H * cast_reads + m * message
         written = R * T * message + m * message
+        if counted:  # the count's tail puts each rank's row of E totals to every other rank
+            read, written = read + R * (R - 1) * E * 4, written + R * (R - 1) * E * 4
     items = [*counted, *staged, sends]
-    # Over puts: each source publishes its E totals to every rank, puts each token's R*K
-    # src_row cells, and each message segment by segment (its data, then its other bytes).
+    # Over puts: each source publishes its E totals to every rank (the count's tail, a row per
+    # rank; the send, value by value), puts each token's R*K src_row cells, and each message
+    # segment by segment (its data, then its other bytes).
     puts_sent = None
     if puts:
-        puts_sent = (R * R * E + R * T * R * K
+        puts_sent = ((R * (R - 1) if counted else R * R * E) + R * T * R * K
                      + m * segments * (1 if wire == "bf16" else 2))
     send = Account("ll_dispatch_send", len(items), 1, read, written, minimum,
                    _smallest(1, *items, always=len(items)), _smallest(1, rows), puts_sent)
@@ -687,14 +692,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             streamed = symmetric_bytes(args.ranks, args.tokens, args.ll_tokens, puts, nodes,
                                        channels=rings)
             gib = 2**30
-            where = ("node-aware: in phases" if 0 < nodes < args.ranks
-                     else "whatever T")
             print(f"\nSymmetric buffer per rank (jax_ep.runtime.buffer_regions, rank-major): "
                   f"normal {regions['normal'] / gib:.2f} GiB (dispatch "
                   f"{regions['dispatch'] / gib:.2f}, combine {regions['combine'] / gib:.2f}), "
                   f"low latency {regions['low_latency'] / gib:.2f} GiB. Streamed through "
                   f"{rings.channels} channels of rings of {rings.chunk_tokens} x "
-                  f"{rings.ring_chunks} slots (runtime.Channels(), {where}): normal "
+                  f"{rings.ring_chunks} slots (runtime.Channels(), whatever T): normal "
                   f"{streamed['normal'] / gib:.2f} GiB (dispatch "
                   f"{streamed['dispatch'] / gib:.2f}, combine "
                   f"{streamed['combine'] / gib:.2f}).")

@@ -425,7 +425,7 @@ def test_streamed_ops_of_everything_to_one_rank(streamed_peers, R):
 
 def streamed_messages(monkeypatch, rings, x, idx, w, E, **env):
     """The messages over puts of a streamed dispatch, and of it and its combine, less the
-    count's totals (each rank's R + E to every rank, value by value)."""
+    count's totals (a put of each rank's row of R + E to every other rank)."""
     R = x.shape[0]
 
     def program(combine):
@@ -444,7 +444,7 @@ def streamed_messages(monkeypatch, rings, x, idx, w, E, **env):
             jax.block_until_ready(run(x, idx, w))  # compiled
             _ffi.EXT.meter(reset=True)
             jax.block_until_ready(run(x, idx, w))
-            counted.append(_ffi.EXT.meter(reset=True)["messages"] - R * R * (R + E))
+            counted.append(_ffi.EXT.meter(reset=True)["messages"] - R * (R - 1))
     return counted
 
 
@@ -452,8 +452,8 @@ def test_streamed_ops_send_one_message_per_chunk(monkeypatch):
     """Over puts, rings deep enough that no sender waits: each (channel, sender, receiver)
     stream of n rows is floor(n / chunk) puts with their signals plus its close; the combine's
     receiver returns its head once per chunk and once at the end, the dispatch's at most once
-    per published range. The dispatch's count also puts each rank's R + E totals to every
-    rank, value by value. The CPU meter counts every put and signal."""
+    per published range. The dispatch's count also puts each rank's row of R + E totals to
+    every other rank. The CPU meter counts every put and signal."""
     if two_group_axes():
         pytest.skip("counts the messages of one EP group")
     R, T, K, E, H = 4, 64, 4, 16, 128
