@@ -25,8 +25,13 @@ as between nodes), with puts only: each send first copies what it sends into the
 buffer (a put's source must lie there), one more launch, and the normal combine's receivers
 put their rows into the homes' buffers instead of the homes reading them.
 
+Between devices the rank-major normal ops may also stream through rings (`channels`, a
+runtime.Channels; cuda/channels.h): their launches, bytes and, over puts, messages (one put
+per chunk and stream with its signal, a head back per chunk) are counted as well.
+
 The plan is the sequence of cuda/peer_ops.h (between devices) and cuda/virtual_ops.h (virtual
-ranks) with the byte counts of the phase bodies in cuda/exchange.h. The same code runs on the
+ranks) with the byte counts of the phase bodies in cuda/exchange.h (and the streaming bodies
+of cuda/dispatch_stream.h and cuda/combine_stream.h). The same code runs on the
 CPU, where it counts what it does (cuda/meter.h, `jax_ep._ext.meter`); tests/test_account.py
 checks that the two agree on random routings, so the account describes the code as it is.
 
@@ -143,6 +148,8 @@ def messages(topk_idx: np.ndarray, num_experts: int) -> np.ndarray:
 
 # Destinations a source row is written to per read of it (cuda/exchange.h, kFanOut).
 FAN_OUT = 8
+# Warps of a channel in a streaming launch on a GPU (one block: cuda/phases.cuh, kPhaseWarps).
+CHANNEL_WARPS = 8
 
 
 def _fan_out_reads(destinations: np.ndarray) -> int:
@@ -207,7 +214,8 @@ def count_chunks(num_tokens: int, top_k: int) -> int:
 
 def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_bytes: int = 0,
              capacity: int | None = None, expert_major: bool = False, between: bool = False,
-             zero_padding: bool = False, puts: bool = False, ranks_per_node: int = 0) -> Account:
+             zero_padding: bool = False, puts: bool = False, ranks_per_node: int = 0,
+             channels=None, channel_warps: int = CHANNEL_WARPS) -> Account:
     """Normal dispatch of every rank's rows.
 
     Args:
@@ -221,6 +229,10 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
       zero_padding: rows past the count are zeroed (the backward of combine).
       puts: between devices, peers reached with puts only.
       ranks_per_node: with puts, node-aware in nodes of this many ranks (0: one node).
+      channels: a runtime.Channels: between devices, rank-major, streamed through rings
+        (`_streamed_dispatch`); None: in phases.
+      channel_warps: warps per channel of a streaming launch (a GPU block's; on the CPU, 2 x
+        the grid's warps).
     """
     _check_puts(puts, between)
     R, T, K = np.shape(topk_idx)
@@ -252,6 +264,10 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
     # Between devices every launch meets the peers, so it runs, items or not. Over puts the
     # count puts each rank's row of R + E totals to every other rank, counted with the rows.
     totals = R * (R - 1) * (R + E) * 4 if puts else 0
+    if channels is not None and not expert_major:
+        return _streamed_dispatch(kept, topk_idx, E, row_bytes, scale_bytes, channels,
+                                  channel_warps, puts, ranks_per_node if puts else 0, padding,
+                                  minimum + 2 * landing, totals, chunks, finish)
     if puts and 0 < ranks_per_node < R:
         # The count, the send, the relay (every token of every rank) and the finish meet the
         # peers; the stage does not (it runs with items only).
@@ -354,13 +370,105 @@ def _node_aware_dispatch(kept, topk_idx, num_experts, expert_major, ranks_per_no
                    warps)
 
 
+def _ring_streams(goes: np.ndarray, channels: int) -> np.ndarray:
+    """Slots of each stream: goes [R, T, X] (token t of rank s has a slot for X = x), summed
+    per (channel, s, x) over each rank's tokens split into `channels` ranges (cuda/channels.h,
+    Rings::first_token)."""
+    T = goes.shape[1]
+    first = [c * T // channels for c in range(channels + 1)]
+    return np.stack([goes[:, first[c]:first[c + 1]].sum(axis=1) for c in range(channels)])
+
+
+def _stream_messages(slots: np.ndarray, chunk: int, heads_at_close: bool) -> int:
+    """Messages of streams over puts with these numbers of slots: one put per chunk with its
+    tail's signal and one that closes the stream (the rest, or the signal alone); back, the
+    head once per chunk consumed and (heads_at_close) once at the end, or once per chunk and
+    for the rest. A sender that waits for space has published every slot (a ring holds whole
+    chunks and heads move by chunks), so waits add none."""
+    slots = np.asarray(slots, np.int64)
+    heads = slots // chunk + 1 if heads_at_close else -(-slots // chunk)
+    return int((slots // chunk + 1).sum() + heads.sum())
+
+
+def _round16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def _streamed_dispatch(kept, topk_idx, num_experts, row_bytes, scale_bytes, channels,
+                       channel_warps, puts, ranks_per_node, padding, minimum, totals, chunks,
+                       finish) -> Account:
+    """Rank-major dispatch between devices streamed through rings (cuda/dispatch_stream.h):
+    the count, the streaming launch and the finish. A sender reads a token row once per ring
+    it writes it into (a slot: the row, its scales and metadata); the receiver copies each slot
+    it receives into XLA's result. Over puts each slot also travels once from the send ring to
+    the receiver's ring (the put reads and writes it whole). Node-aware, the ranks of a node are
+    reached with stores, each other node through the relay ring to the token's relay there (a
+    slot with its targets), whose forwarders copy it into the node ring of each target."""
+    R, T, K = np.shape(topk_idx)
+    row = row_bytes + scale_bytes
+    S = scale_bytes // 4
+    slot = _round16(row_bytes + 4 * (S + 2 + 2 * K))
+    delivered = int(kept.sum())
+    # The sender's (or forwarder's) and the receiver's copies of each delivered row.
+    moved = 2 * delivered * row
+    forwarders = 2 if 0 < ranks_per_node < R else 0  # cuda/dispatch_stream.h, kForwarders
+    spare = max(channel_warps - forwarders, 2)
+    units = channels.channels * (spare + forwarders)
+    messages = None
+    if 0 < ranks_per_node < R:
+        own, other = _node_deliveries(kept, topk_idx, num_experts, False, ranks_per_node)
+        crosses = other > 0  # [R, T, nodes]: a slot in the relay ring to node m
+        relay_slot = _round16(slot + 8 * K)
+        # The sender's copy into each relay ring and its put (a row to another node's target
+        # is copied by the forwarder instead of the sender).
+        moved += int(crosses.sum()) * (row + relay_slot)
+        streams = _ring_streams(crosses, channels.channels)  # [C, R, nodes]
+        node = np.arange(R) // ranks_per_node
+        streams[:, np.arange(R), node] = -1  # no ring to its own node
+        messages = R * (R - 1) + _stream_messages(streams[streams >= 0],
+                                                  channels.chunk_tokens, False)
+    elif puts:
+        moved += delivered * slot
+        messages = R * (R - 1) + _stream_messages(_ring_streams(kept, channels.channels),
+                                                  channels.chunk_tokens, False)
+    read = moved + totals
+    written = moved + padding * row + totals
+    # Waits: the count's for the peers' last op and for their counts.
+    return Account("dispatch", 3, 2, read, written, minimum,
+                   _smallest(1, chunks, units, finish, always=3),
+                   _smallest(1, units, finish if padding else 0), messages)
+
+
+def _streamed_combine(held, row_bytes, channels, channel_warps, puts, out, minimum,
+                      carried) -> Account:
+    """Rank-major combine between devices streamed through rings (cuda/combine_stream.h): a
+    launch that zeroes the ring counters, then the streaming launch. A sender copies each row it
+    holds into its home's ring (over puts its send ring, which a put then moves whole); the
+    home's receiver reads each once in its sum and writes every output row."""
+    R = held.shape[0]
+    rows = int(held.sum())
+    slot = _round16(row_bytes + 8)  # the row, its weight and token
+    moved = rows * row_bytes + (rows * slot if puts else 0)
+    read, written = moved + carried, moved + out
+    units = channels.channels * max(channel_warps, 2)
+    messages = None
+    if puts:
+        messages = _stream_messages(_ring_streams(held, channels.channels),
+                                    channels.chunk_tokens, True)
+    return Account("combine", 2, 2, read, written, minimum,
+                   _smallest(1, 2 * channels.channels * R, units, always=2),
+                   _smallest(1, units), messages)
+
+
 def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
             capacity: int | None = None, expert_major: bool = False,
-            between: bool = False, puts: bool = False, weighted: bool = False) -> Account:
+            between: bool = False, puts: bool = False, weighted: bool = False,
+            channels=None, channel_warps: int = CHANNEL_WARPS) -> Account:
     """Normal combine of the rows a dispatch with this routing delivered.
 
     Args:
-      topk_idx, num_experts, capacity, expert_major, between, puts: as for `dispatch`.
+      topk_idx, num_experts, capacity, expert_major, between, puts, channels, channel_warps:
+        as for `dispatch` (streamed: `_streamed_combine`).
       row_bytes: bytes of one row of y (H x the element size).
       weighted: combine with `topk_weights` (over puts, rank-major rows send theirs).
     """
@@ -385,6 +493,9 @@ def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
     # over every rank's tokens, the sums over this rank's.
     read, written = carried + rows, rows + out
     minimum = carried + out + 2 * rows
+    if channels is not None and not expert_major:
+        return _streamed_combine(kept_rows(topk_idx, E, capacity), row_bytes,
+                                 channels, channel_warps, puts, out, minimum, carried)
     warps = _smallest(1, R * T, T, always=2)
     if puts:
         # Each receiver puts every staged row into its home's buffer, where the sums read
@@ -523,6 +634,12 @@ EXPECTED = {
     "puts": "launches and bytes: over puts each send first copies what it sends into the "
     "symmetric buffer, where a put's source must lie (one launch and one copy more), and the "
     "normal combine's receivers return their rows into the homes' buffers",
+    "streamed": "warps and bytes: a streaming launch runs one block of 8 warps per channel (64 "
+    "with the default 8 channels), each warp streaming many rows; a sender reads a token's row "
+    "once per ring it writes it into (once per destination, where the phased send reads it "
+    "once per 8; on a GPU a channel's sender warps take the same token at about the same time, "
+    "so the re-reads come from L2); over puts each slot is copied into the send ring and put "
+    "whole, and node-aware a relayed slot is copied once more by the forwarder",
 }
 
 
@@ -536,8 +653,9 @@ def uniform_routing(rng: np.random.Generator, num_ranks: int, num_tokens: int, t
 def deepseek_accounts(num_ranks: int = 8, between: bool = False, seed: int = 0,
                       tokens: int = 4096, ll_tokens: int = 128, hidden: int = 7168,
                       top_k: int = 8, num_experts: int = 256, puts: bool = False,
-                      ranks_per_node: int = 0) -> list[Account]:
-    """Every op's account at DeepSeek's shapes with a uniform random routing."""
+                      ranks_per_node: int = 0, channels=None) -> list[Account]:
+    """Every op's account at DeepSeek's shapes with a uniform random routing; between
+    devices with `channels` (a runtime.Channels), the rank-major ops streamed too."""
     rng = np.random.default_rng(seed)
     idx = uniform_routing(rng, num_ranks, tokens, top_k, num_experts)
     ll_idx = uniform_routing(rng, num_ranks, ll_tokens, top_k, num_experts)
@@ -556,6 +674,16 @@ def deepseek_accounts(num_ranks: int = 8, between: bool = False, seed: int = 0,
                                     expert_major=True, **where),
                             op="combine (expert-major)"),
     ]
+    if between and channels is not None:
+        rings = dict(channels=channels)
+        accounts += [
+            dataclasses.replace(dispatch(idx, num_experts=num_experts, row_bytes=2 * hidden,
+                                         **where, **nodes, **rings), op="dispatch (streamed)"),
+            dataclasses.replace(dispatch(idx, num_experts=num_experts, **where, **nodes,
+                                         **fp8_row, **rings), op="dispatch (fp8, streamed)"),
+            dataclasses.replace(combine(idx, num_experts=num_experts, row_bytes=2 * hidden,
+                                        **where, **rings), op="combine (streamed)"),
+        ]
     for wire in ("bf16", *quant.FORMATS):
         label = {"bf16": "", "e4m3": " (fp8)"}.get(wire, f" ({wire})")
         for a in low_latency_dispatch(ll_idx, num_experts=num_experts, hidden=hidden,
@@ -631,6 +759,8 @@ def expected(accounts: Sequence[Account], puts: bool = False) -> list[str]:
         keys = [] if warps_ok else ["ll" if a.op.startswith("ll_") else a.op.split()[0]]
         if not (bytes_ok and launches_ok):
             keys.append("puts" if puts else a.op)
+        if "streamed" in a.op:
+            keys = ["streamed"] if keys else []
         if "(nvfp4)" in a.op and not (warps_ok and bytes_ok):
             keys = ["nvfp4", *(k for k in keys if k == "puts" and not launches_ok)]
         for key in keys:
@@ -678,17 +808,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"R = {args.ranks}, {title}; targets: launches dispatch <= 3, combine <= 2, "
               f"low latency <= 2 per half; moved <= {BYTES_TARGET} x minimum; at least "
               f"{WARPS_TARGET} warps in every launch; (over) and (under) mark a miss\n")
+        from jax_ep import runtime
+
+        rings = runtime.Channels()
         accounts = deepseek_accounts(args.ranks, between, args.seed, tokens=args.tokens,
                                      ll_tokens=args.ll_tokens, puts=puts,
-                                     ranks_per_node=args.ranks_per_node)
+                                     ranks_per_node=args.ranks_per_node, channels=rings)
         print(table(accounts, args.ranks))
         nodes = args.ranks_per_node if puts else 0
         regions = symmetric_bytes(args.ranks, args.tokens, args.ll_tokens, puts,
                                   nodes) if between else None
         if regions:
-            from jax_ep import runtime
-
-            rings = runtime.Channels()
             streamed = symmetric_bytes(args.ranks, args.tokens, args.ll_tokens, puts, nodes,
                                        channels=rings)
             gib = 2**30

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import os
 
 import jax
 import ml_dtypes
@@ -18,6 +19,7 @@ from test_host_peers import (
     host_peers,  # noqa: F401  (the fixture: host peers initialized)
     node_peers,  # noqa: F401  (host peers in nodes, one test)
     put_peers,  # noqa: F401  (host peers reached by puts, one test)
+    streamed_peers,  # noqa: F401  (host peers streaming through rings, one test)
 )
 from test_virtual import routing
 
@@ -191,6 +193,45 @@ def test_between_devices_low_latency(R):
              *account.low_latency_combine(idx, num_experts=E, hidden=H, between=True,
                                           puts=puts)]
     assert_counts(counted, functools.reduce(operator.add, parts), ranks_running=R)
+
+
+def cpu_channel_warps() -> int:
+    """Warps per channel of a streaming launch on the CPU: 2 x the grid's warps."""
+    grid = os.environ.get("JAX_EP_CPU_GRID", "")
+    return 2 * (int(grid.split(",")[1]) if grid else 1)
+
+
+@pytest.mark.parametrize("R", [3, 4])
+def test_streamed_ops(streamed_peers, R):  # noqa: F811
+    """Streamed through rings (tiny ones, so that senders wait for space), in one node and in
+    nodes: launches, barriers, bytes and, over puts, messages, exactly."""
+    rng = np.random.default_rng()
+    T, K, E, H, idx, w = draw(rng, R)
+    x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+    capacity = int(rng.integers(1, R * T + 1))  # cuts rows: those are not sent
+
+    def program(combine):
+        def per_shard(x, idx, w):
+            received, handle = jax_ep.dispatch(x, idx, w, num_experts=E, capacity=capacity,
+                                               on_overflow="drop", axis_name=AXIS,
+                                               backend="cuda")
+            return jax_ep.combine(received.x, handle, backend="cuda") if combine else received.x
+
+        return sharded(per_shard, R)
+
+    counted = []
+    for combine in (False, True):
+        run = program(combine)
+        jax.block_until_ready(run(x, idx, w))  # compiles
+        counted.append(metered(run, x, idx, w)[0])
+    state = runtime.state()
+    puts = over_puts()
+    shared = dict(num_experts=E, row_bytes=2 * H, capacity=capacity, between=True, puts=puts,
+                  channels=state["channels"], channel_warps=cpu_channel_warps())
+    want = [account.dispatch(idx, ranks_per_node=state["ranks_per_node"], **shared)]
+    want.append(want[0] + account.combine(idx, **shared))
+    for got, wanted in zip(counted, want, strict=True):
+        assert_counts(got, wanted, ranks_running=R)
 
 
 @pytest.mark.parametrize("R", [2, 3])
