@@ -475,34 +475,6 @@ def test_streamed_ops_send_one_message_per_chunk(monkeypatch):
     assert both < 2 * goes.sum()  # fewer than one message per row and op
 
 
-def test_node_aware_dispatch_sends_one_message_per_chunk_to_each_relay(monkeypatch):
-    """In two nodes of 2, rings deep enough that no sender waits: only the relay rings are
-    puts, each (channel, source, other node) stream of n rows floor(n / chunk) puts with
-    their signals plus its close, and the relay returns its head at most once per range;
-    within a node the rows are stores."""
-    if two_group_axes():
-        pytest.skip("counts the messages of one EP group")
-    R, T, K, E, H = 4, 64, 4, 16, 128
-    rings = runtime.Channels(2, 8, 8)
-    rng = np.random.default_rng()
-    idx, w = routing(rng, R, T, K, E, "masked")
-    x = rng.standard_normal((R, T, H)).astype(np.float32)
-    first = [c * T // rings.channels for c in range(rings.channels + 1)]
-    crosses = np.zeros((R, T, 2), bool)  # token t of source s has a row in node m
-    for e in range(E):
-        crosses[..., e // (E // 2)] |= (idx == e).any(-1)
-    for s in range(R):
-        crosses[s, :, s // 2] = False  # its own node: direct
-    n = np.stack([crosses[:, first[c]:first[c + 1]].sum(1) for c in range(rings.channels)])
-    assert n.max() <= rings.slots()  # no sender waits for space
-    other = 1 - np.arange(R) // 2  # each source's other node
-    streams = int((n // rings.chunk_tokens + 1)[:, np.arange(R), other].sum())
-    dispatch, _ = streamed_messages(monkeypatch, rings, x, idx, w, E,
-                                    JAX_EP_RANKS_PER_NODE="2")
-    assert streams <= dispatch <= 2 * streams
-    assert dispatch < crosses.sum()  # fewer than one message per row crossing nodes
-
-
 def test_channels_keep_the_normal_region_flat_in_the_tokens(monkeypatch):
     """Streamed, the dispatch's and the combine's symmetric bytes are their ring counters and
     rings (and the dispatch's counts), whatever T; expert-major calls run in phases and grow
