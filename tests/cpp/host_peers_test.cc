@@ -6,7 +6,7 @@
 // and TSan must see no race: the flags the launches meet at alone must order every cross-rank
 // access. Then every op again with peers reached by puts only (HostPutPeers: no pointer into
 // a peer's buffer), and node-aware, in nodes of 2 ranks (stores only within a node, the
-// normal dispatch through relays). Then two EP groups of a 2 x 2 mesh side by side (each keyed
+// normal dispatch through relays; streamed, also in nodes of 3 and 1). Then two EP groups of a 2 x 2 mesh side by side (each keyed
 // by its devices, cuda/ep_group.h) and the group rules. The last cases check that two
 // exchanges issued at once on one rank are refused, and the timeouts: a peer that starts late
 // is waited for, one that never comes is reported, to this rank only.
@@ -571,8 +571,14 @@ int main() {
     return 2;
   }
   for (const Shape& s : shapes) check_round(s, seed + 10 * round++, warps, ", nodes of 2");
-  // With rings: the dispatch through the relays in phases, the combine streamed over puts.
+  // With rings: the dispatch streamed through the relays (forwarders), the combine over puts.
   for (const Shape& s : streamed) check_round(s, seed + 10 * round++, warps, ", nodes of 2");
+  host::finalize();
+  // Nodes of 3 and 1: the last node's relay serves each of the other node's 3 sources.
+  if (!host::initialize(48 << 20, 16 << 20, /*puts=*/true, /*ranks_per_node=*/3).empty()) {
+    return 2;
+  }
+  for (const Shape& s : streamed) check_round(s, seed + 10 * round++, warps, ", nodes of 3");
   host::finalize();
   // EP groups of a mesh, side by side.
   if (!host::initialize(16 << 20, 4 << 20).empty()) return 2;
