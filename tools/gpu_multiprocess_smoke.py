@@ -1,12 +1,13 @@
 """Smoke test of the exchange between GPUs through real NVSHMEM: N processes on one GPU.
 
 Run: python tools/gpu_multiprocess_smoke.py --processes 2 [--peer-access put]
-    [--ranks-per-node N] [--data D]
+    [--ranks-per-node N] [--data D] [--channels C,CHUNK,CHUNKS]
      python tools/gpu_multiprocess_smoke.py --local [--data D]
 Each process joins jax.distributed (127.0.0.1), calls jax_ep.initialize() (with
 $JAX_EP_PEER_ACCESS set to --peer-access: `put` reaches the peers with NVSHMEM's puts, as
 between nodes, which NVSHMEM's P2P transport serves on one GPU too; --ranks-per-node sets
-$JAX_EP_RANKS_PER_NODE, node-aware: stores within each simulated node), runs dispatch and
+$JAX_EP_RANKS_PER_NODE, node-aware: stores within each simulated node; --channels sets
+$JAX_EP_CHANNELS: the rank-major dispatch and combine streamed through rings), runs dispatch and
 combine (both layouts) and the low-latency round trip with backend="cuda" inside shard_map
 over a (data D, ep N/D) mesh of the N processes (D = 1: the EP axis alone; D > 1: D EP
 groups, each with its own inputs), and compares its shard with jax_ep.reference of its
@@ -138,6 +139,9 @@ def main() -> int:
                         "needs --peer-access put)")
     parser.add_argument("--data", type=int, default=1,
                         help="data groups: a (data D, ep N/D) mesh, D EP groups (default 1)")
+    parser.add_argument("--channels", default="",
+                        help="rings C,CHUNK,CHUNKS ($JAX_EP_CHANNELS): the rank-major dispatch "
+                        "and combine streamed through them (default: in phases)")
     parser.add_argument("--local", action="store_true",
                         help="one process with every device it sees instead (several GPUs: "
                         "CUDA peer access; CPU devices: host peers)")
@@ -162,6 +166,9 @@ def main() -> int:
                XLA_PYTHON_CLIENT_MEM_FRACTION="0.1", JAX_EP_PEER_ACCESS=args.peer_access)
     if args.ranks_per_node:
         env["JAX_EP_RANKS_PER_NODE"] = str(args.ranks_per_node)
+    env.pop("JAX_EP_CHANNELS", None)
+    if args.channels:
+        env["JAX_EP_CHANNELS"] = args.channels
     procs = [subprocess.Popen([sys.executable, __file__, "--processes", str(args.processes),
                                "--data", str(args.data), "--worker", str(i), "--port",
                                str(port)], env=env)
@@ -181,7 +188,8 @@ def main() -> int:
         status |= code != 0
     nodes = f", nodes of {args.ranks_per_node}" if args.ranks_per_node else ""
     groups = f", {args.data} EP groups" if args.data > 1 else ""
-    print(f"smoke with {args.processes} processes ({args.peer_access}{nodes}{groups}): "
+    rings = f", rings {args.channels}" if args.channels else ""
+    print(f"smoke with {args.processes} processes ({args.peer_access}{nodes}{groups}{rings}): "
           f"{'ok' if status == 0 else 'FAILED'}")
     return 1 if status else 0
 
