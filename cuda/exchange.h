@@ -1984,11 +1984,11 @@ JAX_EP_HOST_DEVICE void ll_stage(const LowLatencyArgs& a, int s, int64_t item, i
 }
 
 // The send's first items when it numbers its messages itself (counts_in_send), items
-// c in [0, E]: c < E, source s's messages to expert c, published to every rank (or, with one
-// rank, its receive's count); c == E, its invalid ids.
-template <typename Peers>
-JAX_EP_HOST_DEVICE void ll_send_count(const LowLatencyArgs& a, const Peers& peers, int s, int c,
-                                      int lane, int lanes) {
+// c in [0, E]: c < E, source s's messages to expert c, into s's row of the counts here (the
+// launch's tail publishes the row to every rank, LowLatencySendTail; with one rank, its
+// receive's count); c == E, its invalid ids.
+JAX_EP_HOST_DEVICE void ll_send_count(const LowLatencyArgs& a, int s, int c, int lane,
+                                      int lanes) {
   const int E = a.num_experts, entries = a.num_tokens * a.top_k;  // counts_in_send: few
   if (c == E) {
     const int32_t* raw = a.topk_idx + a.local(s) * entries;
@@ -2003,9 +2003,7 @@ JAX_EP_HOST_DEVICE void ll_send_count(const LowLatencyArgs& a, const Peers& peer
     a.count[c] = total;
     return;
   }
-  for (int d = 0; d < a.num_ranks; ++d) {
-    store_to(peers, a.counts + static_cast<int64_t>(s) * E, 0, d, c, total);
-  }
+  a.counts[static_cast<int64_t>(s) * E + c] = total;
 }
 
 // The send's items per rank: (counts_in_send) the E + 1 of ll_send_count, which walk the
@@ -2027,7 +2025,7 @@ JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int
   const int R = a.num_ranks, T = a.num_tokens, K = a.top_k, E = a.num_experts;
   const int El = a.experts_per_rank(), counters = ll_send_counters(a);
   if (item < counters) {
-    ll_send_count(a, peers, s, static_cast<int>(item), lane, lanes);
+    ll_send_count(a, s, static_cast<int>(item), lane, lanes);
     return;
   }
   item -= counters;

@@ -617,7 +617,9 @@ PeerError run_op(Platform& p, int op, const LowLatencyArgs& out) {
         with_ll_stage(a, [&](const auto& stage) { p.per_warp(stage, stage.items(), Meet{}); });
       }
       const Meet sent = counted ? Meet{{}, true, {}} : Meet{Wait::kStart, true, {}, use.last_use};
-      with_ll_send(a, peers, [&](const auto& send) { p.per_warp(send, send.items(), sent); });
+      with_ll_send(a, peers, [&](const auto& send) {
+        p.per_warp(send, send.items(), sent, LowLatencySendTail<Peers>{a, peers});
+      });
     } else {
       // Once every message has arrived (the peers sent it in their send).
       p.per_warp(LowLatencyFinish<Peers>{a, peers}, a.experts_per_rank() * a.slots(),

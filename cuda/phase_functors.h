@@ -249,6 +249,25 @@ void with_wire(int wire, const F& f) {
     default: return f(std::integral_constant<int, kWireBf16>{});
   }
 }
+// Between devices, the tail of a send that numbers its messages itself (counts_in_send): its
+// row of counts, one put (or the stores) to every other rank, before it tells them it is done.
+template <typename Peers>
+struct LowLatencySendTail {
+  LowLatencyArgs a;
+  Peers peers{};
+  JAX_EP_HOST_DEVICE int64_t early_items() const { return 0; }
+  JAX_EP_HOST_DEVICE int64_t publish_items() const {
+    return a.counts_in_send() && a.per_source_slots ? a.num_ranks : 0;
+  }
+  JAX_EP_HOST_DEVICE int64_t items() const { return 0; }
+  JAX_EP_HOST_DEVICE void early(int64_t) const {}
+  JAX_EP_HOST_DEVICE void publish(int64_t d, int lane, int lanes) const {
+    const int s = a.first_rank, E = a.num_experts;
+    publish_totals(peers, a.counts + static_cast<int64_t>(s) * E, E, static_cast<int>(d), s,
+                   lane, lanes);
+  }
+  JAX_EP_HOST_DEVICE void operator()(int64_t) const {}
+};
 template <typename Peers, typename Launch>
 void with_ll_send(const LowLatencyArgs& a, const Peers& peers, const Launch& launch) {
   with_wire(a.wire, [&](auto wire) { launch(LowLatencySend<Peers, wire.value>{a, peers}); });

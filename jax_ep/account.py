@@ -556,16 +556,15 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     if puts:
         read = R * T * 2 * H * cast_reads + m * message
         written = R * T * message + m * message
-        if counted:  # the count's tail puts each rank's row of E totals to every other rank
-            read, written = read + R * (R - 1) * E * 4, written + R * (R - 1) * E * 4
+        # The tail of the count (or of the send, where it counts) puts each rank's row of E
+        # totals to every other rank.
+        read, written = read + R * (R - 1) * E * 4, written + R * (R - 1) * E * 4
     items = [*counted, *staged, sends]
-    # Over puts: each source publishes its E totals to every rank (the count's tail, a row per
-    # rank; the send, value by value), puts each token's R*K src_row cells, and each message
-    # segment by segment (its data, then its other bytes).
+    # Over puts: each source puts its row of E totals to every other rank, each token's R*K
+    # src_row cells, and each message segment by segment (its data, then its other bytes).
     puts_sent = None
     if puts:
-        puts_sent = ((R * (R - 1) if counted else R * R * E) + R * T * R * K
-                     + m * segments * (1 if wire == "bf16" else 2))
+        puts_sent = R * (R - 1) + R * T * R * K + m * segments * (1 if wire == "bf16" else 2)
     send = Account("ll_dispatch_send", len(items), 1, read, written, minimum,
                    _smallest(1, *items, always=len(items)), _smallest(1, rows), puts_sent)
     landing = m * message  # the receive copies the counted rows out of the symmetric buffer
