@@ -90,12 +90,19 @@ def _attrs(**attrs) -> dict:
     return {k: np.int64(int(v)) for k, v in attrs.items() if v is not None}
 
 
-def _rings(axis_name: str | None) -> dict:
-    """Between devices, the normal ops stream through the buffer's rings, if it has them
-    (runtime.channels(); which calls stream: cuda/peer_ops.h)."""
-    rings = runtime.channels() if axis_name is not None else None
+def _rings(op: str, axis_name: str | None, placement: Placement, expert_major: bool) -> dict:
+    """Between devices, the rank-major normal ops stream through the buffer's rings, if it has
+    them (runtime.channels(); cuda/peer_ops.h). A channel is one block of the streaming launch,
+    resident on an SM of its own: the channels must fit the op's num_sms."""
+    rings = runtime.channels() if axis_name is not None and not expert_major else None
     if rings is None:
         return {}
+    if placement.num_sms is not None and rings.channels > placement.num_sms:
+        raise ValueError(
+            f"{op}: the buffer's Channels stream through {rings.channels} channels, one SM "
+            f"each, but num_sms={placement.num_sms} allows {placement.num_sms} SMs: pass "
+            f"num_sms >= {rings.channels} (or None), or initialize with at most "
+            f"{placement.num_sms} channels (BufferConfig(channels=...), $JAX_EP_CHANNELS).")
     return dict(channels=rings.channels, chunk_tokens=rings.chunk_tokens,
                 ring_chunks=rings.ring_chunks)
 
@@ -131,7 +138,9 @@ def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, ca
         "jax_ep_dispatch", _types(topk_idx, names_shapes.values()),
         (data, scales, topk_idx, topk_weights),
         dict(num_ranks=R, num_experts=E, capacity=cap, expert_major=expert_major,
-             zero_padding=zero_padding, **_rings(axis_name)), placement, axis_name=axis_name,
+             zero_padding=zero_padding,
+             **_rings("dispatch", axis_name, placement, expert_major)),
+        placement, axis_name=axis_name,
         stacked=V)
     result = dict(zip(names_shapes, outs, strict=True))
     if not S:
@@ -183,7 +192,8 @@ def combine(y, weights, src_row, row_entries, *, num_ranks, top_k, expert_major,
     return _exchange_call(
         "jax_ep_combine", _types(y, [((V, T, H), y.dtype)])[0],
         (y, weights, src_row, row_entries),
-        dict(num_ranks=num_ranks, expert_major=expert_major, **_rings(axis_name)), placement,
+        dict(num_ranks=num_ranks, expert_major=expert_major,
+             **_rings("combine", axis_name, placement, expert_major)), placement,
         axis_name=axis_name, stacked=V)
 
 

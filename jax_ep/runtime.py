@@ -72,7 +72,8 @@ class Channels:
     Attributes:
       channels: token ranges per rank, each with its own rings and, on a GPU, one block
         (dispatch: half its warps send, half receive, node-aware but two that forward a
-        relay's chunks; combine: one receives); at most the GPU's SMs.
+        relay's chunks; combine: one receives), resident on an SM of its own: at most the
+        ops' `num_sms` (default 20; more is refused when the op is traced).
       chunk_tokens: slots a sender fills before it publishes them (one put per chunk and
         destination over puts).
       ring_chunks: chunks per ring (2 or more let a sender fill one while the receiver drains

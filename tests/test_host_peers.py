@@ -475,6 +475,31 @@ def test_streamed_ops_send_one_message_per_chunk(monkeypatch):
     assert both < 2 * goes.sum()  # fewer than one message per row and op
 
 
+def test_channels_must_fit_the_sm_budget(monkeypatch):
+    """A channel is one block of the streaming launch, on an SM of its own: more channels than
+    the op's num_sms is refused when the op is traced, naming both and the fix; expert-major
+    calls (in phases) and num_sms=None are not bounded."""
+    R, T, K, E, H = 2, 8, 2, 4, 128
+    rng = np.random.default_rng()
+    idx, w = routing(rng, R, T, K, E, "uniform")
+    x = rng.standard_normal((R, T, H)).astype(np.float32)
+
+    def program(num_sms, expert_major=False):
+        def per_shard(x, idx, w):
+            recv, _ = jax_ep.dispatch(x, idx, w, num_experts=E, num_sms=num_sms,
+                                      expert_major=expert_major, backend="cuda")
+            return recv.x
+
+        return sharded(per_shard, R)
+
+    with host_peers_with(monkeypatch, JAX_EP_CHANNELS="3,2,2"):
+        with pytest.raises(ValueError, match=r"dispatch: the buffer's Channels stream through "
+                           r"3 channels, one SM each, but num_sms=2 .* pass num_sms >= 3"):
+            program(2)(x, idx, w)
+        for run in (program(3), program(None), program(2, expert_major=True)):
+            jax.block_until_ready(run(x, idx, w))
+
+
 def test_channels_keep_the_normal_region_flat_in_the_tokens(monkeypatch):
     """Streamed, the dispatch's and the combine's symmetric bytes are their ring counters and
     rings (and the dispatch's counts), whatever T; expert-major calls run in phases and grow
