@@ -61,24 +61,47 @@ JAX_EP_HOST_DEVICE RingMeta ring_meta(const DispatchArgs& a, char* slot) {
   return {src, src + 1, src + 2, weights, reinterpret_cast<int32_t*>(weights + a.top_k)};
 }
 
-// Writes a slot: the row and its scales, then its metadata (`row`, its row on the receiver;
-// -1 in a relay ring).
-JAX_EP_HOST_DEVICE void fill_slot(const DispatchArgs& a, char* slot, const char* x,
-                                  const float* scales, int32_t src, int32_t row,
-                                  const int32_t* ids, const float* weights, const Warp& w) {
+// One token's slots, reserved in their rings and written together (fill_slots): up to
+// kFanOut, each with the token's row on its receiver (-1 in a relay ring).
+struct SlotBatch {
+  char* slot[kFanOut];
+  int32_t row[kFanOut];
+  int link[kFanOut];  // the caller's number of each slot's ring
+  int n = 0;
+  JAX_EP_HOST_DEVICE bool full() const { return n == kFanOut; }
+  JAX_EP_HOST_DEVICE void add(char* s, int32_t r, int l) {
+    slot[n] = s;
+    row[n] = r;
+    link[n] = l;
+    ++n;
+  }
+};
+
+// Writes the batch's slots: the token's row and scales into each, reading them once (a fan),
+// then each slot's metadata.
+JAX_EP_HOST_DEVICE void fill_slots(const DispatchArgs& a, const SlotBatch& b, const char* x,
+                                   const float* scales, int32_t src, const int32_t* ids,
+                                   const float* weights, const Warp& w) {
   const int K = a.top_k;
   const int64_t S = a.scale_cols;
-  const RingMeta meta = ring_meta(a, slot);
   w.each([&](int lane) {
-    copy_row(slot, x, a.row_bytes, lane, w.lanes);
-    if (S > 0) copy_row(slot + a.row_bytes, scales, S * 4, lane, w.lanes);
-    for (int k = lane; k < K; k += w.lanes) {
-      meta.ids[k] = ids[k];
-      meta.weights[k] = weights[k];
+    Fan<char> rows(0), scale_rows(1);
+    for (int i = 0; i < b.n; ++i) {
+      rows.add(b.slot[i]);
+      if (S > 0) scale_rows.add(b.slot[i] + a.row_bytes);
     }
-    if (lane == 0) {
-      *meta.src = src;
-      *meta.row = row;
+    fan_out_row(rows, x, a.row_bytes, lane, w.lanes);
+    if (S > 0) fan_out_row(scale_rows, scales, S * 4, lane, w.lanes);
+    for (int i = 0; i < b.n; ++i) {
+      const RingMeta meta = ring_meta(a, b.slot[i]);
+      for (int k = lane; k < K; k += w.lanes) {
+        meta.ids[k] = ids[k];
+        meta.weights[k] = weights[k];
+      }
+      if (lane == 0) {
+        *meta.src = src;
+        *meta.row = b.row[i];
+      }
     }
   });
 }
@@ -199,24 +222,38 @@ JAX_EP_HOST_DEVICE void dispatch_stream_send(const DispatchArgs& a, const NodePe
     const char* x = a.x + here * a.row_bytes;
     const float* scales = a.scales + here * a.scale_cols;
     const float* weights = a.topk_weights + here * K;
+    // The token's slots in this warp's rings, reserved one by one (a wait on one ring holds
+    // the others' reserved slots, which no one waits for), then written from one read of the
+    // row per kFanOut of them.
+    SlotBatch batch;
+    auto flush = [&] {
+      fill_slots(a, batch, x, scales, src, ids, weights, w);
+      for (int b = 0; b < batch.n; ++b) {
+        const RingLink l = link(batch.link[b]);
+        if (batch.link[b] < size) {
+          ring_advance(g, node, c, l, w);
+        } else {
+          node_targets(a, ids, me, t, l.here, ring_meta(a, batch.slot[b]).targets, w);
+          ring_advance(q, relay, c, l, w);
+        }
+      }
+      batch.n = 0;
+    };
     for (int i = j; i < dests; i += senders) {
       const RingLink l = link(i);
       if (i < size) {
         const int32_t row = rank_major_row(a, ids, me, t, l.rank);
         if (row < 0 || row >= a.capacity) continue;
         if (!ring_reserve(g, node, c, l, w, watch)) return;
-        char* slot = ring_write_slot(g, node, c, l, g.sent(c, l.here));
-        fill_slot(a, slot, x, scales, src, row, ids, weights, w);
-        ring_advance(g, node, c, l, w);
+        batch.add(ring_write_slot(g, node, c, l, g.sent(c, l.here)), row, i);
       } else {
         if (l.here == home || node_targets(a, ids, me, t, l.here, nullptr, w) == 0) continue;
         if (!ring_reserve(q, relay, c, l, w, watch)) return;
-        char* slot = ring_write_slot(q, relay, c, l, q.sent(c, l.here));
-        fill_slot(a, slot, x, scales, src, -1, ids, weights, w);
-        node_targets(a, ids, me, t, l.here, ring_meta(a, slot).targets, w);
-        ring_advance(q, relay, c, l, w);
+        batch.add(ring_write_slot(q, relay, c, l, q.sent(c, l.here)), -1, i);
       }
+      if (batch.full()) flush();
     }
+    if (batch.n > 0) flush();
   }
   for (int i = j; i < dests; i += senders) {
     const RingLink l = link(i);
@@ -339,14 +376,22 @@ JAX_EP_HOST_DEVICE void dispatch_stream_forward(const DispatchArgs& a, const Nod
       a.relays, relay, c, f, kForwarders, relay_links(a),
       [&](int i) { return relay_ring(a, me, i); },
       [&](int, const char* slot) {
+        // Its targets' slots, reserved, then written from one read per kFanOut of them.
         const RingMeta meta = ring_meta(a, const_cast<char*>(slot));
+        const float* scales = reinterpret_cast<const float*>(slot + a.row_bytes);
+        SlotBatch batch;
         for (int p = 0; p < a.targets() && meta.targets[2 * p] >= 0; ++p) {
           const RingLink l = node_link(a, me, meta.targets[2 * p], f);
           if (!ring_reserve(g, node, c, l, w, watch)) return false;
-          char* to = ring_write_slot(g, node, c, l, g.sent(c, l.here));
-          fill_slot(a, to, slot, reinterpret_cast<const float*>(slot + a.row_bytes), *meta.src,
-                    meta.targets[2 * p + 1], meta.ids, meta.weights, w);
-          ring_advance(g, node, c, l, w);
+          batch.add(ring_write_slot(g, node, c, l, g.sent(c, l.here)), meta.targets[2 * p + 1],
+                    meta.targets[2 * p]);
+          const bool last = p + 1 == a.targets() || meta.targets[2 * p + 2] < 0;
+          if (!batch.full() && !last) continue;
+          fill_slots(a, batch, slot, scales, *meta.src, meta.ids, meta.weights, w);
+          for (int b = 0; b < batch.n; ++b) {
+            ring_advance(g, node, c, node_link(a, me, batch.link[b], f), w);
+          }
+          batch.n = 0;
         }
         return true;
       },

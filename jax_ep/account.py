@@ -398,41 +398,64 @@ def _streamed_dispatch(kept, topk_idx, num_experts, row_bytes, scale_bytes, chan
                        channel_warps, puts, ranks_per_node, padding, minimum, totals, chunks,
                        finish) -> Account:
     """Rank-major dispatch between devices streamed through rings (cuda/dispatch_stream.h):
-    the count, the streaming launch and the finish. A sender reads a token row once per ring
-    it writes it into (a slot: the row, its scales and metadata); the receiver copies each slot
-    it receives into XLA's result. Over puts each slot also travels once from the send ring to
-    the receiver's ring (the put reads and writes it whole). Node-aware, the ranks of a node are
-    reached with stores, each other node through the relay ring to the token's relay there (a
-    slot with its targets), whose forwarders copy it into the node ring of each target."""
+    the count, the streaming launch and the finish. A sender warp writes a token into each of
+    its rings the token goes to (a slot: the row, its scales and metadata), reading the row
+    once per FAN_OUT of them; the receiver copies each slot it receives into XLA's result.
+    Over puts each slot also travels once from the send ring to the receiver's ring (the put
+    reads and writes it whole). Node-aware, the ranks of a node are reached with stores, each
+    other node through the relay ring to the token's relay there (a slot with its targets),
+    whose forwarder copies it into the node ring of each target, reading it once per
+    FAN_OUT."""
     R, T, K = np.shape(topk_idx)
     row = row_bytes + scale_bytes
     S = scale_bytes // 4
     slot = _round16(row_bytes + 4 * (S + 2 + 2 * K))
     delivered = int(kept.sum())
-    # The sender's (or forwarder's) and the receiver's copies of each delivered row.
-    moved = 2 * delivered * row
-    forwarders = 2 if 0 < ranks_per_node < R else 0  # cuda/dispatch_stream.h, kForwarders
+    aware = 0 < ranks_per_node < R
+    forwarders = 2 if aware else 0  # cuda/dispatch_stream.h, kForwarders
     spare = max(channel_warps - forwarders, 2)
-    units = channels.channels * (spare + forwarders)
-    messages = None
-    if 0 < ranks_per_node < R:
+    senders, units = spare // 2, channels.channels * (spare + forwarders)
+    # The slots of each token in the rings of its sender's destinations i (the ranks of its
+    # node, then, node-aware, the other nodes); sender warp i % senders writes ring i.
+    if aware:
         own, other = _node_deliveries(kept, topk_idx, num_experts, False, ranks_per_node)
         crosses = other > 0  # [R, T, nodes]: a slot in the relay ring to node m
-        relay_slot = _round16(slot + 8 * K)
-        # The sender's copy into each relay ring and its put (a row to another node's target
-        # is copied by the forwarder instead of the sender).
-        moved += int(crosses.sum()) * (row + relay_slot)
-        streams = _ring_streams(crosses, channels.channels)  # [C, R, nodes]
         node = np.arange(R) // ranks_per_node
+        direct = np.zeros((R, T, ranks_per_node), bool)
+        for s in range(R):
+            first = node[s] * ranks_per_node
+            mine = kept[s, :, first:first + ranks_per_node]
+            direct[s, :, :mine.shape[1]] = mine
+        size = np.minimum(R - node * ranks_per_node, ranks_per_node)  # each source's node's
+        warp_of = [np.concatenate([np.arange(ranks_per_node),
+                                   size[s] + np.arange(crosses.shape[2])]) % senders
+                   for s in range(R)]
+        slots = np.concatenate([direct, crosses], axis=2)
+    else:
+        slots, warp_of = kept, [np.arange(R) % senders] * R
+    reads = 0
+    for s in range(R):
+        per_warp = np.stack([slots[s][:, warp_of[s] == w].sum(axis=1) for w in range(senders)])
+        reads += _fan_out_reads(per_warp)
+    # The senders' copies, and the receivers' of each delivered row.
+    read, written = (reads + delivered) * row, int(slots.sum()) * row + delivered * row
+    messages = None
+    if aware:
+        relay_slot = _round16(slot + 8 * K)
+        relayed = int(crosses.sum())
+        # Each relay slot's put; the forwarder's copies into its targets' node rings.
+        read += relayed * relay_slot + _fan_out_reads(other[crosses]) * row
+        written += relayed * relay_slot + int(other.sum()) * row
+        streams = _ring_streams(crosses, channels.channels)  # [C, R, nodes]
         streams[:, np.arange(R), node] = -1  # no ring to its own node
         messages = R * (R - 1) + _stream_messages(streams[streams >= 0],
                                                   channels.chunk_tokens, False)
     elif puts:
-        moved += delivered * slot
+        read, written = read + delivered * slot, written + delivered * slot
         messages = R * (R - 1) + _stream_messages(_ring_streams(kept, channels.channels),
                                                   channels.chunk_tokens, False)
-    read = moved + totals
-    written = moved + padding * row + totals
+    read += totals
+    written += padding * row + totals
     # Waits: the count's for the peers' last op and for their counts.
     return Account("dispatch", 3, 2, read, written, minimum,
                    _smallest(1, chunks, units, finish, always=3),
@@ -634,11 +657,13 @@ EXPECTED = {
     "symmetric buffer, where a put's source must lie (one launch and one copy more), and the "
     "normal combine's receivers return their rows into the homes' buffers",
     "streamed": "warps and bytes: a streaming launch runs one block of 8 warps per channel (64 "
-    "with the default 8 channels), each warp streaming many rows; a sender reads a token's row "
-    "once per ring it writes it into (once per destination, where the phased send reads it "
-    "once per 8; on a GPU a channel's sender warps take the same token at about the same time, "
-    "so the re-reads come from L2); over puts each slot is copied into the send ring and put "
-    "whole, and node-aware a relayed slot is copied once more by the forwarder",
+    "with the default 8 channels), each warp streaming many rows; each sender warp of a "
+    "channel reads a token's row once for the rings it writes it into (once per 8), so a "
+    "token bound for ranks of several sender warps is read by each (the phased send reads it "
+    "once per 8 destinations; on a GPU the warps of a channel take the same token at about "
+    "the same time, so the re-reads come from L2); over puts each slot is copied into the "
+    "send ring and put whole, and node-aware a relayed slot is copied once more by the "
+    "forwarder",
 }
 
 

@@ -552,6 +552,9 @@ int main() {
       {R, 13, 3, 8, 256, 20, false, false, 0, 2, 1, 2},
       {R, 13, 3, 8, 256, 52, false, true, 0, 3, 2, 2},
       {R, 300, 6, 8, 128, 700, false, false, 0, 2, 3, 2},
+      // 12 ranks, top-10: a sender warp writes a token into more rings than one read of its
+      // row serves (kFanOut), in two batches.
+      {12, 9, 10, 12, 128, 108, false, true, 0, 2, 1, 2},
   };
   for (const bool puts : {false, true}) {
     if (!host::initialize(32 << 20, 16 << 20, puts).empty()) return 2;
