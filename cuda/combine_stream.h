@@ -60,6 +60,7 @@ JAX_EP_HOST_DEVICE void combine_stream_send(const CombineArgs<T>& a, const Peers
     stuck = -1;
     moved = false;
     for (int s = j; s < R; s += senders) {
+      const RingLink l = flat_link(me, s);
       int64_t t = g.at(c, s, Rings::kCursor);
       if (t > end) continue;  // closed
       for (; t < end; ++t) {
@@ -67,7 +68,7 @@ JAX_EP_HOST_DEVICE void combine_stream_send(const CombineArgs<T>& a, const Peers
         if (row < 0) continue;
         if (!ring_has_space(g, c, s, w)) break;
         const int64_t n = g.sent(c, s);
-        char* slot = ring_write_slot(g, peers, c, flat_link(me, s), n);
+        char* slot = ring_write_slot(g, peers, c, l, n);
         w.each([&](int lane) {
           copy_row(slot, y + row * H, H * static_cast<int64_t>(sizeof(T)), lane, w.lanes);
           if (lane == 0) {
@@ -75,17 +76,17 @@ JAX_EP_HOST_DEVICE void combine_stream_send(const CombineArgs<T>& a, const Peers
             *slot_token(a, slot) = static_cast<int32_t>(t);
           }
         });
-        ring_advance(g, peers, c, flat_link(me, s), w);
+        ring_advance(g, peers, c, l, w);
         moved = true;
       }
       if (t == end) {
-        ring_publish(g, peers, c, flat_link(me, s), g.sent(c, s), true, w);
+        ring_publish(g, peers, c, l, g.sent(c, s), true, w);
         t = end + 1;
         moved = true;
       } else {
         stuck = s;
         if (g.published(c, s) < g.sent(c, s)) {
-          ring_publish(g, peers, c, flat_link(me, s), g.sent(c, s), false, w);
+          ring_publish(g, peers, c, l, g.sent(c, s), false, w);
         }
       }
       w.sync();

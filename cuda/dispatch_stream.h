@@ -171,7 +171,8 @@ JAX_EP_HOST_DEVICE RingLink relay_ring(const DispatchArgs& a, int me, int i) {
 // The roles of a streaming dispatch launch (this rank `me`, channel c)
 
 // Node-aware, token t's targets in node m (receiver, row), into `pairs` by the leader; the
-// number of them in every lane.
+// number of them in every lane (with `pairs` null, whether there is one: it stops at the
+// first).
 JAX_EP_HOST_DEVICE int node_targets(const DispatchArgs& a, const int32_t* ids, int me, int t,
                                     int m, int32_t* pairs, const Warp& w) {
   const int P = a.node_ranks(), first = m * P, size = a.node_size(m);
@@ -179,7 +180,8 @@ JAX_EP_HOST_DEVICE int node_targets(const DispatchArgs& a, const int32_t* ids, i
   for (int i = 0; i < size && n < a.targets(); ++i) {
     const int32_t row = rank_major_row(a, ids, me, t, first + i);
     if (row < 0 || row >= a.capacity) continue;
-    if (pairs != nullptr && w.leader()) {
+    if (pairs == nullptr) return 1;
+    if (w.leader()) {
       pairs[2 * n] = first + i;
       pairs[2 * n + 1] = row;
     }

@@ -81,8 +81,7 @@ template <typename Phase, typename Tail = NoTail, typename Meeting = NoMeet>
 void host_per_warp(const Phase& phase, int first_rank, int ranks, int64_t items,
                    const HostGrid& grid, const Tail& tail = {}, const Meeting& meet = {}) {
   const int64_t total = static_cast<int64_t>(ranks) * items, units = grid.num_warps();
-  const bool after = tail.early_items() > 0 || tail.publish_items() > 0 || tail.items() > 0 ||
-                     meet.has_last();
+  const bool after = runs_after(tail, meet);
   if (total == 0 && !after && !meet.waits_first()) return;  // the GPU launches nothing either
   meter_launch(total);
   std::atomic<int64_t> ticket{0};

@@ -454,9 +454,8 @@ PeerError run_op(Platform& p, int op, const DispatchArgs& out) {
       // may write them), then senders, node-aware forwarders, and receivers at once,
       // receivers writing XLA's results (node-aware, the node's rings over its store view,
       // the relays' over puts; its arrival completes its puts and signals, heads included,
-      // before the peers' next
-      // op zeroes their counters); the finish completes the results from this rank's own
-      // arrays, and its arrival frees this rank's buffer.
+      // before the peers' next op zeroes their counters); the finish completes the results
+      // from this rank's own arrays, and its arrival frees this rank's buffer.
       p.per_warp(DispatchCount{a}, a.num_chunks, Meet{Wait::kStart, true, Wait::kStart},
                  DispatchTail<Peers>{a, a.first_rank, 1, peers});
       const int spare = std::max(p.warps_per_channel() - forwarders(a), 2);

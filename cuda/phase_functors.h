@@ -26,6 +26,14 @@ struct NoTail {
   JAX_EP_HOST_DEVICE void operator()(int64_t) const {}
 };
 
+// Whether a launch has work after its items: a tail, or a meeting of its peers at the end
+// (the block, or on the CPU the unit, that finishes last runs it).
+template <typename Tail, typename Meeting>
+JAX_EP_HOST_DEVICE bool runs_after(const Tail& tail, const Meeting& meet) {
+  return tail.early_items() > 0 || tail.publish_items() > 0 || tail.items() > 0 ||
+         meet.has_last();
+}
+
 // A launch that meets no other rank (virtual ranks). Between devices a Meet (cuda/peer_ops.h)
 // has first(), run by every block before its items, done(), by every thread after its items
 // (over NVSHMEM's puts: each completes its own before its block counts itself finished), and

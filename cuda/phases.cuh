@@ -95,8 +95,7 @@ cudaError_t per_warp(const Phase& phase, int first_rank, int ranks, int64_t item
                      cudaStream_t stream, int num_sms, const Tail& tail = {},
                      const Meeting& meet = {}) {
   const int64_t total = static_cast<int64_t>(ranks) * items;
-  const bool after = tail.early_items() > 0 || tail.publish_items() > 0 || tail.items() > 0 ||
-                     meet.has_last();
+  const bool after = runs_after(tail, meet);
   if (total == 0 && !after && !meet.waits_first()) return cudaSuccess;
   unsigned* ticket = nullptr;
   if (after) {

@@ -157,6 +157,11 @@ def _fan_out_reads(destinations: np.ndarray) -> int:
     return int((-(-np.asarray(destinations) // FAN_OUT)).sum())
 
 
+def _round16(n: int) -> int:
+    """n bytes rounded up to a multiple of 16 (the slots of cuda/exchange.h and channels.h)."""
+    return -(-n // 16) * 16
+
+
 def _check_puts(puts: bool, between: bool) -> None:
     if puts and not between:
         raise ValueError("puts=True describes ranks on separate devices: pass between=True "
@@ -345,7 +350,7 @@ def _message(row, top_k, expert_major):
     """Bytes a dispatch over puts sends per delivered row: rank-major, the packed slot (the
     row and scales, the source, K ids and K weights, to a multiple of 16 bytes; cuda/exchange.h,
     packed_slot); expert-major, the row and scales (its metadata goes value by value)."""
-    return row if expert_major else -(-(row + 4 * (1 + 2 * top_k)) // 16) * 16
+    return row if expert_major else _round16(row + 4 * (1 + 2 * top_k))
 
 
 def _node_aware_dispatch(kept, topk_idx, num_experts, expert_major, ranks_per_node, row,
@@ -390,10 +395,6 @@ def _stream_messages(slots: np.ndarray, chunk: int, heads_at_close: bool) -> int
     return int((slots // chunk + 1).sum() + heads.sum())
 
 
-def _round16(n: int) -> int:
-    return -(-n // 16) * 16
-
-
 def _streamed_dispatch(kept, topk_idx, num_experts, row_bytes, scale_bytes, channels,
                        channel_warps, puts, ranks_per_node, padding, minimum, totals, chunks,
                        finish) -> Account:
@@ -418,7 +419,7 @@ def _streamed_dispatch(kept, topk_idx, num_experts, row_bytes, scale_bytes, chan
     # The slots of each token in the rings of its sender's destinations i (the ranks of its
     # node, then, node-aware, the other nodes); sender warp i % senders writes ring i.
     if aware:
-        own, other = _node_deliveries(kept, topk_idx, num_experts, False, ranks_per_node)
+        _, other = _node_deliveries(kept, topk_idx, num_experts, False, ranks_per_node)
         crosses = other > 0  # [R, T, nodes]: a slot in the relay ring to node m
         node = np.arange(R) // ranks_per_node
         direct = np.zeros((R, T, ranks_per_node), bool)
@@ -822,6 +823,9 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"{args.ll_tokens}; H 7168, top-8 of 256 experts; bfloat16 rows (fp8: e4m3 with one "
           f"float32 scale per 128 channels); uniform routing (seed {args.seed}). An H100 has "
           f"{H100_SMS} SMs: a launch fills them with {WARPS_TARGET} warps of work (4 per SM).\n")
+    from jax_ep import runtime  # the default Channels, for the streamed rows
+
+    rings = runtime.Channels()
     missed = []
     for between, puts, title in ((False, False, "virtual ranks (one GPU)"),
                                  (True, False, "one rank per GPU (between GPUs)"),
@@ -832,9 +836,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"R = {args.ranks}, {title}; targets: launches dispatch <= 3, combine <= 2, "
               f"low latency <= 2 per half; moved <= {BYTES_TARGET} x minimum; at least "
               f"{WARPS_TARGET} warps in every launch; (over) and (under) mark a miss\n")
-        from jax_ep import runtime
-
-        rings = runtime.Channels()
         accounts = deepseek_accounts(args.ranks, between, args.seed, tokens=args.tokens,
                                      ll_tokens=args.ll_tokens, puts=puts,
                                      ranks_per_node=args.ranks_per_node, channels=rings)
