@@ -303,8 +303,9 @@ class HostPlatform {
     for (int i = 0; i < meet.waits(); ++i) meter_barrier();
     host_per_unit(body, me_, 1, body.units(), grid_, Flags{this, meet});
   }
-  // Warps per channel of a streaming launch: the grid's warps of senders, and of receivers.
-  int warps_per_channel() const { return 2 * grid_.warps; }
+  // Sender warps per channel of a streaming launch: the grid's warps (several on a GPU-shaped
+  // grid, so that the split of a channel's rings between senders runs too).
+  int senders_per_channel() const { return grid_.warps; }
   PeerError result(int /*op*/) const { return error_; }
 
  private:

@@ -134,14 +134,17 @@ class LocalPlatform {
                              reinterpret_cast<uint64_t*>(symmetric()), op_, axis_index_,
                              num_sms_, stream_, state());
   }
-  // A streaming launch (cuda/channels.h): one block per channel, half its warps senders.
+  // A streaming launch (cuda/channels.h): its units one warp each, in blocks of kPhaseWarps
+  // (several channels to a block).
   template <typename Body>
   void per_unit(const Body& body, const Meet& meet) {
     if (status_ != cudaSuccess) return;
     status_ = launch_units(body, meet, LocalNet{peers()}, false, reinterpret_cast<uint64_t*>(symmetric()),
                            op_, axis_index_, stream_, state());
   }
-  int warps_per_channel() const { return kPhaseWarps; }
+  // One sender warp per channel: it reads a token's row once for up to kFanOut of its rings
+  // (warps that split a token's destinations would each read it).
+  int senders_per_channel() const { return 1; }
   PeerError result(int op) const { return launch_error(op, status_); }
 
  private:

@@ -458,8 +458,7 @@ PeerError run_op(Platform& p, int op, const DispatchArgs& out) {
       // from this rank's own arrays, and its arrival frees this rank's buffer.
       p.per_warp(DispatchCount{a}, a.num_chunks, Meet{Wait::kStart, true, Wait::kStart},
                  DispatchTail<Peers>{a, a.first_rank, 1, peers});
-      const int spare = std::max(p.warps_per_channel() - forwarders(a), 2);
-      const int senders = spare / 2, receivers = spare - senders;
+      const int senders = p.senders_per_channel(), receivers = senders;
       if (a.nodes() == 1) {
         p.per_unit(DispatchStream<Peers, Peers>{a, peers, peers, senders, receivers},
                    Meet{{}, true, {}});
@@ -518,8 +517,8 @@ PeerError run_op(Platform& p, int op, const CombineArgs<T>& in) {
       using Peers = std::decay_t<decltype(peers)>;
       const RingsZero zero{a.rings};
       p.per_warp(zero, zero.items(), Meet{Wait::kStart, true, Wait::kStart});
-      const int senders = std::max(p.warps_per_channel() - 1, 1);
-      p.per_unit(CombineStream<T, Peers>{a, peers, senders}, Meet{{}, true, {}});
+      p.per_unit(CombineStream<T, Peers>{a, peers, p.senders_per_channel()},
+                 Meet{{}, true, {}});
       return p.result(op);
     });
   }

@@ -90,19 +90,33 @@ def _attrs(**attrs) -> dict:
     return {k: np.int64(int(v)) for k, v in attrs.items() if v is not None}
 
 
-def _rings(op: str, axis_name: str | None, placement: Placement, expert_major: bool) -> dict:
+# A streaming launch's units on a GPU (cuda/phases.cuh, per_unit): one warp each, in blocks of
+# BLOCK_WARPS; per channel a sender and a receiver, and in a node-aware dispatch FORWARDERS
+# (cuda/dispatch_stream.h).
+BLOCK_WARPS = 8
+FORWARDERS = 2
+
+
+def _rings(op: str, axis_name: str | None, placement: Placement, expert_major: bool,
+           num_ranks: int) -> dict:
     """Between devices, the rank-major normal ops stream through the buffer's rings, if it has
-    them (runtime.channels(); cuda/peer_ops.h). A channel is one block of the streaming launch,
-    resident on an SM of its own: the channels must fit the op's num_sms."""
+    them (runtime.channels(); cuda/peer_ops.h). The streaming launch's blocks are resident at
+    once, each on an SM of its own: they must fit the op's num_sms."""
     rings = runtime.channels() if axis_name is not None and not expert_major else None
     if rings is None:
         return {}
-    if placement.num_sms is not None and rings.channels > placement.num_sms:
+    state = runtime.state() or {}
+    nodes = state.get("ranks_per_node", 0)
+    aware = op == "dispatch" and state.get("peer_access") == "put" and 0 < nodes < num_ranks
+    warps = 2 + (FORWARDERS if aware else 0)
+    blocks = -(-rings.channels * warps // BLOCK_WARPS)
+    if placement.num_sms is not None and blocks > placement.num_sms:
         raise ValueError(
-            f"{op}: the buffer's Channels stream through {rings.channels} channels, one SM "
-            f"each, but num_sms={placement.num_sms} allows {placement.num_sms} SMs: pass "
-            f"num_sms >= {rings.channels} (or None), or initialize with at most "
-            f"{placement.num_sms} channels (BufferConfig(channels=...), $JAX_EP_CHANNELS).")
+            f"{op}: the buffer's Channels stream through {rings.channels} channels of {warps} "
+            f"warps, {blocks} blocks of {BLOCK_WARPS} warps on a GPU, one SM each, but "
+            f"num_sms={placement.num_sms}: pass num_sms >= {blocks} (or None), or initialize "
+            f"with at most {placement.num_sms * BLOCK_WARPS // warps} channels "
+            f"(BufferConfig(channels=...), $JAX_EP_CHANNELS).")
     return dict(channels=rings.channels, chunk_tokens=rings.chunk_tokens,
                 ring_chunks=rings.ring_chunks)
 
@@ -139,7 +153,7 @@ def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, ca
         (data, scales, topk_idx, topk_weights),
         dict(num_ranks=R, num_experts=E, capacity=cap, expert_major=expert_major,
              zero_padding=zero_padding,
-             **_rings("dispatch", axis_name, placement, expert_major)),
+             **_rings("dispatch", axis_name, placement, expert_major, num_ranks)),
         placement, axis_name=axis_name,
         stacked=V)
     result = dict(zip(names_shapes, outs, strict=True))
@@ -193,7 +207,7 @@ def combine(y, weights, src_row, row_entries, *, num_ranks, top_k, expert_major,
         "jax_ep_combine", _types(y, [((V, T, H), y.dtype)])[0],
         (y, weights, src_row, row_entries),
         dict(num_ranks=num_ranks, expert_major=expert_major,
-             **_rings("combine", axis_name, placement, expert_major)), placement,
+             **_rings("combine", axis_name, placement, expert_major, num_ranks)), placement,
         axis_name=axis_name, stacked=V)
 
 

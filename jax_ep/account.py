@@ -148,8 +148,10 @@ def messages(topk_idx: np.ndarray, num_experts: int) -> np.ndarray:
 
 # Destinations a source row is written to per read of it (cuda/exchange.h, kFanOut).
 FAN_OUT = 8
-# Warps of a channel in a streaming launch on a GPU (one block: cuda/phases.cuh, kPhaseWarps).
-CHANNEL_WARPS = 8
+# Sender warps per channel of a streaming launch on a GPU (cuda/peer_exchange.cu,
+# senders_per_channel; on the CPU the grid's warps), and as many receivers (dispatch; the
+# combine has one).
+CHANNEL_SENDERS = 1
 
 
 def _fan_out_reads(destinations: np.ndarray) -> int:
@@ -220,7 +222,7 @@ def count_chunks(num_tokens: int, top_k: int) -> int:
 def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_bytes: int = 0,
              capacity: int | None = None, expert_major: bool = False, between: bool = False,
              zero_padding: bool = False, puts: bool = False, ranks_per_node: int = 0,
-             channels=None, channel_warps: int = CHANNEL_WARPS) -> Account:
+             channels=None, channel_senders: int = CHANNEL_SENDERS) -> Account:
     """Normal dispatch of every rank's rows.
 
     Args:
@@ -236,8 +238,8 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
       ranks_per_node: with puts, node-aware in nodes of this many ranks (0: one node).
       channels: a runtime.Channels: between devices, rank-major, streamed through rings
         (`_streamed_dispatch`); None: in phases.
-      channel_warps: warps per channel of a streaming launch (a GPU block's; on the CPU, 2 x
-        the grid's warps).
+      channel_senders: sender warps per channel of a streaming launch (1 on a GPU; on the
+        CPU the grid's warps).
     """
     _check_puts(puts, between)
     R, T, K = np.shape(topk_idx)
@@ -271,7 +273,7 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
     totals = R * (R - 1) * (R + E) * 4 if puts else 0
     if channels is not None and not expert_major:
         return _streamed_dispatch(kept, topk_idx, E, row_bytes, scale_bytes, channels,
-                                  channel_warps, puts, ranks_per_node if puts else 0, padding,
+                                  channel_senders, puts, ranks_per_node if puts else 0, padding,
                                   minimum + 2 * landing, totals, chunks, finish)
     if puts and 0 < ranks_per_node < R:
         # The count, the send, the relay (every token of every rank) and the finish meet the
@@ -396,7 +398,7 @@ def _stream_messages(slots: np.ndarray, chunk: int, heads_at_close: bool) -> int
 
 
 def _streamed_dispatch(kept, topk_idx, num_experts, row_bytes, scale_bytes, channels,
-                       channel_warps, puts, ranks_per_node, padding, minimum, totals, chunks,
+                       senders, puts, ranks_per_node, padding, minimum, totals, chunks,
                        finish) -> Account:
     """Rank-major dispatch between devices streamed through rings (cuda/dispatch_stream.h):
     the count, the streaming launch and the finish. A sender warp writes a token into each of
@@ -414,8 +416,7 @@ def _streamed_dispatch(kept, topk_idx, num_experts, row_bytes, scale_bytes, chan
     delivered = int(kept.sum())
     aware = 0 < ranks_per_node < R
     forwarders = 2 if aware else 0  # cuda/dispatch_stream.h, kForwarders
-    spare = max(channel_warps - forwarders, 2)
-    senders, units = spare // 2, channels.channels * (spare + forwarders)
+    units = channels.channels * (2 * senders + forwarders)
     # The slots of each token in the rings of its sender's destinations i (the ranks of its
     # node, then, node-aware, the other nodes); sender warp i % senders writes ring i.
     if aware:
@@ -463,7 +464,7 @@ def _streamed_dispatch(kept, topk_idx, num_experts, row_bytes, scale_bytes, chan
                    _smallest(1, units, finish if padding else 0), messages)
 
 
-def _streamed_combine(held, row_bytes, channels, channel_warps, puts, out, minimum,
+def _streamed_combine(held, row_bytes, channels, senders, puts, out, minimum,
                       carried) -> Account:
     """Rank-major combine between devices streamed through rings (cuda/combine_stream.h): a
     launch that zeroes the ring counters, then the streaming launch. A sender copies each row it
@@ -474,7 +475,7 @@ def _streamed_combine(held, row_bytes, channels, channel_warps, puts, out, minim
     slot = _round16(row_bytes + 8)  # the row, its weight and token
     moved = rows * row_bytes + (rows * slot if puts else 0)
     read, written = moved + carried, moved + out
-    units = channels.channels * max(channel_warps, 2)
+    units = channels.channels * (senders + 1)
     messages = None
     if puts:
         messages = _stream_messages(_ring_streams(held, channels.channels),
@@ -487,11 +488,11 @@ def _streamed_combine(held, row_bytes, channels, channel_warps, puts, out, minim
 def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
             capacity: int | None = None, expert_major: bool = False,
             between: bool = False, puts: bool = False, weighted: bool = False,
-            channels=None, channel_warps: int = CHANNEL_WARPS) -> Account:
+            channels=None, channel_senders: int = CHANNEL_SENDERS) -> Account:
     """Normal combine of the rows a dispatch with this routing delivered.
 
     Args:
-      topk_idx, num_experts, capacity, expert_major, between, puts, channels, channel_warps:
+      topk_idx, num_experts, capacity, expert_major, between, puts, channels, channel_senders:
         as for `dispatch` (streamed: `_streamed_combine`).
       row_bytes: bytes of one row of y (H x the element size).
       weighted: combine with `topk_weights` (over puts, rank-major rows send theirs).
@@ -519,7 +520,7 @@ def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
     minimum = carried + out + 2 * rows
     if channels is not None and not expert_major:
         return _streamed_combine(kept_rows(topk_idx, E, capacity), row_bytes,
-                                 channels, channel_warps, puts, out, minimum, carried)
+                                 channels, channel_senders, puts, out, minimum, carried)
     warps = _smallest(1, R * T, T, always=2)
     if puts:
         # Each receiver puts every staged row into its home's buffer, where the sums read
@@ -635,7 +636,7 @@ def low_latency_combine(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
 # The targets of the kernels' design (docs/cuda.md, "The account"): bytes moved per byte that
 # must move, launches per rank's stream, and warps of work in every launch: an H100's SMs
 # each hold a few warps at once, so a launch fills the GPU with at least 4 per SM.
-BYTES_TARGET = 1.15
+BYTES_TARGET = 1.05
 LAUNCH_TARGETS = {"dispatch": 3, "combine": 2, "ll_dispatch_send": 2, "ll_dispatch_recv": 2,
                   "ll_combine_send": 2, "ll_combine_recv": 2}
 H100_SMS = 132
@@ -657,14 +658,14 @@ EXPECTED = {
     "puts": "launches and bytes: over puts each send first copies what it sends into the "
     "symmetric buffer, where a put's source must lie (one launch and one copy more), and the "
     "normal combine's receivers return their rows into the homes' buffers",
-    "streamed": "warps and bytes: a streaming launch runs one block of 8 warps per channel (64 "
-    "with the default 8 channels), each warp streaming many rows; each sender warp of a "
-    "channel reads a token's row once for the rings it writes it into (once per 8), so a "
-    "token bound for ranks of several sender warps is read by each (the phased send reads it "
-    "once per 8 destinations; on a GPU the warps of a channel take the same token at about "
-    "the same time, so the re-reads come from L2); over puts each slot is copied into the "
-    "send ring and put whole, and node-aware a relayed slot is copied once more by the "
-    "forwarder",
+    "streamed": "warps and bytes: a streaming launch runs a sender and a receiver warp per "
+    "channel (64 warps in 8 blocks with the default 32 channels; node-aware two forwarders "
+    "more), each streaming many rows; over puts each slot is written into the send ring and "
+    "put from there whole: a put reads only symmetric memory, and one put per chunk and "
+    "destination needs the chunk's rows side by side there, so any design with one message "
+    "per chunk moves these two row copies more per delivered row (against that floor, 1.00 x "
+    "in one node); node-aware a relayed slot also lands in its relay's ring and is read from "
+    "there by the forwarder (the price of crossing the network once per node, not per rank)",
 }
 
 
@@ -825,6 +826,9 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"{H100_SMS} SMs: a launch fills them with {WARPS_TARGET} warps of work (4 per SM).\n")
     from jax_ep import runtime  # the default Channels, for the streamed rows
 
+    print("Between GPUs the rank-major normal ops stream through rings by default (the "
+          "(streamed) rows, runtime.Channels()); the other rows run in phases "
+          "($JAX_EP_CHANNELS=off, and expert-major).\n")
     rings = runtime.Channels()
     missed = []
     for between, puts, title in ((False, False, "virtual ranks (one GPU)"),
@@ -847,15 +851,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             streamed = symmetric_bytes(args.ranks, args.tokens, args.ll_tokens, puts, nodes,
                                        channels=rings)
             gib = 2**30
-            print(f"\nSymmetric buffer per rank (jax_ep.runtime.buffer_regions, rank-major): "
-                  f"normal {regions['normal'] / gib:.2f} GiB (dispatch "
-                  f"{regions['dispatch'] / gib:.2f}, combine {regions['combine'] / gib:.2f}), "
-                  f"low latency {regions['low_latency'] / gib:.2f} GiB. Streamed through "
-                  f"{rings.channels} channels of rings of {rings.chunk_tokens} x "
-                  f"{rings.ring_chunks} slots (runtime.Channels(), whatever T): normal "
-                  f"{streamed['normal'] / gib:.2f} GiB (dispatch "
+            print(f"\nSymmetric buffer per rank (jax_ep.runtime.buffer_regions, rank-major), "
+                  f"streamed through {rings.channels} channels of rings of "
+                  f"{rings.chunk_tokens} x {rings.ring_chunks} slots (runtime.Channels(), the "
+                  f"default; whatever T): normal {streamed['normal'] / gib:.2f} GiB (dispatch "
                   f"{streamed['dispatch'] / gib:.2f}, combine "
-                  f"{streamed['combine'] / gib:.2f}).")
+                  f"{streamed['combine'] / gib:.2f}), low latency "
+                  f"{streamed['low_latency'] / gib:.2f} GiB. In phases: normal "
+                  f"{regions['normal'] / gib:.2f} GiB (dispatch "
+                  f"{regions['dispatch'] / gib:.2f}, combine {regions['combine'] / gib:.2f}).")
         print()
         missed += [line for line in expected(accounts, puts) if line not in missed]
     if missed:

@@ -70,18 +70,20 @@ class Channels:
     senders and receivers run at once. Expert-major calls still run in phases.
 
     Attributes:
-      channels: token ranges per rank, each with its own rings and, on a GPU, one block
-        (dispatch: half its warps send, half receive, node-aware but two that forward a
-        relay's chunks; combine: one receives), resident on an SM of its own: at most the
-        ops' `num_sms` (default 20; more is refused when the op is traced).
+      channels: token ranges per rank, each with its own rings and, on a GPU, its own warps:
+        a sender, a receiver and, node-aware, two forwarders of a relay's chunks (dispatch),
+        a sender and a receiver (combine), packed into blocks of 8 warps resident at once,
+        each on an SM of its own: at most the ops' `num_sms` blocks (default 20; more is
+        refused when the op is traced). The default 32 takes 8 SMs (16 node-aware).
       chunk_tokens: slots a sender fills before it publishes them (one put per chunk and
-        destination over puts).
+        destination over puts: 4 rows of 14 KB are a 57 KB message).
       ring_chunks: chunks per ring (2 or more let a sender fill one while the receiver drains
-        another).
+        another). Slots per (channel, peer) pair: chunk_tokens x ring_chunks; the symmetric
+        bytes grow with channels x slots x peers, not with the tokens.
     """
 
-    channels: int = 8
-    chunk_tokens: int = 16
+    channels: int = 32
+    chunk_tokens: int = 4
     ring_chunks: int = 4
 
     def check(self) -> None:
@@ -97,17 +99,20 @@ class Channels:
         return self.chunk_tokens * self.ring_chunks
 
 
-def channels_from_env() -> Channels | None:
-    """`$JAX_EP_CHANNELS`, "channels,chunk_tokens,ring_chunks" (e.g. "8,16,4"): dispatch and
-    combine streamed through rings of that shape when `initialize()` gets no `Channels`;
-    unset: in phases."""
+def channels_from_env(default: Channels | None = None) -> Channels | None:
+    """`$JAX_EP_CHANNELS` when set, over `default` (the config's): "channels,chunk_tokens,
+    ring_chunks" (e.g. "32,4,4") streams dispatch and combine through rings of that shape,
+    "off" runs them in phases."""
     text = os.environ.get("JAX_EP_CHANNELS", "").strip()
     if not text:
+        return default
+    if text.lower() == "off":
         return None
     parts = text.split(",")
     if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
         raise ValueError(f"$JAX_EP_CHANNELS={text!r} is not \"channels,chunk_tokens,"
-                         f"ring_chunks\" (e.g. \"8,16,4\"); unset it to dispatch in phases.")
+                         f"ring_chunks\" (e.g. \"32,4,4\") or \"off\" (in phases); unset it "
+                         f"for the buffer's Channels.")
     channels = Channels(*(int(p) for p in parts))
     channels.check()
     return channels
@@ -136,7 +141,9 @@ class BufferConfig:
         R*T*min(K, E/R) entries, much larger than the rank-major R*T rows).
       low_latency_tokens: T per rank, low-latency mode (0: no low-latency ops).
       channels: stream the normal dispatch and combine through rings of this shape
-        (`Channels`); None: `$JAX_EP_CHANNELS`, else in phases.
+        (`Channels`; 0.11 GiB per rank at EP8 over puts, 0.88 GiB at EP64, whatever T); None:
+        in phases (the normal region then grows with R x T x H: 7.2 GiB at EP64 over puts).
+        `$JAX_EP_CHANNELS` overrides it when set.
     """
 
     num_tokens: int = 4096
@@ -148,7 +155,7 @@ class BufferConfig:
     capacity: int | None = None
     expert_major: bool = False
     low_latency_tokens: int = 128
-    channels: Channels | None = None
+    channels: Channels | None = Channels()
 
     def ranks(self) -> int:
         return jax.device_count() if self.num_ranks is None else self.num_ranks
@@ -253,9 +260,9 @@ def buffer_regions(config: BufferConfig, *, access: str | None = None,
     normal-mode call reaches into it. Over puts (`access`, default `peer_access()`) the
     regions also hold the send areas the puts read from, and the normal region the rows the
     combine's receivers return; node-aware (`nodes`: ranks per node, default
-    `ranks_per_node()`), the relays' slots. With channels (`config.channels`, else
-    `$JAX_EP_CHANNELS`) dispatch and combine, where they stream, hold their rings (and the
-    dispatch its counts) only.
+    `ranks_per_node()`), the relays' slots. With channels (`config.channels`, or
+    `$JAX_EP_CHANNELS` when set) dispatch and combine, where they stream, hold their rings
+    (and the dispatch its counts) only.
     """
     regions = _regions(config, access, nodes)
     return {name: regions[name] for name in ("signals", "normal", "low_latency")}
@@ -278,7 +285,7 @@ def _regions(config: BufferConfig, access: str | None, nodes: int | None) -> dic
     from jax_ep import _ffi
 
     _ffi.require_extension("jax_ep.runtime.buffer_regions")
-    rings = config.channels or channels_from_env() or Channels(0, 0, 0)
+    rings = channels_from_env(config.channels) or Channels(0, 0, 0)
     return dict(_ffi.EXT.buffer_regions(
         config.ranks(), config.num_tokens, config.top_k, config.num_experts, config.hidden,
         config.dtype_bytes, config.capacity or 0, config.expert_major,
@@ -319,8 +326,9 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
       low_latency_bytes: with `buffer_bytes`, how many of them (at the end) hold the
         low-latency regions; normal-mode calls get the rest.
 
-    Normal dispatch and combine stream through rings (`Channels`) when `config.channels` or
-    `$JAX_EP_CHANNELS` gives them (`channels()` says which), else they run in phases.
+    Normal dispatch and combine stream through rings (`Channels`): `config.channels` (with
+    `buffer_bytes`, the default `Channels()`), or `$JAX_EP_CHANNELS` when set; None or "off"
+    runs them in phases (`channels()` says which).
 
     Raises:
       RuntimeError: several processes with several GPUs each, several GPUs of one process
@@ -351,7 +359,7 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
                            f"first to change the buffer.")
     if config is not None:
         config.check()
-    rings = (config.channels if config is not None else None) or channels_from_env()
+    rings = channels_from_env((config or BufferConfig()).channels)
     from jax_ep import _exchange_order, _ffi
 
     _ffi.require_extension(op)

@@ -17,6 +17,7 @@ import pytest
 from harness import sharded
 from test_host_peers import (
     host_peers,  # noqa: F401  (the fixture: host peers initialized)
+    host_peers_with,
     node_peers,  # noqa: F401  (host peers in nodes, one test)
     put_peers,  # noqa: F401  (host peers reached by puts, one test)
     streamed_peers,  # noqa: F401  (host peers streaming through rings, one test)
@@ -30,11 +31,15 @@ pytestmark = pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension mis
 
 
 @pytest.fixture(autouse=True)
-def _dispatch_in_phases():
-    """The account counts the normal ops in phases; with rings ($JAX_EP_CHANNELS) they
-    stream."""
-    if runtime.channels() is not None:
-        pytest.skip("the account counts the normal ops in phases, not streamed through rings")
+def _dispatch_in_phases(monkeypatch):
+    """The tests count the normal ops in phases unless they stream them (streamed_peers):
+    host peers that stream (the default) are initialized again in phases for the test."""
+    if runtime.channels() is None:
+        yield
+        return
+    with host_peers_with(monkeypatch, **{k: os.environ[k] for k in (
+            "JAX_EP_PEER_ACCESS", "JAX_EP_RANKS_PER_NODE") if k in os.environ}):
+        yield
 KINDS = ["uniform", "hot_expert", "empty_ranks", "duplicates"]
 AXIS = "ep"
 
@@ -195,10 +200,10 @@ def test_between_devices_low_latency(R):
     assert_counts(counted, functools.reduce(operator.add, parts), ranks_running=R)
 
 
-def cpu_channel_warps() -> int:
-    """Warps per channel of a streaming launch on the CPU: 2 x the grid's warps."""
+def cpu_channel_senders() -> int:
+    """Sender warps per channel of a streaming launch on the CPU: the grid's warps."""
     grid = os.environ.get("JAX_EP_CPU_GRID", "")
-    return 2 * (int(grid.split(",")[1]) if grid else 1)
+    return int(grid.split(",")[1]) if grid else 1
 
 
 @pytest.mark.parametrize("R", [3, 4])
@@ -227,7 +232,7 @@ def test_streamed_ops(streamed_peers, R):  # noqa: F811
     state = runtime.state()
     puts = over_puts()
     shared = dict(num_experts=E, row_bytes=2 * H, capacity=capacity, between=True, puts=puts,
-                  channels=state["channels"], channel_warps=cpu_channel_warps())
+                  channels=state["channels"], channel_senders=cpu_channel_senders())
     want = [account.dispatch(idx, ranks_per_node=state["ranks_per_node"], **shared)]
     want.append(want[0] + account.combine(idx, **shared))
     for got, wanted in zip(counted, want, strict=True):

@@ -244,7 +244,7 @@ def test_normal_calls_never_reach_a_low_latency_exchange_in_flight():
         pytest.skip("another buffer size is set up")
     R, T, K, E, H = 2, 4, 2, 4, 256
     config = jax_ep.BufferConfig(num_tokens=T, hidden=H, top_k=K, num_experts=E, num_ranks=R,
-                                 low_latency_tokens=64)
+                                 low_latency_tokens=64, channels=None)  # in phases
     regions = runtime.buffer_regions(config)
     assert regions["low_latency"] > 4 * regions["normal"]  # room for a much larger call
     rng = np.random.default_rng()
@@ -291,7 +291,7 @@ def host_peers_with(monkeypatch, **env: str):
     then the module's again."""
     jax_ep.finalize()
     if "JAX_EP_CHANNELS" not in env:  # the dispatch in phases unless the test streams it
-        monkeypatch.delenv("JAX_EP_CHANNELS", raising=False)
+        monkeypatch.setenv("JAX_EP_CHANNELS", "off")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     jax_ep.initialize(buffer_bytes=HOST_PEER_BYTES, low_latency_bytes=HOST_PEER_LOW_LATENCY_BYTES)
@@ -353,9 +353,10 @@ def test_normal_ops_over_puts_match_portable_backend(put_peers, R, expert_major,
 
 def test_peer_access_sizes_the_send_areas(monkeypatch):
     monkeypatch.delenv("JAX_EP_RANKS_PER_NODE", raising=False)
+    monkeypatch.delenv("JAX_EP_CHANNELS", raising=False)
     R, T, K, H = 4, 24, 4, 256
     config = jax_ep.BufferConfig(num_tokens=16, hidden=H, top_k=K, num_experts=8, num_ranks=R,
-                                 low_latency_tokens=T)
+                                 low_latency_tokens=T, channels=None)
     store, put = (runtime.buffer_regions(config, access=a) for a in ("store", "put"))
     # Per half: each token's bf16 row (the FP8 call's rows and scales are smaller) and the rows
     # returned to each source (multiples of 256 bytes here, so no alignment padding).
@@ -476,9 +477,10 @@ def test_streamed_ops_send_one_message_per_chunk(monkeypatch):
 
 
 def test_channels_must_fit_the_sm_budget(monkeypatch):
-    """A channel is one block of the streaming launch, on an SM of its own: more channels than
-    the op's num_sms is refused when the op is traced, naming both and the fix; expert-major
-    calls (in phases) and num_sms=None are not bounded."""
+    """A streaming launch's blocks (8 warps: per channel a sender and a receiver) are resident
+    at once, each on an SM of its own: more blocks than the op's num_sms is refused when the
+    op is traced, naming both and the fix; expert-major calls (in phases) and num_sms=None are
+    not bounded."""
     R, T, K, E, H = 2, 8, 2, 4, 128
     rng = np.random.default_rng()
     idx, w = routing(rng, R, T, K, E, "uniform")
@@ -492,9 +494,10 @@ def test_channels_must_fit_the_sm_budget(monkeypatch):
 
         return sharded(per_shard, R)
 
-    with host_peers_with(monkeypatch, JAX_EP_CHANNELS="3,2,2"):
+    with host_peers_with(monkeypatch, JAX_EP_CHANNELS="9,2,2"):
         with pytest.raises(ValueError, match=r"dispatch: the buffer's Channels stream through "
-                           r"3 channels, one SM each, but num_sms=2 .* pass num_sms >= 3"):
+                           r"9 channels of 2 warps, 3 blocks of 8 warps on a GPU, one SM each, "
+                           r"but num_sms=2: pass num_sms >= 3 .* at most 8 channels"):
             program(2)(x, idx, w)
         for run in (program(3), program(None), program(2, expert_major=True)):
             jax.block_until_ready(run(x, idx, w))
@@ -525,7 +528,7 @@ def test_channels_keep_the_normal_region_flat_in_the_tokens(monkeypatch):
         for op, slot in (("dispatch", dispatch_slot), ("combine", combine_slot)):
             ring_bytes = copies * rings.channels * R * rings.slots() * slot
             assert ring_bytes < sizes[16][op] <= ring_bytes + 4096  # counters and counts
-        phased = [split(T) for T in (16, 64)]
+        phased = [split(T, channels=None) for T in (16, 64)]
         assert phased[1]["combine"] > phased[0]["combine"]  # in phases: grows with T
         em = [split(T, channels=rings, expert_major=True)["dispatch"] for T in (16, 64)]
         assert em[1] > em[0]  # expert-major runs in phases
@@ -538,16 +541,21 @@ def test_channels_keep_the_normal_region_flat_in_the_tokens(monkeypatch):
         aware = runtime.normal_region_bytes(config, access="put", nodes=4)
         ring_bytes = rings.channels * rings.slots() * (12 * dispatch_slot + 2 * 2 * relay_slot)
         assert ring_bytes < aware["dispatch"] <= ring_bytes + 4096
-    for T in (4096, 16384):
-        config = jax_ep.BufferConfig(num_tokens=T, num_ranks=64, low_latency_tokens=0,
-                                     channels=runtime.Channels())
+    for T in (4096, 16384):  # the defaults stream
+        config = jax_ep.BufferConfig(num_tokens=T, num_ranks=64, low_latency_tokens=0)
         assert runtime.buffer_regions(config, access="put", nodes=0)["normal"] < 1 << 30
         assert runtime.buffer_regions(config, access="put", nodes=8)["normal"] < 1 << 30
+        monkeypatch.setenv("JAX_EP_CHANNELS", "off")
+        assert runtime.buffer_regions(config, access="put", nodes=8)["normal"] > 7 << 30
+        monkeypatch.delenv("JAX_EP_CHANNELS")
     with pytest.raises(ValueError, match=r"Channels.chunk_tokens must be an int in \[1, 2\^20\]"):
         jax_ep.BufferConfig(channels=runtime.Channels(2, 0, 2)).check()
     monkeypatch.setenv("JAX_EP_CHANNELS", "8,16")
-    with pytest.raises(ValueError, match=r"\$JAX_EP_CHANNELS='8,16' is not"):
+    with pytest.raises(ValueError, match=r"\$JAX_EP_CHANNELS='8,16' is not .* or \"off\""):
         runtime.channels_from_env()
+    for text, want in (("off", None), ("OFF", None), ("3,2,1", runtime.Channels(3, 2, 1))):
+        monkeypatch.setenv("JAX_EP_CHANNELS", text)
+        assert runtime.channels_from_env(runtime.Channels()) == want
 
 
 # Node-aware ($JAX_EP_RANKS_PER_NODE with puts): stores within a node, puts between nodes, and
@@ -590,9 +598,10 @@ def test_node_aware_low_latency_matches_portable_backend(node_peers, R):
 
 def test_nodes_size_the_relays(monkeypatch):
     monkeypatch.delenv("JAX_EP_RANKS_PER_NODE", raising=False)
+    monkeypatch.delenv("JAX_EP_CHANNELS", raising=False)
     R, T, K, H = 8, 16, 4, 256
     config = jax_ep.BufferConfig(num_tokens=T, hidden=H, top_k=K, num_experts=8, num_ranks=R,
-                                 low_latency_tokens=24)
+                                 low_latency_tokens=24, channels=None)
     put, nodes = (runtime.buffer_regions(config, access="put", nodes=n) for n in (0, 4))
     # The relays' slots: R*T rows, FP8 scales and K (receiver, row) pairs; and the targets
     # staged for 2 nodes, 2*T*K pairs (each piece a multiple of 256 bytes here). The normal

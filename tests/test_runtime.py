@@ -21,8 +21,9 @@ from jax_ep import _ffi, runtime
 def test_buffer_bytes_by_hand(monkeypatch):
     monkeypatch.delenv("JAX_EP_PEER_ACCESS", raising=False)  # stores: no send areas
     # R=2, T=4, K=2, E=4, H=128, bf16, T_ll=2; every piece starts on a 256-byte boundary.
+    monkeypatch.delenv("JAX_EP_CHANNELS", raising=False)
     config = runtime.BufferConfig(num_tokens=4, hidden=128, top_k=2, num_experts=4, num_ranks=2,
-                                  low_latency_tokens=2)
+                                  low_latency_tokens=2, channels=None)  # in phases
     # Normal dispatch, 8 rows: counts 48, rows 2048, FP8 scales 32, idx 64, weights 64,
     # recv_src 32 -> 256 + 2048 + 4 * 256 (combine needs less: 2560; src_row lands in XLA's
     # result, not here).
@@ -34,12 +35,19 @@ def test_buffer_bytes_by_hand(monkeypatch):
 
 
 @pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
-def test_expert_major_and_capacity_change_the_size():
-    base = dict(num_tokens=64, hidden=256, top_k=4, num_experts=16, num_ranks=4)
+def test_expert_major_and_capacity_change_the_size(monkeypatch):
+    """In phases the rows of a call set the size; streamed (the default), the rank-major
+    calls hold rings only, and expert-major calls (in phases) still need their rows."""
+    monkeypatch.delenv("JAX_EP_CHANNELS", raising=False)
+    base = dict(num_tokens=64, hidden=256, top_k=4, num_experts=16, num_ranks=4, channels=None)
     rank_major = runtime.required_bytes(runtime.BufferConfig(**base))
     expert_major = runtime.required_bytes(runtime.BufferConfig(**base, expert_major=True))
     small = runtime.required_bytes(runtime.BufferConfig(**base, capacity=16))
     assert expert_major > rank_major > small
+    rings = dict(base, channels=runtime.Channels(2, 2, 2))
+    streamed = runtime.required_bytes(runtime.BufferConfig(**rings))
+    assert streamed == runtime.required_bytes(runtime.BufferConfig(**rings, capacity=16))
+    assert runtime.required_bytes(runtime.BufferConfig(**rings, expert_major=True)) > streamed
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -63,7 +71,8 @@ def test_initialize_on_cpu_sets_up_host_peers():
     with pytest.raises(ValueError, match="low_latency_bytes goes with buffer_bytes"):
         jax_ep.initialize(jax_ep.BufferConfig(), low_latency_bytes=1 << 20)
     assert not runtime.is_initialized() and runtime.state() is None
-    config = jax_ep.BufferConfig(num_tokens=16, hidden=128, top_k=2, num_experts=8)
+    config = jax_ep.BufferConfig(num_tokens=16, hidden=128, top_k=2, num_experts=8,
+                                 channels=None)
     jax_ep.initialize(config)
     try:
         assert runtime.state() == {
@@ -76,7 +85,9 @@ def test_initialize_on_cpu_sets_up_host_peers():
             jax_ep.initialize(config)
     finally:
         jax_ep.finalize()
-    # With rings the buffer holds the streamed dispatch's, and the ops stream through them.
+    # With rings (the default) the buffer holds the streamed dispatch's, and the ops stream
+    # through them.
+    assert jax_ep.BufferConfig().channels == runtime.Channels()
     streamed = dataclasses.replace(config, channels=runtime.Channels(2, 2, 2))
     jax_ep.initialize(streamed)
     try:

@@ -19,8 +19,8 @@
 # $JAX_EP_START_TIMEOUT_S / $JAX_EP_TIMEOUT_S (default 60 s / 30 s here) and a hung smoke
 # failed after 80 s. Name STEPs to run only those: env build installed ptxas kernels large
 # ragged memcheck synccheck initcheck racecheck smoke2 smoke4 smoke2_put smoke4_put
-# smoke4_nodes smoke4_groups smoke2_streamed smoke4_streamed_put smoke4_streamed_nodes
-# smoke_local bench_ep1 bench_virtual tests. --dry-run runs no
+# smoke4_nodes smoke4_groups smoke2_phased smoke4_nodes_phased smoke2_streamed
+# smoke4_streamed_put smoke4_streamed_nodes smoke_local bench_ep1 bench_virtual tests. --dry-run runs no
 # step: it checks that each one's command exists (CI runs it) and writes the report of that.
 # See docs/gpu/README.md.
 set -uo pipefail
@@ -149,7 +149,11 @@ step smoke4_put python3 "${SMOKE[@]}" --processes 4 --peer-access put
 step smoke4_nodes python3 "${SMOKE[@]}" --processes 4 --peer-access put \
   --ranks-per-node 2
 step smoke4_groups python3 "${SMOKE[@]}" --processes 4 --data 2
-# Streamed through rings of 2 slots (cuda/channels.h), so that every ring wraps.
+# The smokes above stream through the default rings; in phases, and through rings of 2 slots
+# (cuda/channels.h), so that every ring wraps.
+step smoke2_phased python3 "${SMOKE[@]}" --processes 2 --channels off
+step smoke4_nodes_phased python3 "${SMOKE[@]}" --processes 4 --peer-access put \
+  --ranks-per-node 2 --channels off
 step smoke2_streamed python3 "${SMOKE[@]}" --processes 2 --channels 2,1,2
 step smoke4_streamed_put python3 "${SMOKE[@]}" --processes 4 --peer-access put --channels 2,1,2
 step smoke4_streamed_nodes python3 "${SMOKE[@]}" --processes 4 --peer-access put \

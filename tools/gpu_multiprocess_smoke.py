@@ -7,10 +7,10 @@ Each process joins jax.distributed (127.0.0.1), calls jax_ep.initialize() (with
 $JAX_EP_PEER_ACCESS set to --peer-access: `put` reaches the peers with NVSHMEM's puts, as
 between nodes, which NVSHMEM's P2P transport serves on one GPU too; --ranks-per-node sets
 $JAX_EP_RANKS_PER_NODE, node-aware: stores within each simulated node; --channels sets
-$JAX_EP_CHANNELS: the rank-major dispatch and combine streamed through rings), runs dispatch and
-combine (both layouts) and the low-latency round trip with backend="cuda" inside shard_map
-over a (data D, ep N/D) mesh of the N processes (D = 1: the EP axis alone; D > 1: D EP
-groups, each with its own inputs), and compares its shard with jax_ep.reference of its
+$JAX_EP_CHANNELS: the rings the rank-major dispatch and combine stream through, or off), runs
+dispatch and combine (both layouts) and the low-latency round trip with backend="cuda" inside
+shard_map over a (data D, ep N/D) mesh of the N processes (D = 1: the EP axis alone; D > 1: D
+EP groups, each with its own inputs), and compares its shard with jax_ep.reference of its
 group bit for bit. Several processes on one GPU run NVSHMEM's "limited MPG" mode: functional
 only (no NVLink, slow time-sliced waits); timings mean nothing here. With --local the same
 check runs in this one process over every device it sees: several GPUs through CUDA peer
@@ -141,7 +141,8 @@ def main() -> int:
                         help="data groups: a (data D, ep N/D) mesh, D EP groups (default 1)")
     parser.add_argument("--channels", default="",
                         help="rings C,CHUNK,CHUNKS ($JAX_EP_CHANNELS): the rank-major dispatch "
-                        "and combine streamed through them (default: in phases)")
+                        "and combine streamed through them, or off: in phases (default: the "
+                        "buffer's, runtime.Channels())")
     parser.add_argument("--local", action="store_true",
                         help="one process with every device it sees instead (several GPUs: "
                         "CUDA peer access; CPU devices: host peers)")
