@@ -101,7 +101,8 @@ def _rings(op: str, axis_name: str | None, placement: Placement, expert_major: b
            num_ranks: int) -> dict:
     """Between devices, the rank-major normal ops stream through the buffer's rings, if it has
     them (runtime.channels(); cuda/peer_ops.h). The streaming launch's blocks are resident at
-    once, each on an SM of its own: they must fit the op's num_sms."""
+    once, each on an SM of its own: an op whose num_sms holds fewer blocks streams through
+    fewer of the rings' channels (every rank runs the same program, so all agree)."""
     rings = runtime.channels() if axis_name is not None and not expert_major else None
     if rings is None:
         return {}
@@ -109,15 +110,10 @@ def _rings(op: str, axis_name: str | None, placement: Placement, expert_major: b
     nodes = state.get("ranks_per_node", 0)
     aware = op == "dispatch" and state.get("peer_access") == "put" and 0 < nodes < num_ranks
     warps = 2 + (FORWARDERS if aware else 0)
-    blocks = -(-rings.channels * warps // BLOCK_WARPS)
-    if placement.num_sms is not None and blocks > placement.num_sms:
-        raise ValueError(
-            f"{op}: the buffer's Channels stream through {rings.channels} channels of {warps} "
-            f"warps, {blocks} blocks of {BLOCK_WARPS} warps on a GPU, one SM each, but "
-            f"num_sms={placement.num_sms}: pass num_sms >= {blocks} (or None), or initialize "
-            f"with at most {placement.num_sms * BLOCK_WARPS // warps} channels "
-            f"(BufferConfig(channels=...), $JAX_EP_CHANNELS).")
-    return dict(channels=rings.channels, chunk_tokens=rings.chunk_tokens,
+    channels = rings.channels
+    if placement.num_sms is not None:
+        channels = min(channels, max(placement.num_sms * BLOCK_WARPS // warps, 1))
+    return dict(channels=channels, chunk_tokens=rings.chunk_tokens,
                 ring_chunks=rings.ring_chunks)
 
 

@@ -73,8 +73,8 @@ class Channels:
       channels: token ranges per rank, each with its own rings and, on a GPU, its own warps:
         a sender, a receiver and, node-aware, two forwarders of a relay's chunks (dispatch),
         a sender and a receiver (combine), packed into blocks of 8 warps resident at once,
-        each on an SM of its own: at most the ops' `num_sms` blocks (default 20; more is
-        refused when the op is traced). The default 32 takes 8 SMs (16 node-aware).
+        each on an SM of its own. The default 32 takes 8 SMs (16 node-aware); an op whose
+        `num_sms` (default 20) holds fewer blocks streams through fewer channels.
       chunk_tokens: slots a sender fills before it publishes them (one put per chunk and
         destination over puts: 4 rows of 14 KB are a 57 KB message).
       ring_chunks: chunks per ring (2 or more let a sender fill one while the receiver drains
