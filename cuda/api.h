@@ -103,6 +103,17 @@ std::string local_initialize(const std::vector<int>& ordinals,
 // Frees the buffers of local_initialize. Empty string on success.
 std::string local_finalize();
 
+// What the doctor reports (jax_ep/doctor.py): the CUDA driver's version and the version of the
+// CUDA runtime built in (1000 x major + 10 x minor; 0 where the call fails, as without a
+// driver), and whether each GPU this process sees can access each other's memory
+// (cudaDeviceCanAccessPeer; row a, column b; empty without a driver).
+struct CudaVersions {
+  int driver = 0;
+  int runtime = 0;
+};
+CudaVersions cuda_versions();
+std::vector<std::vector<bool>> peer_access_matrix();
+
 // Version of the NVSHMEM headers and device library compiled in.
 int nvshmem_version_major();
 int nvshmem_version_minor();

@@ -146,6 +146,31 @@ bool g_local_initialized = false;
 
 const LocalBuffers* local_buffers() { return g_local_initialized ? &g_local : nullptr; }
 
+CudaVersions cuda_versions() {
+  CudaVersions v;
+  if (cudaDriverGetVersion(&v.driver) != cudaSuccess) v.driver = 0;
+  if (cudaRuntimeGetVersion(&v.runtime) != cudaSuccess) v.runtime = 0;
+  cudaGetLastError();  // a failed query leaves no error for the next CUDA call
+  return v;
+}
+
+std::vector<std::vector<bool>> peer_access_matrix() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return {};
+  }
+  std::vector<std::vector<bool>> can(n, std::vector<bool>(n, true));
+  for (int a = 0; a < n; ++a) {
+    for (int b = 0; b < n; ++b) {
+      int yes = 0;
+      if (a != b) can[a][b] = cudaDeviceCanAccessPeer(&yes, a, b) == cudaSuccess && yes;
+    }
+  }
+  cudaGetLastError();
+  return can;
+}
+
 std::string local_initialize(const std::vector<int>& ordinals,
                              const std::vector<int64_t>& device_ids, size_t buffer_bytes,
                              size_t low_latency_bytes) {

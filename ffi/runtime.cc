@@ -117,6 +117,34 @@ void HostPeersInitialize(size_t buffer_bytes, size_t low_latency_bytes, bool put
   if (!error.empty()) throw std::runtime_error("jax_ep.initialize: " + error);
 }
 
+// {'driver', 'runtime'}: CUDA versions (1000 x major + 10 x minor, 0 where unknown), and
+// the GPUs' peer access matrix; None without CUDA.
+nb::object CudaVersions() {
+#ifdef JAX_EP_WITH_CUDA
+  const cuda::CudaVersions v = cuda::cuda_versions();
+  nb::dict out;
+  out["driver"] = v.driver;
+  out["runtime"] = v.runtime;
+  return out;
+#else
+  return nb::none();
+#endif
+}
+
+nb::object PeerAccessMatrix() {
+#ifdef JAX_EP_WITH_CUDA
+  nb::list rows;
+  for (const std::vector<bool>& row : cuda::peer_access_matrix()) {
+    nb::list cells;
+    for (const bool can : row) cells.append(can);
+    rows.append(cells);
+  }
+  return rows;
+#else
+  return nb::none();
+#endif
+}
+
 nb::dict BufferRegions(int num_ranks, int num_tokens, int top_k, int num_experts, int hidden,
                        int dtype_bytes, int64_t capacity, bool expert_major,
                        int low_latency_tokens, bool puts, int ranks_per_node, int channels,
@@ -178,6 +206,13 @@ void BindRuntime(nb::module_& m) {
         "Frees the host peers' buffers (no exchange may be running).");
   m.def("host_peers_buffer_bytes", &host::buffer_bytes,
         "The host peers' buffer bytes per rank, 0 when not initialized.");
+  m.def("cuda_versions", &CudaVersions,
+        "{'driver', 'runtime'}: the CUDA driver's version and that of the runtime built in "
+        "(1000 x major + 10 x minor, 0 where unknown, as without a driver); None without "
+        "CUDA.");
+  m.def("peer_access_matrix", &PeerAccessMatrix,
+        "[a][b]: whether CUDA device a can access device b's memory (cudaDeviceCanAccessPeer), "
+        "over the devices this process sees ([] without a driver); None without CUDA.");
   m.def("runtime_state", &State,
         "{'rank', 'num_ranks', 'buffer_bytes'} while initialized, else None.");
 }

@@ -1,8 +1,9 @@
 """`python -m jax_ep.doctor`: whether this machine can run jax_ep, each check with its fix.
 
 It gathers the facts (JAX and its CUDA plugin, the extension's build, NVSHMEM's host library
-against the device library built in, the devices and their compute capabilities, free device
-memory, the RDMA stack between hosts, the JAX_EP_* and NVSHMEM_* variables set), checks
+against the device library built in, the devices and their compute capabilities, the CUDA
+driver against the runtime built in, peer access between the local GPUs, free device memory,
+the RDMA stack between hosts, the JAX_EP_* and NVSHMEM_* variables set), checks
 them against what a configuration needs (`BufferConfig`, DeepSeek's shapes by default), then
 runs a bit-exact self-test of the local paths under a time limit. Exit status 0 only when
 every check that applies passes; on CPU the GPU checks say why they were skipped.
@@ -48,6 +49,10 @@ class Facts:
     nvshmem_host: str | None = None  # the installed nvidia-nvshmem-cu13 (its host library)
     ibverbs: bool = False  # libibverbs loads (NVSHMEM's RDMA transports need it)
     rdma_devices: tuple[str, ...] = ()  # /sys/class/infiniband
+    # The CUDA driver's version and the runtime's built in (1000 x major + 10 x minor; 0:
+    # unknown), and whether local GPU a can access GPU b's memory; None without CUDA.
+    cuda_versions: dict[str, int] | None = None
+    peer_access: tuple[tuple[bool, ...], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +87,8 @@ def gather() -> Facts:
         if stats and "bytes_limit" in stats:
             free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
         devices.append(Device(d.platform, d.device_kind, capability, free))
+    cuda = _ffi.EXT is not None and any(d.platform == "gpu" for d in devices)
+    peers = _ffi.EXT.peer_access_matrix() if cuda else None
     return Facts(
         jax_version=jax.__version__, jaxlib_version=jaxlib.__version__, cuda_plugin=plugin,
         build=_ffi.EXT.build_info() if _ffi.EXT is not None else None,
@@ -92,7 +99,9 @@ def gather() -> Facts:
         nvshmem_host=_installed("nvidia-nvshmem-cu13"),
         ibverbs=ctypes.util.find_library("ibverbs") is not None,
         rdma_devices=tuple(sorted(os.listdir(RDMA_DEVICES))) if os.path.isdir(RDMA_DEVICES)
-        else ())
+        else (),
+        cuda_versions=_ffi.EXT.cuda_versions() if cuda else None,
+        peer_access=None if peers is None else tuple(tuple(row) for row in peers))
 
 
 def _installed(name: str) -> str | None:
@@ -128,7 +137,8 @@ def check_facts(facts: Facts, config: Any) -> list[Check]:
                                                          facts.build.items())))
     if not gpus:
         why = "no GPU in this process: the cuda backend runs its CPU handlers"
-        for name in ("CUDA plugin", "CUDA kernels", "architectures", "device memory"):
+        for name in ("CUDA plugin", "CUDA kernels", "CUDA driver", "architectures",
+                     "peer access", "device memory"):
             checks.append(Check(name, SKIP, why))
     else:
         checks.append(Check("CUDA plugin", OK if facts.cuda_plugin else FAIL,
@@ -139,6 +149,7 @@ def check_facts(facts: Facts, config: Any) -> list[Check]:
                             "compiled in" if built else "this build has no CUDA kernels",
                             "" if built else "rebuild with nvcc on PATH: pip install "
                             "-C cmake.define.JAX_EP_CUDA=ON ."))
+        checks.append(_check_driver(facts))
         arch = (facts.build or {}).get("cuda_arch")
         for i, d in enumerate(gpus):
             cc = d.compute_capability
@@ -151,6 +162,7 @@ def check_facts(facts: Facts, config: Any) -> list[Check]:
                 "" if ok else f"rebuild for sm_{cc[0]}{cc[1]}: pip install -C "
                 f"cmake.define.CMAKE_CUDA_ARCHITECTURES={cc[0]}{cc[1]}-real ." if cc else
                 "the GPU does not report its compute capability"))
+        checks.append(_check_peer_access(facts))
         need = runtime.required_bytes(config)
         for i, d in enumerate(gpus):
             if d.free_bytes is None:
@@ -168,6 +180,46 @@ def check_facts(facts: Facts, config: Any) -> list[Check]:
     checks.append(_check_transports(facts))
     checks.append(_check_variables(facts))
     return checks
+
+
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def _check_driver(facts: Facts) -> Check:
+    """The driver runs a runtime of its major version or older (CUDA's minor version
+    compatibility): a CUDA 13 build needs a CUDA 13 driver."""
+    v = facts.cuda_versions
+    if not v or not v.get("runtime"):
+        return Check("CUDA driver", SKIP, "this build has no CUDA runtime to check against")
+    built = _cuda_version(v["runtime"])
+    if not v.get("driver"):
+        return Check("CUDA driver", FAIL, f"no CUDA driver answered; runtime {built} built in",
+                     "install the NVIDIA driver (nvidia-smi should list the GPUs)")
+    ok = v["driver"] // 1000 >= v["runtime"] // 1000
+    return Check("CUDA driver", OK if ok else FAIL,
+                 f"driver supports CUDA {_cuda_version(v['driver'])}, runtime {built} built in",
+                 "" if ok else f"update the NVIDIA driver to one for CUDA {v['runtime'] // 1000}"
+                 f" (nvidia-smi shows the CUDA version it supports), or build jax_ep and jax "
+                 f"for CUDA {_cuda_version(v['driver'])}")
+
+
+def _check_peer_access(facts: Facts) -> Check:
+    """GPUs of one node reach each other's memory (NVLink or PCIe P2P): several GPUs of one
+    process exchange through it, and NVSHMEM's stores within a node need it."""
+    can = facts.peer_access
+    if can is None or len(can) < 2:
+        return Check("peer access", SKIP, "one GPU in this process: its peers, if any, are "
+                     "other processes' (NVSHMEM checks them when it starts)")
+    missing = [f"{a}->{b}" for a, row in enumerate(can) for b, ok in enumerate(row) if not ok]
+    rows = "; ".join(f"GPU {a}: " + "".join("x" if ok else "." for ok in row)
+                     for a, row in enumerate(can))
+    if not missing:
+        return Check("peer access", OK, f"all {len(can)} GPUs reach each other ({rows})")
+    return Check("peer access", FAIL,
+                 f"no peer access {', '.join(missing)} (x: reaches, .: does not; {rows})",
+                 "check the links between them (nvidia-smi topo -m: NVLink, or PCIe with P2P, "
+                 "which IOMMU and ACS settings can disable)")
 
 
 def _check_nvshmem(facts: Facts) -> Check:

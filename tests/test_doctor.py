@@ -22,7 +22,9 @@ def facts(**changes) -> doctor.Facts:
     base = doctor.Facts(jax_version="0.11.2", jaxlib_version="0.11.2",
                         cuda_plugin="jax-cuda13-plugin 0.11.2", build=BUILD, build_error=None,
                         devices=(H100,), process_count=1, variables={},
-                        nvshmem_host="3.4.5", ibverbs=True, rdma_devices=("mlx5_0",))
+                        nvshmem_host="3.4.5", ibverbs=True, rdma_devices=("mlx5_0",),
+                        cuda_versions={"driver": 13000, "runtime": 13000},
+                        peer_access=((True,),))
     return dataclasses.replace(base, **changes)
 
 
@@ -36,6 +38,7 @@ CONFIG = BufferConfig(num_ranks=1)
 def test_a_good_gpu_machine_passes_every_check():
     checks = by_name(doctor.check_facts(facts(), CONFIG))
     assert checks.pop("transports").status == doctor.SKIP  # one host
+    assert checks.pop("peer access").status == doctor.SKIP  # one GPU
     assert all(c.status == doctor.OK for c in checks.values()), checks
     assert "compute capability 9.0; built for sm_80,sm_90,sm_100,sm_120" in \
         checks["architectures (GPU 0)"].detail
@@ -56,11 +59,32 @@ def test_a_good_gpu_machine_passes_every_check():
     (dict(nvshmem_host="3.3.9"), "NVSHMEM", "nvidia-nvshmem-cu13>=3.4.5,<4"),
     (dict(nvshmem_host=None), "NVSHMEM", "nvidia-nvshmem-cu13>=3.4.5,<4"),
     (dict(process_count=2, ibverbs=False), "transports", "libibverbs"),
+    (dict(cuda_versions={"driver": 12080, "runtime": 13000}), "CUDA driver",
+     "driver to one for CUDA 13"),
+    (dict(cuda_versions={"driver": 0, "runtime": 13000}), "CUDA driver",
+     "install the NVIDIA driver"),
+    (dict(devices=(H100,) * 3, peer_access=((True, True, False), (True,) * 3, (True,) * 3)),
+     "peer access", "nvidia-smi topo -m"),
     (dict(process_count=2, rdma_devices=()), "transports", "/sys/class/infiniband"),
 ])
 def test_each_failure_names_its_fix(change, name, fix):
     checks = by_name(doctor.check_facts(facts(**change), CONFIG))
     assert checks[name].status == doctor.FAIL and fix in checks[name].fix, checks[name]
+
+
+def test_driver_and_peer_access_say_what_they_found():
+    """A newer driver runs an older runtime; the peer access matrix is shown, with the pairs
+    that lack it named."""
+    checks = by_name(doctor.check_facts(facts(
+        devices=(H100,) * 2, cuda_versions={"driver": 13020, "runtime": 13000},
+        peer_access=((True, True), (True, True))), CONFIG))
+    assert checks["CUDA driver"].status == doctor.OK
+    assert checks["CUDA driver"].detail == "driver supports CUDA 13.2, runtime 13.0 built in"
+    assert checks["peer access"].status == doctor.OK
+    assert checks["peer access"].detail == "all 2 GPUs reach each other (GPU 0: xx; GPU 1: xx)"
+    failed = by_name(doctor.check_facts(facts(
+        devices=(H100,) * 2, peer_access=((True, False), (True, True))), CONFIG))["peer access"]
+    assert "no peer access 0->1" in failed.detail and "GPU 0: x." in failed.detail
 
 
 def test_bad_variables_fail_with_the_variable_named(monkeypatch):
@@ -87,6 +111,18 @@ def test_build_info_lists_what_was_built():
     assert set(info) == {"extension", "ffi_api_version", "cuda", "cuda_arch", "nvshmem_version"}
     if info["cuda"]:  # the default build: every current NVIDIA GPU, machine code only
         assert _ffi.architectures(info) == ["sm_80", "sm_90", "sm_100", "sm_120"]
+
+
+def test_the_extension_reports_cuda_versions_and_peer_access():
+    """The bindings the doctor reads on a GPU machine: the runtime built in, the driver's
+    version (0 without one), and a square matrix over the GPUs this process sees."""
+    if not jax_ep.build_info()["cuda"]:
+        assert _ffi.EXT.cuda_versions() is None and _ffi.EXT.peer_access_matrix() is None
+        return
+    versions = _ffi.EXT.cuda_versions()
+    assert versions["runtime"] >= 13000 and versions["driver"] >= 0, versions
+    matrix = _ffi.EXT.peer_access_matrix()
+    assert all(len(row) == len(matrix) and row[i] for i, row in enumerate(matrix)), matrix
 
 
 def test_on_this_machine_it_runs_the_cpu_checks_and_exits_0():
