@@ -125,6 +125,15 @@ def unaligned(values: jax.Array, handle: DispatchHandle, fill: int | float = 0) 
     return gather_rows(values, handle.alignment.entries, fill=fill)
 
 
+def aligned_rows(rows: tuple[jax.Array, jax.Array | None], handle: DispatchHandle):
+    """Rows (and their scales, or None) in the unaligned layout moved where the handle's
+    alignment moved its dispatch's (a dispatch along the handle)."""
+    moves = handle.alignment
+    data, scales = rows
+    return (_moved(data, moves.rows, moves.entries),
+            None if scales is None else gather_rows(scales, moves.rows))
+
+
 def unalign(y: jax.Array, weights: jax.Array | None, handle: DispatchHandle):
     """The experts' outputs (and weights) of the aligned rows, back in the unaligned layout
     that combine undoes; entries the alignment did not keep get zero rows and weights."""

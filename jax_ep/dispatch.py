@@ -75,7 +75,8 @@ def capacity_from_factor(capacity_factor: float, *, num_ranks: int, num_tokens: 
     return min(default, math.ceil(factor * average))  # at least 1 when T > 0
 
 
-def _check_x(op: str, x, num_tokens: int) -> tuple[jax.Array, jax.Array | None]:
+def _check_x(op: str, x, num_tokens: int, tokens_of: str = "topk_idx has"
+             ) -> tuple[jax.Array, jax.Array | None]:
     """x is [T, H] floating, the FP8 pair or a Quantized; returns (x or its data, scales or
     the Quantized's other bytes (quant.to_rows), or None)."""
     if isinstance(x, quant.Quantized):
@@ -96,7 +97,7 @@ def _check_x(op: str, x, num_tokens: int) -> tuple[jax.Array, jax.Array | None]:
         data, scales = x, None
     if data.shape[0] != num_tokens:
         raise ValueError(
-            f"{op}: x has {data.shape[0]} rows but topk_idx has {num_tokens}; both must be "
+            f"{op}: x has {data.shape[0]} rows but {tokens_of} {num_tokens}; both must be "
             f"[T, ...] for the same T tokens."
         )
     return data, scales
@@ -105,11 +106,12 @@ def _check_x(op: str, x, num_tokens: int) -> tuple[jax.Array, jax.Array | None]:
 @scoped("jax_ep.dispatch")
 def dispatch(
     x: jax.Array | tuple[jax.Array, jax.Array] | quant.Quantized,
-    topk_idx: jax.Array,
-    topk_weights: jax.Array,
+    topk_idx: jax.Array | None = None,
+    topk_weights: jax.Array | None = None,
     *,
-    num_experts: int,
-    axis_name: str = "ep",
+    num_experts: int | None = None,
+    handle: DispatchHandle | None = None,
+    axis_name: str | None = None,
     capacity: int | None = None,
     capacity_factor: float | None = None,
     expert_major: bool = False,
@@ -129,7 +131,15 @@ def dispatch(
       topk_idx: int32 [T, K] expert ids in [0, E); -1 masks a choice.
       topk_weights: float32 [T, K].
       num_experts: E, a multiple of the EP axis size R.
-      axis_name: the mesh axis of the expert-parallel group.
+      handle: instead of topk_idx, topk_weights and num_experts, the DispatchHandle of an
+        earlier dispatch: `x` (another [T, H2] array of the same tokens, any float dtype and
+        width, the FP8 pair or a Quantized) goes along that dispatch's routing into the same
+        rows (entries, aligned as it aligned them), without routing again; returns those
+        rows alone ([capacity, H2], zero past the count; the pair or a Quantized as `x`
+        was). Its gradient is the unweighted combine of theirs, as for dispatch. The layout
+        arguments (capacity, expert_major, ...) are the handle's.
+      axis_name: the mesh axis of the expert-parallel group (default "ep"; with `handle`,
+        the handle's).
       capacity: static rows of the output (entries when `expert_major`). Default: R*T rows,
         which never overflows; when `expert_major`, R*T*min(K, E/R) entries, which overflows
         only when tokens choose the same expert more than once (R*T*K never does).
@@ -159,9 +169,21 @@ def dispatch(
         backend's kernels; the "xla" backend leaves placement to XLA.
 
     Returns:
-      (Received, DispatchHandle). Pass the handle to `combine`.
+      (Received, DispatchHandle). Pass the handle to `combine`. With `handle`: the rows.
     """
     op = "jax_ep.dispatch"
+    if handle is not None:
+        _checks_along(op, handle, topk_idx=topk_idx, topk_weights=topk_weights,
+                      num_experts=num_experts, axis_name=axis_name, capacity=capacity,
+                      capacity_factor=capacity_factor, expert_major=expert_major,
+                      expert_alignment=expert_alignment)
+        return _dispatch_along(op, x, handle, backends.resolve(backend),
+                               _checks.placement(op, num_sms, stream))
+    if topk_idx is None or topk_weights is None or num_experts is None:
+        raise TypeError(f"{op}: pass the routing (topk_idx, topk_weights and num_experts=), "
+                        f"or handle= the DispatchHandle of an earlier dispatch to send x along "
+                        f"its routing.")
+    axis_name = "ep" if axis_name is None else axis_name
     num_ranks = _checks.axis_size(op, axis_name)
     num_tokens, top_k = _checks.check_topk_idx(op, topk_idx)
     data, scales = _check_x(op, x, num_tokens)
@@ -240,6 +262,77 @@ def dispatch(
         checks.overflow(op, needed, capacity=capacity, what=what, default=note,
                         at_least=bool(align))
     return _as_sent(x, (received, handle))
+
+
+def _checks_along(op: str, handle, **given) -> None:
+    """With a handle the routing and the layout are the handle's: arguments that would set
+    them again must be left out, or agree with it."""
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(f"{op}: handle must be the DispatchHandle of an earlier jax_ep.dispatch; "
+                        f"got {type(handle).__name__}.")
+    aligned = None if handle.alignment is None else handle.alignment.alignment
+    agree = {"num_experts": handle.num_experts, "axis_name": handle.axis_name,
+             "capacity": handle.capacity, "expert_major": handle.expert_major,
+             "expert_alignment": aligned}
+    for name, value in given.items():
+        if value is None or (name == "expert_major" and value is False) or \
+                (name in agree and value == agree[name]):
+            continue  # unset (expert_major's default is False), or as the handle has it
+        what = (f"the handle's is {agree[name]!r}; got {value!r}" if name in agree
+                else "the handle holds the routing")
+        raise ValueError(f"{op}: with handle=, x goes along the handle's dispatch: leave "
+                         f"{name} out ({what}).")
+    num_ranks = _checks.axis_size(op, handle.axis_name)
+    if num_ranks != handle.num_ranks:
+        raise ValueError(f"{op}: the handle comes from a dispatch over {handle.num_ranks} ranks "
+                         f"of axis {handle.axis_name!r}, which has {num_ranks} here: use it "
+                         f"in the same shard_map (mesh) as the dispatch that made it.")
+
+
+@scoped("jax_ep.dispatch_along")
+def _dispatch_along(op: str, x, handle: DispatchHandle, backend: str,
+                    placement: backends.Placement):
+    """`x`'s rows where the handle's dispatch put its tokens' rows: the data movement of
+    dispatch (combine's backward, `rows_for_receivers`), with no routing of its own."""
+    data, scales = _check_x(op, x, handle.num_tokens, "the handle's dispatch had")
+    rows = handle.capacity
+    if handle.num_tokens == 0:
+        sent = (jax.lax.full_like(data, 0, shape=(rows, data.shape[1])),
+                None if scales is None else jax.lax.full_like(
+                    scales, 0, shape=(rows, scales.shape[1])))
+    else:
+        sent = (_along(backend, placement, data, handle),
+                None if scales is None else _rows_along(backend, placement, scales, handle))
+        if handle.alignment is not None:
+            sent = alignment.aligned_rows(sent, handle)
+    if isinstance(x, quant.Quantized):
+        return quant.from_rows(*sent, x)
+    return sent if scales is not None else sent[0]
+
+
+def _rows_along(backend, placement, values, handle):
+    run = backends.function(backend, "dispatch", "rows_for_receivers", placement=placement)
+    return run(values, handle).astype(values.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _along(backend: str, placement: backends.Placement, data, handle):
+    return _rows_along(backend, placement, data, handle)
+
+
+def _along_fwd(backend, placement, data, handle):
+    return _along(backend, placement, data, handle), handle
+
+
+@scoped("jax_ep.dispatch_along.backward")
+def _along_bwd(backend, placement, handle, d_rows):
+    if not jnp.issubdtype(d_rows.dtype, jnp.floating) or d_rows.dtype.itemsize == 1:
+        return None, None  # FP8 data is not differentiated
+    combine_rows = backends.function(backend, "dispatch", "combine", placement=placement)
+    return combine_rows(d_rows, None, handle), None
+
+
+_along.defvjp(_along_fwd, _along_bwd)
 
 
 def _as_sent(x, result: tuple[Received, DispatchHandle]) -> tuple[Received, DispatchHandle]:
