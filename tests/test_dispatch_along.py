@@ -18,7 +18,7 @@ from harness import sharded, to_numpy
 from test_dispatch import _assert_bitwise
 
 import jax_ep
-from jax_ep import fp8, reference
+from jax_ep import fp8, quant, reference
 from jax_ep.bench.routings import KINDS, make_routing
 
 
@@ -96,6 +96,25 @@ def test_fp8_pair_widths_and_dtypes():
     _assert_bitwise(got_pair[1], want["scales"], "scales along the handle")
     for key, value in others.items():
         _assert_bitwise(got[key], reference.dispatch(value, idx, w, num_experts=E)["x"], key)
+
+
+@pytest.mark.parametrize("format", ["mxfp8", "nvfp4"])
+def test_a_quantized_array_arrives_as_one(format):
+    """A Quantized x2 arrives as the Quantized that a dispatch of it returns, bit for bit."""
+    rng = np.random.default_rng()
+    R, T, K, E, H = 3, 6, 2, 6, 64
+    idx, w = _routing(rng, R, T, K, E, "uniform")
+    x = rng.standard_normal((R, T, H)).astype(np.float32)
+
+    def per_shard(x, idx, w):
+        q = quant.quantize(x, format)
+        recv, handle = jax_ep.dispatch(q, idx, w, num_experts=E)
+        return recv.with_zero_padding().x, jax_ep.dispatch(q, handle=handle)
+
+    want, got = to_numpy(sharded(per_shard, R)(x, idx, w))
+    assert got.format == want.format == format
+    for i, (g, v) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)):
+        _assert_bitwise(g, v, f"leaf {i} of the Quantized rows")
 
 
 def test_aligned_layout():
