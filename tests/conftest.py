@@ -32,6 +32,24 @@ def _eight_devices():
 
 HOST_PEER_BYTES = 64 << 20  # per rank: more than any test's largest call ...
 HOST_PEER_LOW_LATENCY_BYTES = 16 << 20  # ... and low-latency call
+# The rings the tests' host peers stream through unless $JAX_EP_CHANNELS names others: 5
+# channels of 2 x 2 slots, which wrap in nearly every call, on a sixth of the threads of the
+# default Channels() (32 x 4 x 4: tests/test_host_peers.py runs that one too).
+TEST_CHANNELS = "5,2,2"
+
+
+def initialize_host_peers():
+    """jax_ep.initialize() of the tests' host peers (their buffer, TEST_CHANNELS)."""
+    import jax_ep
+
+    saved = os.environ.get("JAX_EP_CHANNELS")
+    os.environ["JAX_EP_CHANNELS"] = saved or TEST_CHANNELS
+    try:
+        jax_ep.initialize(buffer_bytes=HOST_PEER_BYTES,
+                          low_latency_bytes=HOST_PEER_LOW_LATENCY_BYTES)
+    finally:
+        if saved is None:
+            del os.environ["JAX_EP_CHANNELS"]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -44,7 +62,7 @@ def _host_peers_for_cuda_backend():
     if os.environ.get("JAX_EP_BACKEND") != "cuda" or _ffi.EXT is None:
         yield
         return
-    jax_ep.initialize(buffer_bytes=HOST_PEER_BYTES, low_latency_bytes=HOST_PEER_LOW_LATENCY_BYTES)
+    initialize_host_peers()
     yield
     jax_ep.finalize()
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import HOST_PEER_BYTES, HOST_PEER_LOW_LATENCY_BYTES
+from conftest import HOST_PEER_BYTES, HOST_PEER_LOW_LATENCY_BYTES, initialize_host_peers
 from harness import compiled_text, forget_failed_exchange, sharded, to_numpy, two_group_axes
 from test_cuda_backend import gradient_program
 from test_virtual import assert_bitwise, routing
@@ -41,7 +41,7 @@ def host_peers():
 
 
 def initialize_for_tests():
-    jax_ep.initialize(buffer_bytes=HOST_PEER_BYTES, low_latency_bytes=HOST_PEER_LOW_LATENCY_BYTES)
+    initialize_host_peers()
 
 
 def assert_trees_bitwise(got, want):
@@ -475,6 +475,33 @@ def test_streamed_ops_send_one_message_per_chunk(monkeypatch):
     assert streams <= dispatch <= 2 * streams
     assert 3 * streams <= both <= 4 * streams  # the combine's: 2 per stream
     assert both < 2 * goes.sum()  # fewer than one message per row and op
+
+
+@pytest.mark.parametrize("access", ["store", "put"])
+def test_the_default_channels_match_portable_backend(monkeypatch, access):
+    """The default Channels() (32 x 4 x 4; the suite's host peers stream through smaller
+    rings, conftest.TEST_CHANNELS): dispatch, FP8 dispatch and combine at R 8, bit for bit."""
+    R, T, K, E, H = 8, 37, 4, 16, 128  # more tokens than channels: some hold 2
+    rng = np.random.default_rng()
+    idx, w = routing(rng, R, T, K, E, "hot_expert", invalid=True)
+    x = rng.standard_normal((R, T, H)).astype(np.float32)
+    pair = reference.quantize(x)
+
+    def program(backend):
+        def per_shard(x, x_fp8, scales, idx, w):
+            recv, handle = jax_ep.dispatch(x.astype(jnp.bfloat16), idx, w, num_experts=E,
+                                           on_invalid="mask", backend=backend)
+            recv8, _ = jax_ep.dispatch((x_fp8, scales), idx, w, num_experts=E,
+                                       on_invalid="mask", backend=backend)
+            out = jax_ep.combine(recv.x, handle, backend=backend)
+            return recv.with_zero_padding(), recv8.with_zero_padding(), out
+
+        return per_shard
+
+    with host_peers_with(monkeypatch, JAX_EP_PEER_ACCESS=access, JAX_EP_CHANNELS="32,4,4"):
+        assert runtime.channels() == runtime.Channels()
+        got, want = both_backends(program, R, x, *pair, idx, w)
+    assert_trees_bitwise(got, want)
 
 
 def test_the_sm_budget_bounds_the_channels(monkeypatch):
