@@ -93,10 +93,12 @@ def align(received: Received, handle: DispatchHandle, alignment: int
     rows = scatter_rows(capacity, entries, jnp.arange(capacity, dtype=jnp.int32), fill=-1)
 
     needed = received.num_tokens + received.num_dropped
+    moves = AlignedEntries(rows=rows, entries=entries, alignment=alignment)
+    x, scales = moved_rows(received.x, received.scales, moves)
     aligned = dataclasses.replace(
         received,
-        x=_moved(received.x, rows, entries),
-        scales=None if received.scales is None else gather_rows(received.scales, rows),
+        x=x,
+        scales=scales,
         topk_idx=gather_rows(received.topk_idx, rows, fill=-1),
         topk_weights=_moved(received.topk_weights, rows, entries),
         num_tokens=jnp.sum(group_sizes).astype(jnp.int32),
@@ -104,7 +106,6 @@ def align(received: Received, handle: DispatchHandle, alignment: int
         num_dropped=(needed - jnp.sum(kept)).astype(jnp.int32),
         group_sizes=group_sizes.astype(jnp.int32),
     )
-    moves = AlignedEntries(rows=rows, entries=entries, alignment=alignment)
     return aligned, dataclasses.replace(handle, alignment=moves)
 
 
@@ -125,11 +126,9 @@ def unaligned(values: jax.Array, handle: DispatchHandle, fill: int | float = 0) 
     return gather_rows(values, handle.alignment.entries, fill=fill)
 
 
-def aligned_rows(rows: tuple[jax.Array, jax.Array | None], handle: DispatchHandle):
-    """Rows (and their scales, or None) in the unaligned layout moved where the handle's
-    alignment moved its dispatch's (a dispatch along the handle)."""
-    moves = handle.alignment
-    data, scales = rows
+def moved_rows(data: jax.Array, scales: jax.Array | None, moves: AlignedEntries):
+    """Received rows (and their scales, or None) of the unaligned layout at their aligned rows
+    (the results of `align`, and of a dispatch along an aligned handle)."""
     return (_moved(data, moves.rows, moves.entries),
             None if scales is None else gather_rows(scales, moves.rows))
 

@@ -304,7 +304,7 @@ def _dispatch_along(op: str, x, handle: DispatchHandle, backend: str,
         sent = (_along(backend, placement, data, handle),
                 None if scales is None else _rows_along(backend, placement, scales, handle))
         if handle.alignment is not None:
-            sent = alignment.aligned_rows(sent, handle)
+            sent = alignment.moved_rows(*sent, handle.alignment)
     if isinstance(x, quant.Quantized):
         return quant.from_rows(*sent, x)
     return sent if scales is not None else sent[0]
@@ -312,7 +312,7 @@ def _dispatch_along(op: str, x, handle: DispatchHandle, backend: str,
 
 def _rows_along(backend, placement, values, handle):
     run = backends.function(backend, "dispatch", "rows_for_receivers", placement=placement)
-    return run(values, handle).astype(values.dtype)
+    return run(values, handle)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
