@@ -23,6 +23,7 @@
 #include "cuda/kernels.h"
 #include "cuda/peer_ops.h"
 #include "cuda/phases.cuh"
+#include "cuda/setup.cuh"
 
 namespace jax_ep::cuda {
 
@@ -30,7 +31,8 @@ namespace jax_ep::cuda {
 struct PeerStatus {
   // 0 ok; 1 or 3: a wait gave up waiting for `peer` inside the op (1) or to start it (3);
   // 2: rank mismatch (EP axis index `peer`); 4: a ring wait gave up (cuda/channels.h:
-  // `channel`, `kind` a RingWaitKind, `have` and `want` its counters).
+  // `channel`, `kind` a RingWaitKind, `have` and `want` its counters); 5: a low-latency send
+  // on region `peer` that still held an exchange in flight (record_arrival).
   int code;
   int op;
   int peer;
@@ -39,14 +41,20 @@ struct PeerStatus {
   uint64_t have = 0, want = 0;
 };
 
+// What this GPU's launches count and record, in device memory, changed by them alone (so a
+// replayed CUDA graph finds what the launches before it left, cuda/peer_ops.h, Meet).
+struct DeviceCounters {
+  uint64_t epoch;         // launches of this rank that arrived
+  RegionRecord regions;   // the two low-latency regions
+};
+
 // One GPU's state of the exchange between devices, for one symmetric buffer (`generation`).
+// The host part is fixed once the GPU joined its group: a call issues the same launches
+// whatever came before it.
 struct PeerState {
   PeerStatus* status = nullptr;         // host pointer (mapped)
   PeerStatus* device_status = nullptr;  // the same memory, as the device sees it
-  uint64_t* epoch = nullptr;            // launches of this rank that arrived (device memory)
-  uint64_t arrivals = 0;                // the arriving launches issued so far: *epoch once
-                                        // they ran
-  RegionUse low_latency[2];             // the two low-latency regions (peer_ops.h)
+  DeviceCounters* counters = nullptr;   // device memory
   Timeouts timeouts;
   int generation = 0;                   // the symmetric buffer the state above belongs to
   // This GPU's EP group, fixed by the first exchange after initialize (empty: none yet).
@@ -56,36 +64,10 @@ struct PeerState {
   void* peers = nullptr;       // device memory: how to reach each rank (the platform's table)
 };
 
-// Readies `st` (on the current GPU) for a call of `op` on the symmetric buffer of
-// `generation`: allocated once, reset when the buffer is new (its signals are zero, so the
-// arrivals count from zero again, an old failure no longer applies and the group is chosen
-// again), and the error of an earlier call that failed on the device, if any.
-inline PeerError ready_state(int op, int generation, PeerState& st) {
+// The error of an earlier call that failed on the device, if any (the device wrote it into
+// st.status).
+inline PeerError earlier_error(int op, PeerState& st) {
   const std::string name = kPeerOpNames[op];
-  if (st.status == nullptr) {
-    void* host = nullptr;
-    if (cudaHostAlloc(&host, sizeof(PeerStatus), cudaHostAllocMapped) != cudaSuccess ||
-        cudaHostGetDevicePointer(reinterpret_cast<void**>(&st.device_status), host, 0) !=
-            cudaSuccess ||
-        cudaMalloc(&st.epoch, sizeof(uint64_t)) != cudaSuccess) {
-      return PeerError{name + ": cannot allocate the peers' state"};
-    }
-    st.status = static_cast<PeerStatus*>(host);
-    st.timeouts = timeouts_from_env();
-  }
-  if (st.generation != generation) {
-    if (cudaMemset(st.epoch, 0, sizeof(uint64_t)) != cudaSuccess ||
-        cudaDeviceSynchronize() != cudaSuccess) {
-      return PeerError{name + ": cannot reset the peers' state"};
-    }
-    *st.status = PeerStatus{0, 0, 0};
-    st.arrivals = 0;
-    st.low_latency[0] = st.low_latency[1] = RegionUse{};
-    cudaFree(st.peers);
-    st.peers = nullptr;
-    st.group.clear();
-    st.generation = generation;
-  }
   const volatile PeerStatus* report = st.status;  // written by the device
   if (report->code == 1 || report->code == 3) {
     return after_timeout(op, report->op, report->peer,
@@ -99,6 +81,14 @@ inline PeerError ready_state(int op, int generation, PeerState& st) {
                                     st.timeouts) +
                      "; the EP group is unusable, restart the processes"};
   }
+  if (report->code == 5) {
+    // A send on a low-latency region in flight: this rank's own error, the group is usable
+    // (the region is free again); reported once.
+    const PeerError error{name + ": an earlier call of " +
+                          in_flight_error(report->op, report->peer)};
+    *st.status = PeerStatus{0, 0, 0};
+    return error;
+  }
   if (report->code == 2) {
     return PeerError{name + ": an earlier call of " + kPeerOpNames[report->op] +
                      " ran with EP axis index " + std::to_string(report->peer) +
@@ -108,6 +98,41 @@ inline PeerError ready_state(int op, int generation, PeerState& st) {
                      "restart the processes"};
   }
   return PeerError{};
+}
+
+// Readies `st` (on the current GPU) for a call of `op` on the symmetric buffer of
+// `generation`: allocated once, reset when the buffer is new (its signals are zero, so the
+// arrivals count from zero again, an old failure no longer applies and the group is chosen
+// again), and the error of an earlier call that failed on the device, if any.
+// Issued by a handler XLA may be capturing into a CUDA graph: the setup is a Setup, never
+// part of the graph, and once done a call has no host work but reading the status word.
+inline PeerError ready_state(int op, int generation, PeerState& st) {
+  const std::string name = kPeerOpNames[op];
+  if (st.status != nullptr && st.generation == generation) return earlier_error(op, st);
+  Setup setup;
+  if (st.status == nullptr) {
+    void* host = nullptr;
+    if (cudaHostAlloc(&host, sizeof(PeerStatus), cudaHostAllocMapped) != cudaSuccess ||
+        cudaHostGetDevicePointer(reinterpret_cast<void**>(&st.device_status), host, 0) !=
+            cudaSuccess ||
+        cudaMalloc(&st.counters, sizeof(DeviceCounters)) != cudaSuccess) {
+      return PeerError{name + ": cannot allocate the peers' state"};
+    }
+    st.status = static_cast<PeerStatus*>(host);
+    st.timeouts = timeouts_from_env();
+  }
+  if (st.generation != generation) {
+    if (setup.zero(st.counters, sizeof(DeviceCounters)) != cudaSuccess ||
+        setup.finish() != cudaSuccess) {
+      return PeerError{name + ": cannot reset the peers' state"};
+    }
+    *st.status = PeerStatus{0, 0, 0};
+    cudaFree(st.peers);
+    st.peers = nullptr;
+    st.group.clear();
+    st.generation = generation;
+  }
+  return earlier_error(op, st);
 }
 
 // The group of a call with num_ranks ranks: `row` (its devices, EP rank order) and this GPU's
@@ -140,13 +165,16 @@ inline PeerError group_of_call(int op, int num_ranks, const GroupTable& groups,
 }
 
 // A table of `count` values in device memory (the current GPU's), replacing `*table`.
+// Once per group (a Setup, as ready_state's).
 template <typename T>
 cudaError_t upload_table(const std::vector<T>& values, void** table) {
+  Setup setup;
   cudaFree(*table);
   *table = nullptr;
   cudaError_t status = cudaMalloc(table, values.size() * sizeof(T));
   if (status != cudaSuccess) return status;
-  return cudaMemcpy(*table, values.data(), values.size() * sizeof(T), cudaMemcpyHostToDevice);
+  setup.copy_to_device(*table, values.data(), values.size() * sizeof(T));
+  return setup.finish();
 }
 
 __device__ __forceinline__ uint64_t global_ns() {
@@ -164,13 +192,17 @@ template <typename Net>
 struct DeviceMeet {
   uint64_t* signals;
   uint64_t* epoch;
+  RegionRecord* regions;
   Net net;
   int me, n, op;  // this EP rank, the group's ranks
   const int32_t* axis_index;
   PeerStatus* status;
   uint64_t before_ns = 0, after_ns = 0;  // bounds of the waits; 0: no wait
   int before_code = 0, after_code = 0;   // PeerStatus codes of their timeouts
-  uint64_t before_arrivals = kAllEarlier;  // Meet::before_arrivals
+  int region = -1;  // Meet::region, region_wait, flight and flight_kind
+  bool region_wait = false;
+  int8_t flight = 0;
+  int flight_kind = 0;
   bool arrive = false;
   bool quiet = false;  // an arriving launch over puts: done() completes the block's puts
 
@@ -180,7 +212,7 @@ struct DeviceMeet {
   __device__ void first() const {
     if (blockIdx.x == 0 && threadIdx.x == 0) check_rank();
     // Every thread stores the block's one answer (wait_for_peers returns it to all).
-    gave_up() = before_ns != 0 && !wait_for_peers(before_ns, before_code, before_arrivals);
+    gave_up() = before_ns != 0 && !wait_for_peers(before_ns, before_code, region_wait);
   }
   // Whether this block's wait gave up (a peer timed out, or a failure reported earlier): the
   // peers' data may not be there, and the op fails anyway. After first().
@@ -199,7 +231,7 @@ struct DeviceMeet {
   }
   __device__ void last() const {
     if (arrive) tell_peers();
-    if (after_ns != 0) wait_for_peers(after_ns, after_code, kAllEarlier);
+    if (after_ns != 0) wait_for_peers(after_ns, after_code, false);
   }
 
   // The op's EP axis index must be this GPU's EP rank in its group.
@@ -219,12 +251,17 @@ struct DeviceMeet {
   }
 
   // Every thread of the block: this rank's writes (every block's, is_last_block) are visible,
-  // then each thread p < n sets this rank's signal in EP rank p.
+  // then each thread p < n sets this rank's signal in EP rank p. A low-latency op's arrival
+  // also records its region's use (a send on a region in flight is reported, code 5).
   __device__ void tell_peers() const {
     __shared__ uint64_t arrivals;
     if (threadIdx.x == 0) {
       arrivals = *epoch + 1;
       *epoch = arrivals;
+      if (region >= 0 && !record_arrival(regions, region, flight, flight_kind, arrivals) &&
+          static_cast<volatile PeerStatus*>(status)->code == 0) {
+        report(5, region);
+      }
     }
     if (threadIdx.x == 0) net.quiet();  // the tail's puts (done() quieted the items')
     __threadfence_system();
@@ -232,13 +269,13 @@ struct DeviceMeet {
     for (int p = threadIdx.x; p < n; p += blockDim.x) net.signal(signals + me, arrivals, p);
   }
 
-  // Every thread of the block: until each peer arrived as often as this rank (or `arrivals`
-  // times), thread p watching peer p, bounded by `timeout_ns`; then the peers' writes are
-  // visible to the block. Returns, in every thread, whether every peer arrived.
-  __device__ bool wait_for_peers(uint64_t timeout_ns, int timeout_code,
-                                 uint64_t arrivals) const {
+  // Every thread of the block: until each peer arrived as often as this rank (`at_region`:
+  // as this rank had when the region's last op arrived), thread p watching peer p, bounded by
+  // `timeout_ns`; then the peers' writes are visible to the block. Returns, in every thread,
+  // whether every peer arrived.
+  __device__ bool wait_for_peers(uint64_t timeout_ns, int timeout_code, bool at_region) const {
     __syncthreads();  // the block's reads of *epoch come after tell_peers' write
-    const uint64_t target = arrivals == kAllEarlier ? *epoch : arrivals;
+    const uint64_t target = at_region ? regions->last_use[region] : *epoch;
     int gave_up = 0;
     for (int p = threadIdx.x; p < n; p += blockDim.x) {
       volatile uint64_t* arrived = signals + p;
@@ -310,8 +347,8 @@ struct DeviceWatch {
 template <typename Net>
 DeviceMeet<Net> device_meet(const Meet& meet, const Net& net, bool puts, uint64_t* signals,
                             int op, const int32_t* axis_index, const PeerState& st) {
-  DeviceMeet<Net> m{signals, st.epoch, net, st.group_rank, static_cast<int>(st.group.size()),
-                    op, axis_index, st.device_status};
+  DeviceMeet<Net> m{signals, &st.counters->epoch, &st.counters->regions, net, st.group_rank,
+                    static_cast<int>(st.group.size()), op, axis_index, st.device_status};
   auto bound = [&](const std::optional<Wait>& wait, uint64_t* ns, int* code) {
     if (!wait) return;
     *ns = std::max<uint64_t>(st.timeouts.of(*wait), 1);
@@ -319,14 +356,17 @@ DeviceMeet<Net> device_meet(const Meet& meet, const Net& net, bool puts, uint64_
   };
   bound(meet.before, &m.before_ns, &m.before_code);
   bound(meet.after, &m.after_ns, &m.after_code);
-  m.before_arrivals = meet.before_arrivals;
+  m.region = meet.region;
+  m.region_wait = meet.region_wait;
+  m.flight = meet.flight;
+  m.flight_kind = meet.flight_kind;
   m.arrive = meet.arrive;
   m.quiet = meet.arrive && puts;
   return m;
 }
 
 // One launch of `phase` for EP rank `st.group_rank` on `stream`, meeting the peers through
-// `net` as `meet` says (cuda/peer_ops.h); counts its arrival in `st`. `puts`: the launch's
+// `net` as `meet` says (cuda/peer_ops.h). `puts`: the launch's
 // puts need completing before it arrives.
 template <typename Net, typename Phase, typename Tail>
 cudaError_t launch_meeting(const Phase& phase, int64_t items, const Meet& meet,
@@ -334,9 +374,7 @@ cudaError_t launch_meeting(const Phase& phase, int64_t items, const Meet& meet,
                            int op, const int32_t* axis_index, int num_sms,
                            cudaStream_t stream, PeerState& st) {
   const DeviceMeet<Net> m = device_meet(meet, net, puts, signals, op, axis_index, st);
-  const cudaError_t status = per_warp(phase, st.group_rank, 1, items, stream, num_sms, tail, m);
-  if (status == cudaSuccess && meet.arrive) ++st.arrivals;
-  return status;
+  return per_warp(phase, st.group_rank, 1, items, stream, num_sms, tail, m);
 }
 
 // One streaming launch of `body` (cuda/channels.h) for EP rank `st.group_rank`, meeting the
@@ -347,9 +385,7 @@ cudaError_t launch_units(const Body& body, const Meet& meet, const Net& net, boo
                          cudaStream_t stream, PeerState& st) {
   const DeviceMeet<Net> m = device_meet(meet, net, puts, signals, op, axis_index, st);
   const DeviceWatch watch{st.device_status, std::max<uint64_t>(st.timeouts.in_op_ns, 1), op};
-  const cudaError_t status = per_unit(body, st.group_rank, 1, body.units(), stream, m, watch);
-  if (status == cudaSuccess && meet.arrive) ++st.arrivals;
-  return status;
+  return per_unit(body, st.group_rank, 1, body.units(), stream, m, watch);
 }
 
 }  // namespace jax_ep::cuda

@@ -8,6 +8,7 @@
 #include "cuda/api.h"
 #include "cuda/kernels.h"
 #include "cuda/phases.cuh"
+#include "cuda/setup.cuh"
 #include "cuda/virtual_ops.h"
 
 namespace jax_ep::cuda {
@@ -35,9 +36,12 @@ cudaError_t stream_ticket(cudaStream_t stream, unsigned** ticket) {
   std::lock_guard<std::mutex> lock(mutex);
   unsigned*& t = tickets[stream];
   if (t == nullptr) {
+    // Once per stream, and never part of a CUDA graph XLA may be capturing (cuda/setup.cuh).
     unsigned* fresh = nullptr;
+    Setup setup;
     cudaError_t status = cudaMalloc(&fresh, sizeof(unsigned));
-    if (status == cudaSuccess) status = cudaMemsetAsync(fresh, 0, sizeof(unsigned), stream);
+    if (status == cudaSuccess) status = setup.zero(fresh, sizeof(unsigned));
+    if (status == cudaSuccess) status = setup.finish();
     if (status != cudaSuccess) {
       tickets.erase(stream);
       return status;

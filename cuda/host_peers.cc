@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -29,10 +30,11 @@ struct RankStatus {
   Wait wait = Wait::kInOp;
 };
 
-// Per-rank state that only the rank's own launches touch, one exchange at a time (`busy`).
+// Per-rank state that only the rank's own launches touch, one exchange at a time (`busy`): what
+// a GPU keeps in device memory.
 struct RankState {
   uint64_t epoch = 0;  // launches of this rank that arrived (Meet)
-  RegionUse low_latency[2];  // the two low-latency regions (cuda/peer_ops.h)
+  RegionRecord regions{};  // the two low-latency regions (cuda/peer_ops.h)
   RankStatus status;
   std::atomic<bool> busy{false};  // an exchange of this rank is running
 };
@@ -220,6 +222,29 @@ struct HostPutPeers {
   }
 };
 
+class HostPlatform;
+
+}  // namespace
+
+// The launches of a recorded call, each with its arguments as the op issued it: what a CUDA
+// graph holds of a kernel sequence.
+class Recording {
+ public:
+  void add(std::function<void(HostPlatform&)> launch) { launches_.push_back(std::move(launch)); }
+  void bind(Group* group, int rank, int op, const HostGrid& grid) {
+    group_ = group, rank_ = rank, op_ = op, grid_ = grid;
+  }
+  PeerError replay() const;
+
+ private:
+  std::vector<std::function<void(HostPlatform&)>> launches_;
+  Group* group_ = nullptr;
+  int rank_ = 0, op_ = 0;
+  HostGrid grid_;
+};
+
+namespace {
+
 // The CPU platform of cuda/peer_ops.h: launches on this thread (or the grid's threads), meeting
 // the peers as in the file comment.
 class HostPlatform {
@@ -228,7 +253,9 @@ class HostPlatform {
   using PutPeers = HostPutPeers;
   static constexpr bool kPutPeers = true;
 
-  explicit HostPlatform(const HostGrid& grid) : grid_(grid) {}
+  // `recording`: the launches go into it instead of running (record()).
+  explicit HostPlatform(const HostGrid& grid, Recording* recording = nullptr)
+      : grid_(grid), recording_(recording) {}
 
   PeerError open(int op, int num_ranks, int rank, const GroupTable& groups) {
     const std::string name = kPeerOpNames[op];
@@ -245,11 +272,17 @@ class HostPlatform {
       const std::string error = find_group(groups, num_ranks, rank, &key, &found);
       if (!error.empty()) return PeerError{name + ": " + error};
     }
-    group_ = registry().group(key, num_ranks);
-    if (group_ == nullptr) {
+    Group* group = registry().group(key, num_ranks);
+    if (group == nullptr) {
       return PeerError{name + ": the exchange between devices needs jax_ep.initialize() first "
                               "(on CPU it sets up host buffers standing in for NVSHMEM's)"};
     }
+    return claim(group, rank, op);
+  }
+  // Runs the exchange as rank `rank` of `group`, the rank's one exchange at a time.
+  PeerError claim(Group* group, int rank, int op) {
+    const std::string name = kPeerOpNames[op];
+    group_ = group;
     me_ = rank;
     op_ = op;
     RankState& state = group_->rank(me_);
@@ -267,6 +300,7 @@ class HostPlatform {
     }
     return PeerError{};
   }
+  Group* group() const { return group_; }
   // Ends the exchange open() began: the rank may run the next one.
   void close() {
     if (group_ != nullptr) group_->rank(me_).busy.store(false, std::memory_order_release);
@@ -284,14 +318,14 @@ class HostPlatform {
   char* symmetric() const { return group_->regions()[me_]; }
   size_t bytes() const { return group_->bytes(); }
   size_t low_latency_offset() const { return group_->low_latency_offset(); }
-  // The launches ran when they were issued: epoch counts their arrivals.
-  uint64_t arrivals() const { return group_->rank(me_).epoch; }
-  RegionUse& region_use(int buffer) { return group_->rank(me_).low_latency[buffer]; }
-
   // One launch of this rank, meeting the peers as `meet` says (cuda/peer_ops.h) through the
   // flags of the GPU's Meet (cuda/peer_exchange.cu), run by the units of host_per_warp.
   template <typename Phase, typename Tail = NoTail>
   void per_warp(const Phase& phase, int64_t items, const Meet& meet, const Tail& tail = {}) {
+    if (recording_ != nullptr) {
+      recording_->add([=](HostPlatform& p) { p.per_warp(phase, items, meet, tail); });
+      return;
+    }
     if (!error_.ok()) return;
     for (int i = 0; i < meet.waits(); ++i) meter_barrier();
     host_per_warp(phase, me_, 1, items, grid_, tail, Flags{this, meet});
@@ -299,6 +333,10 @@ class HostPlatform {
   // A streaming launch of this rank (cuda/channels.h), meeting the peers as per_warp does.
   template <typename Body>
   void per_unit(const Body& body, const Meet& meet) {
+    if (recording_ != nullptr) {
+      recording_->add([=](HostPlatform& p) { p.per_unit(body, meet); });
+      return;
+    }
     if (!error_.ok()) return;
     for (int i = 0; i < meet.waits(); ++i) meter_barrier();
     host_per_unit(body, me_, 1, body.units(), grid_, Flags{this, meet});
@@ -316,13 +354,16 @@ class HostPlatform {
     bool waits_first() const { return meet.before.has_value(); }
     bool has_last() const { return meet.arrive || meet.after; }
     void first() const {
-      if (meet.before) p->wait_for_peers(*meet.before, meet.before_arrivals);
+      if (!meet.before) return;
+      const RankState& own = p->group_->rank(p->me_);
+      p->wait_for_peers(*meet.before,
+                        meet.region_wait ? own.regions.last_use[meet.region] : own.epoch);
     }
     void done() const {}  // a host put is complete when it returns
     bool failed() const { return p->failed_.load(std::memory_order_acquire); }
     void last() const {
-      if (meet.arrive) p->arrive();
-      if (meet.after) p->wait_for_peers(*meet.after, kAllEarlier);
+      if (meet.arrive) p->arrive(meet);
+      if (meet.after) p->wait_for_peers(*meet.after, p->group_->rank(p->me_).epoch);
     }
     // What a streaming body's waits need (cuda/dispatch_stream.h, Watch).
     uint64_t now() const {
@@ -347,19 +388,32 @@ class HostPlatform {
     failed_.store(true, std::memory_order_release);
   }
 
-  // Tells every peer that this rank finished one more launch (after its writes).
-  void arrive() {
-    const uint64_t arrivals = ++group_->rank(me_).epoch;
+  // Records the first failure of this rank's op that leaves the group usable (it failed on
+  // this rank alone, after it met the peers).
+  void refuse(const std::string& why) {
+    std::lock_guard<std::mutex> lock(failure_);
+    if (failed_.load(std::memory_order_relaxed)) return;
+    error_ = PeerError{why};
+    failed_.store(true, std::memory_order_release);
+  }
+
+  // Tells every peer that this rank finished one more launch (after its writes), and records
+  // the arrival of a low-latency op in its region's record.
+  void arrive(const Meet& meet) {
+    RankState& own = group_->rank(me_);
+    const uint64_t arrivals = ++own.epoch;
+    if (meet.region >= 0 &&
+        !record_arrival(&own.regions, meet.region, meet.flight, meet.flight_kind, arrivals)) {
+      refuse(in_flight_error(op_, meet.region));
+    }
     for (int p = 0; p < group_->num_ranks(); ++p) {
       group_->signal(p, me_).store(arrivals, std::memory_order_release);
     }
   }
 
-  // Until every peer arrived as often as this rank (or `arrivals` times), bounded by the
-  // timeout of `wait`. Called by several units of a launch at once: the first to give up
-  // records why.
-  void wait_for_peers(Wait wait, uint64_t arrivals) {
-    const uint64_t target = arrivals == kAllEarlier ? group_->rank(me_).epoch : arrivals;
+  // Until every peer arrived `target` times, bounded by the timeout of `wait`. Called by
+  // several units of a launch at once: the first to give up records why.
+  void wait_for_peers(Wait wait, uint64_t target) {
     const uint64_t timeout_ns = group_->timeouts().of(wait);
     const Clock::time_point start = Clock::now();
     for (int p = 0; p < group_->num_ranks(); ++p) {
@@ -382,6 +436,7 @@ class HostPlatform {
   }
 
   HostGrid grid_;
+  Recording* recording_;
   Group* group_ = nullptr;
   int me_ = 0;
   int op_ = 0;
@@ -430,8 +485,36 @@ PeerError run(int op, const Args& args, int rank, const HostGrid& grid,
   return error;
 }
 
-#define JAX_EP_INSTANTIATE(Args) \
-  template PeerError run<Args>(int, const Args&, int, const HostGrid&, const GroupTable&);
+template <typename Args>
+PeerError record(int op, const Args& args, int rank, const HostGrid& grid,
+                 const GroupTable& groups, std::shared_ptr<const Recording>* out) {
+  auto recording = std::make_shared<Recording>();
+  HostPlatform platform(grid, recording.get());
+  PeerError error = platform.open(op, args.num_ranks, rank, groups);
+  if (error.ok()) error = run_op(platform, op, args);
+  if (error.ok()) recording->bind(platform.group(), rank, op, grid);
+  platform.close();
+  if (error.ok()) *out = std::move(recording);
+  return error;
+}
+
+PeerError Recording::replay() const {
+  HostPlatform platform(grid_);
+  PeerError error = platform.claim(group_, rank_, op_);
+  if (error.ok()) {
+    for (const auto& launch : launches_) launch(platform);
+    error = platform.result(op_);
+  }
+  platform.close();
+  return error;
+}
+
+PeerError replay(const Recording& recording) { return recording.replay(); }
+
+#define JAX_EP_INSTANTIATE(Args)                                                          \
+  template PeerError run<Args>(int, const Args&, int, const HostGrid&, const GroupTable&); \
+  template PeerError record<Args>(int, const Args&, int, const HostGrid&, const GroupTable&, \
+                                  std::shared_ptr<const Recording>*);
 JAX_EP_FOR_EACH_OP_ARGS(JAX_EP_INSTANTIATE)
 #undef JAX_EP_INSTANTIATE
 

@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "cuda/ep_group.h"
@@ -47,5 +48,19 @@ size_t buffer_bytes();
 template <typename Args>
 PeerError run(int op, const Args& args, int rank, const HostGrid& grid,
               const GroupTable& groups = {});
+
+// Replays, the CPU's stand-in for CUDA graphs: record() takes the call run() would make and
+// keeps the launches it issues, with their arguments, without running them (as XLA records a
+// command-buffer-compatible call by capturing the handler's launches); replay() runs them
+// again, none of the op's host code with them. A recording is bound to the addresses of
+// `args` (rerecord to change them) and replays in order with the rank's other exchanges, as a
+// graph on the stream would. What changes from call to call lives where the launches run
+// (cuda/peer_ops.h, Meet), so each replay gives what a fresh call would. record()'s error:
+// the call would fail before launching (a wrong group, a call larger than the buffer).
+class Recording;
+template <typename Args>
+PeerError record(int op, const Args& args, int rank, const HostGrid& grid,
+                 const GroupTable& groups, std::shared_ptr<const Recording>* out);
+PeerError replay(const Recording& recording);
 
 }  // namespace jax_ep::host

@@ -124,8 +124,6 @@ class LocalPlatform {
   char* symmetric() const { return buffers_->ptrs[index_]; }
   size_t bytes() const { return buffers_->bytes; }
   size_t low_latency_offset() const { return buffers_->low_latency_offset; }
-  uint64_t arrivals() const { return state().arrivals; }
-  RegionUse& region_use(int buffer) { return state().low_latency[buffer]; }
 
   template <typename Phase, typename Tail = NoTail>
   void per_warp(const Phase& phase, int64_t items, const Meet& meet, const Tail& tail = {}) {

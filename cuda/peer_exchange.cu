@@ -223,8 +223,6 @@ class DevicePlatform {
   char* symmetric() const { return static_cast<char*>(buffer_->ptr); }
   size_t bytes() const { return buffer_->bytes; }
   size_t low_latency_offset() const { return buffer_->low_latency_offset; }
-  uint64_t arrivals() const { return state().arrivals; }
-  RegionUse& region_use(int buffer) { return state().low_latency[buffer]; }
 
   template <typename Phase, typename Tail = NoTail>
   void per_warp(const Phase& phase, int64_t items, const Meet& meet, const Tail& tail = {}) {

@@ -26,9 +26,6 @@
 //   int rank() const;                         this rank
 //   char* symmetric() const; size_t bytes() const;   this rank's symmetric buffer
 //   size_t low_latency_offset() const;        where its low-latency regions start
-//   uint64_t arrivals() const;                this rank's arriving launches issued so far
-//   RegionUse& region_use(int buffer);        what this rank did with low-latency region
-//                                             `buffer` (reset by a new jax_ep.initialize())
 //   void per_warp(phase, items, meet[, tail])   one launch for this rank
 //                                             (cuda/phases.cuh), meeting the peers as `meet` says
 //   PeerError result(int op);                 the first failure of the launches, if any
@@ -87,25 +84,51 @@ enum class Wait { kStart, kInOp };
 // own arrival (`after`, in the block that finishes last, before the tail: every peer's part of
 // this launch is done). Every rank runs the same ops, so the counts agree.
 //
-// `before` may wait for less: until every peer arrived `before_arrivals` times, when the launch
-// needs only the peers' launches up to that point (the last users of a low-latency region).
-constexpr uint64_t kAllEarlier = ~uint64_t{0};
+// A low-latency op names its region (`region`, RegionRecord). Its `before` wait may wait for
+// less (`region_wait`): until every peer arrived as often as this rank had when the region's
+// last op arrived (the peers are done with the region, not necessarily with an op on the
+// other one). Its arriving launch records the region's last use and, by `flight`, whether an
+// exchange of `flight_kind` is now in flight on it.
+//
+// Everything a launch meets with is fixed when the op is issued (attributes and buffer
+// addresses): what changes from call to call (the arrival counts, the regions' records) lives
+// where the launches run and only they change it, so a recorded launch replayed (a CUDA
+// graph) meets the peers as a freshly issued one does.
+constexpr int8_t kFlightSend = 1, kFlightReceive = -1;
+constexpr int kFlightDispatch = 0, kFlightCombine = 1;
 
 struct Meet {
   std::optional<Wait> before;
   bool arrive = false;
   std::optional<Wait> after;
-  uint64_t before_arrivals = kAllEarlier;
+  int region = -1;  // the low-latency region of the op (0 or 1); -1: none
+  bool region_wait = false;
+  int8_t flight = 0;  // kFlightSend, kFlightReceive or 0 (nothing in flight changes)
+  int flight_kind = kFlightDispatch;
   int waits() const { return before.has_value() + after.has_value(); }
 };
 
-// This rank's record of one low-latency region: when it last used it, and whether a
+// What a rank's launches keep about its low-latency regions, where they run (device memory
+// on a GPU): for each region, this rank's arrivals when its last op arrived, and whether a
 // dispatch or a combine was sent on it and not yet received (its data still in the region).
-struct RegionUse {
-  uint64_t last_use = 0;  // arrivals() when the last launch that used the region was issued
-  bool dispatch_in_flight = false;
-  bool combine_in_flight = false;
+// Reset by a new jax_ep.initialize().
+struct RegionRecord {
+  uint64_t last_use[2];
+  uint32_t in_flight[2][2];  // [region][kFlightDispatch or kFlightCombine]
 };
+
+// The arrival (the `arrivals`-th) of a launch of a low-latency op on `region`: records the
+// region's last use and what is in flight on it. False when the op sends on a region that
+// still holds an exchange of its kind: the send overwrote it, so the error fails the step that
+// made both calls, and the region is free again for the next step.
+JAX_EP_HOST_DEVICE bool record_arrival(RegionRecord* record, int region, int8_t flight,
+                                       int kind, uint64_t arrivals) {
+  record->last_use[region] = arrivals;
+  uint32_t& busy = record->in_flight[region][kind];
+  const bool refused = flight == kFlightSend && busy != 0;
+  if (flight != 0) busy = flight == kFlightSend && !refused;
+  return !refused;
+}
 
 struct Timeouts {
   uint64_t start_ns = 600ull * 1000 * 1000 * 1000;
@@ -556,17 +579,16 @@ PeerError open_ll(Platform& p, int op, int R, int T, int K, int E, int H, int wi
   return fits(op, "low-latency", used, half);
 }
 
-// The error of a send on a region whose last exchange of the same kind was not received: it
-// would overwrite that exchange's data before its receive reads them. The error fails the
-// step that made both calls, so the earlier exchange is never received either: the region
-// is free again (`*flag` false), and the next step can use it.
-inline PeerError in_flight(int op, int buffer, const char* receive, bool* flag) {
-  *flag = false;
-  return PeerError{std::string(kPeerOpNames[op]) + ": low-latency buffer " +
-                   std::to_string(buffer) + " still holds an exchange that was sent and not yet "
-                   "received; call " + receive + " on it before sending another on buffer " +
-                   std::to_string(buffer) + ", or send this one on buffer " +
-                   std::to_string(1 - buffer) + " (two exchanges in flight need both buffers)"};
+// The error of a send on a region whose last exchange of the same kind was not received
+// (record_arrival): it overwrote that exchange's data before its receive read them.
+inline std::string in_flight_error(int op, int buffer) {
+  const char* receive = op == kPeerLlDispatchSend ? "low_latency_dispatch_recv"
+                                                  : "low_latency_combine_recv";
+  return std::string(kPeerOpNames[op]) + ": low-latency buffer " + std::to_string(buffer) +
+         " still holds an exchange that was sent and not yet received; call " + receive +
+         " on it before sending another on buffer " + std::to_string(buffer) +
+         ", or send this one on buffer " + std::to_string(1 - buffer) +
+         " (two exchanges in flight need both buffers)";
 }
 
 // Both halves of low-latency dispatch: the send counts, then writes each message into its
@@ -590,41 +612,39 @@ PeerError run_op(Platform& p, int op, const LowLatencyArgs& out) {
   a.src_row = r.src_row;
   a.send_x = r.send_x;
   a.send_scales = r.send_scales;
-  RegionUse& use = p.region_use(a.buffer);
-  if (op == kPeerLlDispatchSend && use.dispatch_in_flight) {
-    return in_flight(op, a.buffer, "low_latency_dispatch_recv", &use.dispatch_in_flight);
-  }
   if (op != kPeerLlDispatchSend) {
     // The finish copies the counted rows and src_row out of the symmetric buffer.
     a.out_x = out.recv_x;
     a.out_scales = out.recv_scales;
     a.out_src_row = out.src_row;
   }
+  // What first publishes to the peers waits for them to be done with the last op on the
+  // region; the op's last launch arrives, recording the send or the receive.
+  const Meet first{Wait::kStart, false, {}, a.buffer, true};
+  Meet last{Wait::kStart, true, {}, a.buffer, true, kFlightSend, kFlightDispatch};
   return with_peers(p, [&](const auto& peers) {
     using Peers = std::decay_t<decltype(peers)>;
     if (op == kPeerLlDispatchSend) {
       // The count numbers this rank's messages (or, at small sizes, the send does); the send
-      // needs no other rank's counts. What first publishes to the peers waits for them to be
-      // done with the last op on the region.
+      // needs no other rank's counts.
       const bool counted = !a.counts_in_send();
       if (counted) {
-        p.per_warp(LowLatencyCount{a}, a.num_chunks, Meet{Wait::kStart, false, {}, use.last_use},
+        p.per_warp(LowLatencyCount{a}, a.num_chunks, first,
                    LowLatencyTotals<Peers>{a, a.first_rank, 1, peers});
+        last.before.reset();
       }
       if constexpr (Peers::kPuts) {
         with_ll_stage(a, [&](const auto& stage) { p.per_warp(stage, stage.items(), Meet{}); });
       }
-      const Meet sent = counted ? Meet{{}, true, {}} : Meet{Wait::kStart, true, {}, use.last_use};
       with_ll_send(a, peers, [&](const auto& send) {
-        p.per_warp(send, send.items(), sent, LowLatencySendTail<Peers>{a, peers});
+        p.per_warp(send, send.items(), last, LowLatencySendTail<Peers>{a, peers});
       });
     } else {
       // Once every message has arrived (the peers sent it in their send).
-      p.per_warp(LowLatencyFinish<Peers>{a, peers}, a.experts_per_rank() * a.slots(),
-                 Meet{Wait::kStart, true, {}});
+      last.region_wait = false;
+      last.flight = kFlightReceive;
+      p.per_warp(LowLatencyFinish<Peers>{a, peers}, a.experts_per_rank() * a.slots(), last);
     }
-    use.last_use = p.arrivals();
-    use.dispatch_in_flight = op == kPeerLlDispatchSend;
     return p.result(op);
   });
 }
@@ -642,24 +662,19 @@ PeerError run_op(Platform& p, int op, const LowLatencyCombineArgs& in) {
   a.first_rank = p.rank();
   a.staging = r.staging;
   a.send_rows = r.send_rows;
-  RegionUse& use = p.region_use(a.buffer);
   const bool send = op == kPeerLlCombineSend;
-  if (send && use.combine_in_flight) {
-    return in_flight(op, a.buffer, "low_latency_combine_recv", &use.combine_in_flight);
-  }
   return with_peers(p, [&](const auto& peers) {
     using Peers = std::decay_t<decltype(peers)>;
     const int64_t sources = int64_t{a.num_ranks} * a.num_tokens;
     if (send) {
       if constexpr (Peers::kPuts) p.per_warp(LowLatencyCombineStage{a}, sources, Meet{});
       p.per_warp(LowLatencyCombineSend<Peers>{a, peers}, sources,
-                 Meet{Wait::kStart, true, {}, use.last_use});
+                 Meet{Wait::kStart, true, {}, a.buffer, true, kFlightSend, kFlightCombine});
     } else {
       const LowLatencyCombineToken sums{a};
-      p.per_warp(sums, sums.items(), Meet{Wait::kStart, true, {}});
+      p.per_warp(sums, sums.items(),
+                 Meet{Wait::kStart, true, {}, a.buffer, false, kFlightReceive, kFlightCombine});
     }
-    use.last_use = p.arrivals();
-    use.combine_in_flight = send;
     return p.result(op);
   });
 }

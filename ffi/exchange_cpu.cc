@@ -133,8 +133,10 @@ auto Binding() {
 
 }  // namespace
 
-#define JAX_EP_DEFINE_HANDLER(Name, op) \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(Name##Cpu, ExchangeCpuImpl<op>, Binding());
+// Replay-safe as the CUDA handlers (exchange_cuda.cc): declared so, as they are.
+#define JAX_EP_DEFINE_HANDLER(Name, op)                                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Name##Cpu, ExchangeCpuImpl<op>, Binding(), \
+                                {xffi::Traits::kCmdBufferCompatible});
 JAX_EP_FOR_EACH_EXCHANGE_TARGET(JAX_EP_DEFINE_HANDLER)
 #undef JAX_EP_DEFINE_HANDLER
 

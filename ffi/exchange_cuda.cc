@@ -1,7 +1,14 @@
 // CUDA handlers of the exchange targets: the parsers of exchange.cc, then the op on XLA's
 // stream (cuda/kernels.h): virtual ranks, or one rank per device through NVSHMEM or CUDA peer
-// access (`device`: the CUDA device XLA runs the call on). Not marked
-// command-buffer compatible: the peers path sets up its barrier state on first use.
+// access (`device`: the CUDA device XLA runs the call on).
+//
+// Every handler is command-buffer compatible: XLA may record its launches into a CUDA graph
+// once and replay them. A call's launches depend only on its attributes and buffers: what
+// changes from call to call (arrival counts, the low-latency regions' records) lives in device
+// memory and only the launches change it (cuda/peer_ops.h, Meet); one-time setup runs off the
+// captured stream (cuda/setup.cuh). A failure found on the device (a timeout, a send on a
+// low-latency region in flight) is reported by the next call whose handler runs: under a
+// replayed graph, the next call XLA records or runs outside one.
 #include <cuda_runtime_api.h>
 
 #include <variant>
@@ -44,8 +51,9 @@ auto Binding() {
 
 }  // namespace
 
-#define JAX_EP_DEFINE_HANDLER(Name, op) \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(Name##Cuda, ExchangeCudaImpl<op>, Binding());
+#define JAX_EP_DEFINE_HANDLER(Name, op)                                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Name##Cuda, ExchangeCudaImpl<op>, Binding(), \
+                                {xffi::Traits::kCmdBufferCompatible});
 JAX_EP_FOR_EACH_EXCHANGE_TARGET(JAX_EP_DEFINE_HANDLER)
 #undef JAX_EP_DEFINE_HANDLER
 

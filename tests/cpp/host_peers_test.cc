@@ -9,7 +9,10 @@
 // normal dispatch through relays; streamed, also in nodes of 3 and 1). Then two EP groups of a 2 x 2 mesh side by side (each keyed
 // by its devices, cuda/ep_group.h) and the group rules. The last cases check that two
 // exchanges issued at once on one rank are refused, and the timeouts: a peer that starts late
-// is waited for, one that never comes is reported, to this rank only.
+// is waited for, one that never comes is reported, to this rank only. Replays (the CPU's CUDA
+// graphs, host::record and host::replay): rounds recorded once and replayed 5 times with fresh
+// inputs in place, over stores, puts and nodes, phased and streamed, and a second low-latency
+// send on a region in flight refused by its own launches.
 //
 // No Python, no XLA: built by tests/cpp/CMakeLists.txt, run by ctest (.ci/run).
 #include <atomic>
@@ -18,6 +21,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -259,8 +264,15 @@ void fill_inputs(const Shape& s, DispatchData& d, std::mt19937& gen) {
 // host peers. The ops and their order are those of a training step plus a decoding step.
 // With host peers, `groups` (if any) lists the devices of each EP group, and this round runs
 // group `group` of it: rank r on device groups[group * R + r].
+//
+// `replays` > 0: each rank records its calls (host::record, as XLA records them into a CUDA
+// graph) instead of running them, then runs the recordings `replays` times, `refill(i)` (on
+// one thread, between the ranks' replays) writing fresh inputs in place before replay i and
+// `check(i)` after it.
 void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& ll, bool peers,
-               const HostGrid& grid, const std::vector<int64_t>& groups = {}, int group = 0) {
+               const HostGrid& grid, const std::vector<int64_t>& groups = {}, int group = 0,
+               int replays = 0, const std::function<void(int)>& refill = {},
+               const std::function<void(int)>& check_replay = {}) {
   if (!peers) {
     HostLauncher l{s.R, grid};
     run_virtual(l, kPeerDispatch, d.args(s, -1));
@@ -274,12 +286,17 @@ void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& 
   }
   std::vector<std::thread> ranks;
   std::vector<std::string> errors(s.R);
+  std::vector<std::vector<std::shared_ptr<const host::Recording>>> recordings(s.R);
   for (int r = 0; r < s.R; ++r) {
     ranks.emplace_back([&, r] {
       const GroupTable table{groups.data(), static_cast<int64_t>(groups.size()),
                              groups.empty() ? -1 : groups[group * s.R + r]};
       auto run = [&](int op, const auto& args, int rank, const HostGrid& g) {
-        return host::run(op, args, rank, g, table);
+        if (replays == 0) return host::run(op, args, rank, g, table);
+        std::shared_ptr<const host::Recording> recording;
+        const PeerError error = host::record(op, args, rank, g, table, &recording);
+        if (recording) recordings[r].push_back(recording);
+        return error;
       };
       auto check = [&](const PeerError& e) {
         if (!e.ok() && errors[r].empty()) errors[r] = e.message;
@@ -310,55 +327,122 @@ void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& 
     });
   }
   for (std::thread& t : ranks) t.join();
+  for (int i = 0; i < replays; ++i) {
+    refill(i);
+    ranks.clear();
+    for (int r = 0; r < s.R; ++r) {
+      ranks.emplace_back([&, r] {
+        for (const auto& recording : recordings[r]) {
+          const PeerError e = host::replay(*recording);
+          if (!e.ok() && errors[r].empty()) errors[r] = e.message;
+        }
+      });
+    }
+    for (std::thread& t : ranks) t.join();
+    check_replay(i);
+  }
   for (int r = 0; r < s.R; ++r) {
     expect(errors[r].empty(), "rank " + std::to_string(r) + ": " + errors[r]);
   }
 }
 
-// `how`: how the host peers were initialized, if not with stores (named in the messages).
+// The name of a round in messages; `how`: how the host peers were initialized, if not with
+// stores.
+std::string round_name(const Shape& s, uint32_t seed, const char* how) {
+  return " (R " + std::to_string(s.R) + ", T " + std::to_string(s.T) + ", capacity " +
+         std::to_string(s.capacity) + (s.expert_major ? ", expert-major" : "") +
+         (s.fp8 ? ", fp8" : "") + ", wire " + std::to_string(s.ll_wire()) +
+         (s.channels ? ", rings " + std::to_string(s.channels) + "x" +
+                           std::to_string(s.chunk_tokens) + "x" + std::to_string(s.ring_chunks)
+                     : "") +
+         how + ", seed " + std::to_string(seed) + ")";
+}
+
+// One round's arrays: the host peers' run (`p`) against the virtual ranks' (`v`).
+struct RoundData {
+  DispatchData dv, dp;
+  std::mt19937 gen_c, gen_c2, gen_l, gen_l2;
+  CombineData cv, cp;
+  LowLatencyData lv, lp;
+
+  RoundData(const Shape& s, uint32_t seed, std::mt19937&& gen)
+      : dv(s), dp(s), gen_c(seed + 1), gen_c2(seed + 1), gen_l(seed + 2), gen_l2(seed + 2),
+        cv(s, gen_c), cp(s, gen_c2), lv(s, {}, gen_l), lp(s, {}, gen_l2) {
+    refill(s, gen);
+  }
+  // Fresh inputs of every op, written in place (a recording keeps the addresses).
+  void refill(const Shape& s, std::mt19937& gen) {
+    fill_inputs(s, dv, gen);
+    std::normal_distribution<float> normal;
+    for (float& v : cv.y) v = normal(gen);
+    for (float& v : cv.weights) v = normal(gen);
+    for (Bf16& v : lv.x) v = from_float<Bf16>(normal(gen));
+    for (Bf16& v : lv.y) v = from_float<Bf16>(normal(gen));
+    for (float& v : lv.weights) v = normal(gen);
+    lv.idx.assign(dv.idx.begin(), dv.idx.end());
+    dp.x.assign(dv.x.begin(), dv.x.end());
+    dp.scales.assign(dv.scales.begin(), dv.scales.end());
+    dp.weights.assign(dv.weights.begin(), dv.weights.end());
+    dp.idx.assign(dv.idx.begin(), dv.idx.end());
+    cp.y.assign(cv.y.begin(), cv.y.end());
+    cp.weights.assign(cv.weights.begin(), cv.weights.end());
+    lp.x.assign(lv.x.begin(), lv.x.end());
+    lp.y.assign(lv.y.begin(), lv.y.end());
+    lp.weights.assign(lv.weights.begin(), lv.weights.end());
+    lp.idx.assign(lv.idx.begin(), lv.idx.end());
+  }
+
+  void compare(const Shape& s, const std::string& at) {
+    expect_equal(dp.recv_x, dv.recv_x, "dispatch recv_x" + at);
+    expect_equal(dp.recv_scales, dv.recv_scales, "dispatch recv_scales" + at);
+    expect_equal(dp.recv_idx, dv.recv_idx, "dispatch recv_idx" + at);
+    expect_equal(dp.recv_weights, dv.recv_weights, "dispatch recv_weights" + at);
+    expect_equal(dp.recv_src, dv.recv_src, "dispatch recv_src" + at);
+    expect_equal(dp.src_row, dv.src_row, "dispatch src_row" + at);
+    expect_equal(dp.entry_row, dv.entry_row, "dispatch entry_row" + at);
+    expect_equal(dp.entry_choice, dv.entry_choice, "dispatch entry_choice" + at);
+    expect_equal(dp.row_entries, dv.row_entries, "dispatch row_entries" + at);
+    expect_equal(dp.num_received, dv.num_received, "dispatch num_received" + at);
+    expect_equal(dp.tokens_per_expert, dv.tokens_per_expert, "dispatch tokens_per_expert" + at);
+    expect_equal(dp.num_dropped, dv.num_dropped, "dispatch num_dropped" + at);
+    expect_equal(dp.num_needed, dv.num_needed, "dispatch num_needed" + at);
+    expect_equal(dp.num_invalid, dv.num_invalid, "dispatch num_invalid" + at);
+    expect_equal(cp.out, cv.out, "combine out" + at);
+    // The rows of a wire format fill the first part of recv_x.
+    const size_t bytes = size_t(s.El()) * s.R * s.T * wire_data_bytes(s.ll_wire(), s.H) * s.R;
+    expect(std::memcmp(lp.recv_x.data(), lv.recv_x.data(), bytes) == 0,
+           "low-latency recv_x" + at + ": host peers differ from virtual ranks");
+    expect_equal(lp.recv_scales, lv.recv_scales, "low-latency recv_scales" + at);
+    expect_equal(lp.src_row, lv.src_row, "low-latency src_row" + at);
+    expect_equal(lp.count, lv.count, "low-latency count" + at);
+    expect_equal(lp.num_invalid, lv.num_invalid, "low-latency num_invalid" + at);
+    expect_equal(lp.out, lv.out, "low-latency combine out" + at);
+  }
+};
+
 void check_round(const Shape& s, uint32_t seed, const HostGrid& grid, const char* how = "") {
-  DispatchData dv(s), dp(s);
-  std::mt19937 gen(seed);
-  fill_inputs(s, dv, gen);
-  dp.x = dv.x, dp.scales = dv.scales, dp.weights = dv.weights, dp.idx = dv.idx;
-  std::mt19937 gen_c(seed + 1), gen_c2(seed + 1), gen_l(seed + 2), gen_l2(seed + 2);
-  CombineData cv(s, gen_c), cp(s, gen_c2);
-  LowLatencyData lv(s, dv.idx, gen_l), lp(s, dv.idx, gen_l2);
-  run_round(s, dv, cv, lv, false, HostGrid{});
-  run_round(s, dp, cp, lp, true, grid);
-  const std::string at = " (R " + std::to_string(s.R) + ", T " + std::to_string(s.T) +
-                         ", capacity " + std::to_string(s.capacity) +
-                         (s.expert_major ? ", expert-major" : "") + (s.fp8 ? ", fp8" : "") +
-                         ", wire " + std::to_string(s.ll_wire()) +
-                         (s.channels ? ", rings " + std::to_string(s.channels) + "x" +
-                                           std::to_string(s.chunk_tokens) + "x" +
-                                           std::to_string(s.ring_chunks)
-                                     : "") +
-                         how + ", seed " + std::to_string(seed) + ")";
-  expect_equal(dp.recv_x, dv.recv_x, "dispatch recv_x" + at);
-  expect_equal(dp.recv_scales, dv.recv_scales, "dispatch recv_scales" + at);
-  expect_equal(dp.recv_idx, dv.recv_idx, "dispatch recv_idx" + at);
-  expect_equal(dp.recv_weights, dv.recv_weights, "dispatch recv_weights" + at);
-  expect_equal(dp.recv_src, dv.recv_src, "dispatch recv_src" + at);
-  expect_equal(dp.src_row, dv.src_row, "dispatch src_row" + at);
-  expect_equal(dp.entry_row, dv.entry_row, "dispatch entry_row" + at);
-  expect_equal(dp.entry_choice, dv.entry_choice, "dispatch entry_choice" + at);
-  expect_equal(dp.row_entries, dv.row_entries, "dispatch row_entries" + at);
-  expect_equal(dp.num_received, dv.num_received, "dispatch num_received" + at);
-  expect_equal(dp.tokens_per_expert, dv.tokens_per_expert, "dispatch tokens_per_expert" + at);
-  expect_equal(dp.num_dropped, dv.num_dropped, "dispatch num_dropped" + at);
-  expect_equal(dp.num_needed, dv.num_needed, "dispatch num_needed" + at);
-  expect_equal(dp.num_invalid, dv.num_invalid, "dispatch num_invalid" + at);
-  expect_equal(cp.out, cv.out, "combine out" + at);
-  const size_t slots = size_t(s.El()) * s.R * s.T, row = wire_data_bytes(s.ll_wire(), s.H);
-  lp.recv_x.resize(s.R * slots * row);  // the rows of a wire format fill the first part
-  lv.recv_x.resize(s.R * slots * row);
-  expect_equal(lp.recv_x, lv.recv_x, "low-latency recv_x" + at);
-  expect_equal(lp.recv_scales, lv.recv_scales, "low-latency recv_scales" + at);
-  expect_equal(lp.src_row, lv.src_row, "low-latency src_row" + at);
-  expect_equal(lp.count, lv.count, "low-latency count" + at);
-  expect_equal(lp.num_invalid, lv.num_invalid, "low-latency num_invalid" + at);
-  expect_equal(lp.out, lv.out, "low-latency combine out" + at);
+  RoundData d(s, seed, std::mt19937(seed));
+  run_round(s, d.dv, d.cv, d.lv, false, HostGrid{});
+  run_round(s, d.dp, d.cp, d.lp, true, grid);
+  d.compare(s, round_name(s, seed, how));
+}
+
+// Every op of a round recorded once per rank, then replayed 5 times with fresh inputs (and
+// routings) in place: each replay must give what the virtual ranks give for its inputs. The
+// host code of the ops runs only when recording, so state that a call takes from the host
+// (arrival counts, the low-latency regions' records) would go stale and fail this.
+void check_replays(const Shape& s, uint32_t seed, const HostGrid& grid, const char* how = "") {
+  constexpr int kReplays = 5;
+  RoundData d(s, seed, std::mt19937(seed));
+  std::mt19937 gen(seed + 7);
+  auto refill = [&](int) {
+    d.refill(s, gen);
+    run_round(s, d.dv, d.cv, d.lv, false, HostGrid{});
+  };
+  auto compare = [&](int i) {
+    d.compare(s, round_name(s, seed, how) + ", replay " + std::to_string(i + 1));
+  };
+  run_round(s, d.dp, d.cp, d.lp, true, grid, {}, 0, kReplays, refill, compare);
 }
 
 // Two EP groups of R = 2 at once, on the devices of a 2 x 2 mesh with the EP axis `first` or
@@ -517,6 +601,39 @@ void check_two_at_once() {
              errors[0].message + "', '" + errors[1].message + "', '" + at_peer.message + "'");
 }
 
+// A low-latency dispatch sent twice on one region before its receive, replayed: the second
+// send is refused by its own launches (they record what is in flight), naming the fix; the
+// region is free again, and the next send and receive on it run.
+void check_in_flight_refused(uint32_t seed) {
+  const Shape s{2, 5, 2, 4, 128, 10, false, false};
+  RoundData d(s, seed, std::mt19937(seed));
+  struct Outcome {
+    PeerError first, refused, after;
+  };
+  std::vector<Outcome> out(s.R);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < s.R; ++r) {
+    ranks.emplace_back([&, r] {
+      std::shared_ptr<const host::Recording> send;
+      const LowLatencyArgs a = d.lp.dispatch_args(s, r);
+      out[r].first = host::record(kPeerLlDispatchSend, a, r, HostGrid{}, {}, &send);
+      if (!out[r].first.ok()) return;
+      out[r].first = host::replay(*send);
+      out[r].refused = host::replay(*send);
+      out[r].after = host::run(kPeerLlDispatchSend, a, r, HostGrid{});
+      if (out[r].after.ok()) out[r].after = host::run(kPeerLlDispatchRecv, a, r, HostGrid{});
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  for (const Outcome& o : out) {
+    expect(o.first.ok(), "the first send runs: got '" + o.first.message + "'");
+    expect(o.refused.message.find("jax_ep_ll_dispatch_send: low-latency buffer 0 still holds "
+                                  "an exchange") == 0,
+           "a second send on a region in flight is refused: got '" + o.refused.message + "'");
+    expect(o.after.ok(), "then the region is free: got '" + o.after.message + "'");
+  }
+}
+
 }  // namespace
 }  // namespace jax_ep
 
@@ -545,6 +662,11 @@ int main() {
   for (const Shape& s : shapes) {
     for (const HostGrid& grid : {warps, loop}) check_round(s, seed + 10 * round++, grid);
   }
+  // Replays (the CPU's CUDA graphs): rank-major and expert-major, FP8, in phases.
+  for (const Shape& s : {shapes[0], shapes[3], shapes[8]}) {
+    check_replays(s, seed + 10 * round++, warps);
+  }
+  check_in_flight_refused(seed + 10 * round++);
   host::finalize();
   // Dispatch and combine streamed through rings a few slots deep, over stores and over puts,
   // so that every ring wraps around many times (T not a multiple of a chunk, capacity cuts).
@@ -563,11 +685,16 @@ int main() {
         check_round(s, seed + 10 * round++, grid, puts ? ", puts" : "");
       }
     }
+    // Streamed, replayed.
+    check_replays(streamed[1], seed + 10 * round++, warps, puts ? ", puts" : "");
     host::finalize();
   }
   // Peers reached by puts only.
   if (!host::initialize(32 << 20, 16 << 20, /*puts=*/true).empty()) return 2;
   for (const Shape& s : shapes) check_round(s, seed + 10 * round++, warps, ", puts");
+  for (const Shape& s : {shapes[1], shapes[2]}) {
+    check_replays(s, seed + 10 * round++, warps, ", puts");
+  }
   host::finalize();
   // Node-aware: two nodes of two ranks.
   if (!host::initialize(48 << 20, 16 << 20, /*puts=*/true, /*ranks_per_node=*/2).empty()) {
@@ -576,6 +703,8 @@ int main() {
   for (const Shape& s : shapes) check_round(s, seed + 10 * round++, warps, ", nodes of 2");
   // With rings: the dispatch streamed through the relays (forwarders), the combine over puts.
   for (const Shape& s : streamed) check_round(s, seed + 10 * round++, warps, ", nodes of 2");
+  check_replays(shapes[0], seed + 10 * round++, warps, ", nodes of 2");
+  check_replays(streamed[0], seed + 10 * round++, warps, ", nodes of 2");
   host::finalize();
   // Nodes of 3 and 1: the last node's relay serves each of the other node's 3 sources.
   if (!host::initialize(48 << 20, 16 << 20, /*puts=*/true, /*ranks_per_node=*/3).empty()) {
