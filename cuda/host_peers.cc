@@ -101,6 +101,7 @@ struct Registry {
   };
   std::mutex mutex;  // initialize, finalize, creating a group
   size_t bytes = 0;  // 0: not initialized
+  std::atomic<int> generation{0};  // counts initializations (recordings hold their groups)
   size_t low_latency_offset = 0;
   bool puts = false;
   int ranks_per_node = 0;
@@ -233,13 +234,18 @@ class Recording {
   void add(std::function<void(HostPlatform&)> launch) { launches_.push_back(std::move(launch)); }
   void bind(Group* group, int rank, int op, const HostGrid& grid) {
     group_ = group, rank_ = rank, op_ = op, grid_ = grid;
+    generation_ = registry().generation.load(std::memory_order_relaxed);
+  }
+  // Whether its group still exists (no jax_ep.finalize() since it was recorded).
+  bool current() const {
+    return generation_ == registry().generation.load(std::memory_order_relaxed);
   }
   PeerError replay() const;
 
  private:
   std::vector<std::function<void(HostPlatform&)>> launches_;
   Group* group_ = nullptr;
-  int rank_ = 0, op_ = 0;
+  int rank_ = 0, op_ = 0, generation_ = 0;
   HostGrid grid_;
 };
 
@@ -455,6 +461,7 @@ std::string initialize(size_t bytes_per_rank, size_t low_latency_bytes, bool put
   const std::string layout = check_layout(bytes_per_rank, low_latency_bytes);
   if (!layout.empty()) return layout;
   reg.timeouts = timeouts_from_env();
+  reg.generation.fetch_add(1, std::memory_order_relaxed);
   reg.bytes = bytes_per_rank;
   reg.low_latency_offset = low_latency_offset(bytes_per_rank, low_latency_bytes);
   reg.puts = puts;
@@ -499,6 +506,10 @@ PeerError record(int op, const Args& args, int rank, const HostGrid& grid,
 }
 
 PeerError Recording::replay() const {
+  if (!current()) {
+    return PeerError{std::string(kPeerOpNames[op_]) + ": this call was recorded before "
+                     "jax_ep.finalize(); record it again"};
+  }
   HostPlatform platform(grid_);
   PeerError error = platform.claim(group_, rank_, op_);
   if (error.ok()) {
@@ -510,6 +521,7 @@ PeerError Recording::replay() const {
 }
 
 PeerError replay(const Recording& recording) { return recording.replay(); }
+bool current(const Recording& recording) { return recording.current(); }
 
 #define JAX_EP_INSTANTIATE(Args)                                                          \
   template PeerError run<Args>(int, const Args&, int, const HostGrid&, const GroupTable&); \

@@ -62,5 +62,7 @@ template <typename Args>
 PeerError record(int op, const Args& args, int rank, const HostGrid& grid,
                  const GroupTable& groups, std::shared_ptr<const Recording>* out);
 PeerError replay(const Recording& recording);
+// Whether `recording` can replay: no jax_ep.finalize() since it was recorded.
+bool current(const Recording& recording);
 
 }  // namespace jax_ep::host

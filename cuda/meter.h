@@ -7,6 +7,7 @@
 // (token rows, FP8 scales, partial sums) that the phase bodies read and write. Bookkeeping
 // (ids, weights, counters, offsets) is not counted: a few bytes per row next to kilobytes.
 // Over puts, also the messages: every put and every value put (each a work request on a NIC).
+// With replays (ffi/exchange_cpu.cc, $JAX_EP_CPU_REPLAY), the calls recorded and replayed.
 // On the GPU the calls compile to nothing.
 #pragma once
 
@@ -21,6 +22,7 @@ struct Meter {
   static constexpr int64_t kNoLaunch = INT64_MAX;
   std::atomic<int64_t> launches{0}, barriers{0}, read{0}, written{0}, messages{0};
   std::atomic<int64_t> smallest{kNoLaunch};  // warps of work in the smallest launch
+  std::atomic<int64_t> recordings{0}, replays{0};
 };
 
 // The process's meter (jax_ep._ext.meter reads and resets it).

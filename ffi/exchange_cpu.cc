@@ -10,6 +10,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -85,6 +88,60 @@ xffi::Future Async(Run run) {
   return future;
 }
 
+// Replays, as XLA's command buffers run a call on a GPU (host::record, host::replay): with
+// the attribute replay_site (jax_ep/_exchange_ffi.py sets it, one per traced call, when
+// $JAX_EP_CPU_REPLAY is set at trace time), a call between devices is recorded the first time
+// its site runs on a device and replayed from then on, none of its host code run again; like
+// XLA, it is recorded again when its buffers moved. The recordings live for the process.
+class Replays {
+ public:
+  template <typename Args>
+  PeerError run(int64_t site, int device, std::vector<void*> buffers, int op, const Args& a,
+                int rank, const HostGrid& grid, const GroupTable& groups) {
+    std::shared_ptr<const host::Recording> recording;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      const Entry& entry = entries_[{site, device}];
+      if (entry.buffers == buffers && entry.recording && host::current(*entry.recording)) {
+        recording = entry.recording;
+      }
+    }
+    if (recording == nullptr) {
+      PeerError error = host::record(op, a, rank, grid, groups, &recording);
+      if (!error.ok()) return error;
+      meter().recordings.fetch_add(1, std::memory_order_relaxed);
+      std::lock_guard<std::mutex> lock(mutex_);
+      entries_[{site, device}] = Entry{std::move(buffers), recording};
+    } else {
+      meter().replays.fetch_add(1, std::memory_order_relaxed);
+    }
+    return host::replay(*recording);
+  }
+
+ private:
+  struct Entry {
+    std::vector<void*> buffers;  // the call's operands and results, in order
+    std::shared_ptr<const host::Recording> recording;
+  };
+  std::mutex mutex_;
+  std::map<std::pair<int64_t, int>, Entry> entries_;
+};
+
+Replays& replays() {
+  static Replays r;
+  return r;
+}
+
+// The addresses of a call's operands and results.
+std::vector<void*> Addresses(const xffi::RemainingArgs& args, const xffi::RemainingRets& rets) {
+  std::vector<void*> out;
+  for (size_t i = 0; i < args.size(); ++i) out.push_back(args.get<xffi::AnyBuffer>(i)->untyped_data());
+  for (size_t i = 0; i < rets.size(); ++i) {
+    out.push_back((*rets.get<xffi::AnyBuffer>(i))->untyped_data());
+  }
+  return out;
+}
+
 // Every target: parse, then run the op with virtual ranks (cuda/virtual_ops.h) or, between
 // devices, for this device's rank through host peers, in its EP group (`device` is the CPU
 // device's id, the one the groups list), asynchronously (Async).
@@ -99,6 +156,7 @@ xffi::Future ExchangeCpuImpl(int32_t device, xffi::AnyBuffer ranks, xffi::Token,
   HostGrid grid;
   if (xffi::Error e = Grid(kPeerOpNames[Op], &grid); e.failure()) return Ready(e);
   if (call.num_sms > 0) grid.blocks = std::min(grid.blocks, call.num_sms);  // as on the GPU
+  const xffi::ErrorOr<int64_t> site = attrs.get<int64_t>("replay_site");
   return std::visit(
       [&](const auto& a) {
         PoisonPadding(Op, a, call.between ? 1 : a.num_ranks);
@@ -106,10 +164,15 @@ xffi::Future ExchangeCpuImpl(int32_t device, xffi::AnyBuffer ranks, xffi::Token,
           // The groups' ids live in the call's attributes: the thread keeps a copy.
           std::vector<int64_t> devices(call.groups.devices,
                                        call.groups.devices + call.groups.size);
-          return Async([a, grid, devices = std::move(devices), rank = call.ranks[0], device] {
+          std::vector<void*> buffers = site.has_value() ? Addresses(args, rets)
+                                                         : std::vector<void*>{};
+          return Async([a, grid, devices = std::move(devices), rank = call.ranks[0], device,
+                        site = site.has_value() ? *site : int64_t{-1},
+                        buffers = std::move(buffers)]() mutable {
             const GroupTable groups{devices.data(), static_cast<int64_t>(devices.size()),
                                     device};
-            return host::run(Op, a, rank, grid, groups);
+            if (site < 0) return host::run(Op, a, rank, grid, groups);
+            return replays().run(site, device, std::move(buffers), Op, a, rank, grid, groups);
           });
         }
         HostLauncher l{a.num_ranks, grid};

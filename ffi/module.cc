@@ -110,6 +110,8 @@ nb::dict Meter(bool reset) {
   out["read"] = m.read.load();
   out["written"] = m.written.load();
   out["messages"] = m.messages.load();
+  out["recordings"] = m.recordings.load();
+  out["replays"] = m.replays.load();
   const int64_t smallest = m.smallest.load();
   out["smallest_launch"] =
       smallest == jax_ep::Meter::kNoLaunch ? nb::object(nb::none()) : nb::int_(smallest);
@@ -119,6 +121,8 @@ nb::dict Meter(bool reset) {
     m.read = 0;
     m.written = 0;
     m.messages = 0;
+    m.recordings = 0;
+    m.replays = 0;
     m.smallest = jax_ep::Meter::kNoLaunch;
   }
   return out;
@@ -168,8 +172,8 @@ NB_MODULE(_ext, m) {
         "{'launches', 'barriers', 'read', 'written', 'messages', 'smallest_launch'}: what the "
         "exchange ops run on the CPU did since the last reset (launches and barriers per "
         "rank's stream, summed over ranks; bytes of row data; puts and value puts, over "
-        "puts; the warps of work in the smallest launch, None without one). The cross-check "
-        "of jax_ep.account.");
+        "puts; the warps of work in the smallest launch, None without one; the calls "
+        "recorded and replayed with $JAX_EP_CPU_REPLAY). The cross-check of jax_ep.account.");
   m.def("workspace", &Workspace, nb::arg("target"), nb::arg("num_ranks"),
         nb::arg("num_tokens"), nb::arg("top_k"), nb::arg("num_experts"), nb::arg("stacked"),
         "Length of the int32 workspace result of FFI target `target` (jax_ep_dispatch or "

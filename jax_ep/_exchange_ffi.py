@@ -14,9 +14,17 @@ blocks of $JAX_EP_CPU_GRID); `stream`, a GPU stream of the call's own: the custo
 sits in a `compute_on2("gpu_stream:N")` call, which XLA runs asynchronously on that stream
 (on the CPU the call runs as usual); and, for the low-latency calls, `buffer`, the half of the
 low-latency regions they use.
+
+With `$JAX_EP_CPU_REPLAY` set when a program is traced, each exchange call between devices
+gets a `replay_site` of its own, and the CPU handlers record its launches the first time the
+site runs and replay them later, as XLA's command buffers do on GPUs (ffi/exchange_cpu.cc):
+the test that the exchanges are replay-safe.
 """
 
 from __future__ import annotations
+
+import itertools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +46,9 @@ def _types(like: jax.Array, shapes) -> list:
     return [base.update(shape=tuple(s), dtype=jnp.dtype(d)) for s, d in shapes]
 
 
+_replay_sites = itertools.count()
+
+
 def _exchange_call(target: str, result_types, operands, attrs: dict, placement: Placement, *,
                    axis_name: str | None, stacked: int, aliases: dict[int, int] | None = None):
     """An exchange custom call: the ranks operand (`_ranks(axis_name, stacked)`), then
@@ -52,6 +63,8 @@ def _exchange_call(target: str, result_types, operands, attrs: dict, placement: 
         groups = _ep_groups.device_table(axis_name, target)
         if groups:
             attrs["ep_groups"] = groups
+        if os.environ.get("JAX_EP_CPU_REPLAY"):
+            attrs["replay_site"] = np.int64(next(_replay_sites))
     single = not isinstance(result_types, (list, tuple))
     types = [result_types] if single else list(result_types)
 
