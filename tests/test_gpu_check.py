@@ -90,6 +90,22 @@ def test_the_smoke_check_rehearses_on_cpu_devices():
     assert "smoke in one process with 8 devices (cpu, store, 2 EP groups): ok" in proc.stdout
 
 
+def test_the_graph_case_rehearses_on_cpu_devices(tmp_path):
+    """tools/gpu_graph_case.py's decode loop between 4 CPU devices (host peers): the runs
+    with and without command buffers (none on the CPU) agree bit for bit, and the bench row is
+    written, marked not meaningful."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    row = tmp_path / "graph.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_graph_case.py"),
+                           "--steps", "3", "--repeats", "2", "--json", str(row)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads(row.read_text())
+    assert record["name"] == "ll_roundtrip_graph" and record["meaningful"] is False, record
+    assert "times not meaningful here" in proc.stdout
+
+
 def script_steps() -> list[str]:
     with open(os.path.join(ROOT, "tools", "gpu_check.sh")) as f:
         return re.findall(r"^step (\w+) ", f.read(), re.M)

@@ -9,7 +9,8 @@
 # per-kernel profile), the xla backend's ragged transport (XLA's ragged_all_to_all),
 # compute-sanitizer (memcheck, synccheck, initcheck, racecheck on jax_ep's
 # kernels), 2 and 4 processes through real NVSHMEM (with stores, with puts, node-aware, two EP
-# groups), the GPUs of one process, and the benchmarks (which fail unless their cuda rows ran).
+# groups), the GPUs of one process, a low-latency decode loop under XLA's command buffers
+# (CUDA graphs), and the benchmarks (which fail unless their cuda rows ran).
 # Writes one report (markdown + JSON) under docs/gpu/ (or $JAX_EP_GPU_REPORT_DIR) and OUT_DIR,
 # rewritten after every step, so a run stopped at a time limit still leaves one. A failing step
 # is recorded and the next one runs; the exit status is non-zero when any step failed.
@@ -20,7 +21,8 @@
 # failed after 80 s. Name STEPs to run only those: env build installed ptxas kernels large
 # ragged memcheck synccheck initcheck racecheck smoke2 smoke4 smoke2_put smoke4_put
 # smoke4_nodes smoke4_groups smoke2_phased smoke4_nodes_phased smoke2_streamed
-# smoke4_streamed_put smoke4_streamed_nodes smoke_local bench_ep1 bench_virtual tests. --dry-run runs no
+# smoke4_streamed_put smoke4_streamed_nodes smoke_local graph graph2 bench_ep1 bench_virtual
+# tests. --dry-run runs no
 # step: it checks that each one's command exists (CI runs it) and writes the report of that.
 # See docs/gpu/README.md.
 set -uo pipefail
@@ -159,6 +161,8 @@ step smoke4_streamed_put python3 "${SMOKE[@]}" --processes 4 --peer-access put -
 step smoke4_streamed_nodes python3 "${SMOKE[@]}" --processes 4 --peer-access put \
   --ranks-per-node 2 --channels 2,1,2
 step smoke_local python3 "${SMOKE[@]}" --local
+step graph python3 "$ROOT/tools/gpu_graph_case.py" --json "$OUT_DIR/graph.json"
+step graph2 python3 "$ROOT/tools/gpu_graph_case.py" --processes 2 --steps 8
 step bench_ep1 bench --json "$OUT_DIR/bench_ep1.json"
 step bench_virtual bench --virtual --ranks 8 --json "$OUT_DIR/bench_virtual.json"
 step tests python3 -m pytest -q "$ROOT/tests" --ignore="$ROOT/tests/gpu" -p no:cacheprovider \

@@ -141,6 +141,12 @@ def markdown(report: dict) -> str:
             vs = f"{r['vs_xla']:.2f}" if r["vs_xla"] is not None else "-"
             out.append(f"| {r['op']} | {r['backend']} | {r['median_s'] * 1e6:.1f} us | "
                        f"{r['gbps']:.1f} | {r['of_floor']:.2f} | {vs} |")
+    graph = report.get("graph")
+    if graph:
+        out += ["", f"Low-latency decode loop under command buffers (`tools/gpu_graph_case.py`, "
+                    f"{graph['steps']} steps): {graph['us_per_step_off']:.1f} us per step "
+                    f"with command buffers off, {graph['us_per_step_on']:.1f} us on "
+                    f"({graph['speedup']:.2f}x; bench row `ll_roundtrip_graph`)"]
     failed = [s for s in report["steps"] if s["exit"] != 0]
     for s in failed:
         out += ["", f"Step `{s['step']}` failed; the end of its log:", "", "```", *s["tail"], "```"]
@@ -165,6 +171,7 @@ def main(out_dir: str, report_dir: str) -> int:
         "ptxas": ptxas_table(read(os.path.join(out_dir, "ptxas.log"))),
         "bench_ep1": bench(os.path.join(out_dir, "bench_ep1.json")),
         "bench_virtual": bench(os.path.join(out_dir, "bench_virtual.json")),
+        "graph": load(os.path.join(out_dir, "graph.json")),
     }
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
     base = os.path.join(report_dir, f"{date}-{slug}-{commit}")
