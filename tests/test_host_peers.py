@@ -66,22 +66,26 @@ def test_normal_ops_match_portable_backend(R, expert_major, fp8):
     full = R * T * min(K, E // R) if expert_major else R * T
     capacity = int(rng.integers(max(1, full // 3), full + 1))  # often cuts
 
-    def program(backend):
-        def per_shard(*args):
-            *data, idx, w = args
-            recv, handle = jax_ep.dispatch(tuple(data) if fp8 else data[0], idx, w,
-                                           num_experts=E, capacity=capacity,
-                                           expert_major=expert_major, on_overflow="drop",
-                                           on_invalid="mask", backend=backend)
-            rows = recv.x.astype(jnp.float32) * 0.5 if fp8 else recv.x
-            weights = recv.topk_weights if expert_major else None
-            out = jax_ep.combine(rows, handle, topk_weights=weights, backend=backend)
-            return recv.with_zero_padding(), out
-
-        return per_shard
-
+    program = functools.partial(normal_round, E=E, capacity=capacity,
+                                expert_major=expert_major, fp8=fp8)
     got, want = both_backends(program, R, *data, idx, w)
     assert_trees_bitwise(got, want)
+
+
+def normal_round(backend, *, E, capacity, expert_major, fp8):
+    """Per shard: dispatch (data, idx, w), then combine the received rows (FP8 ones scaled)."""
+    def per_shard(*args):
+        *data, idx, w = args
+        recv, handle = jax_ep.dispatch(tuple(data) if fp8 else data[0], idx, w,
+                                       num_experts=E, capacity=capacity,
+                                       expert_major=expert_major, on_overflow="drop",
+                                       on_invalid="mask", backend=backend)
+        rows = recv.x.astype(jnp.float32) * 0.5 if fp8 else recv.x
+        weights = recv.topk_weights if expert_major else None
+        out = jax_ep.combine(rows, handle, topk_weights=weights, backend=backend)
+        return recv.with_zero_padding(), out
+
+    return per_shard
 
 
 @pytest.mark.parametrize("R", RANKS)
@@ -324,24 +328,27 @@ def test_low_latency_over_puts_matches_portable_backend(put_peers, R, use_fp8):
     (idx_a, w_a), (idx_b, w_b) = (routing(rng, R, T, K, E, str(kind)) for kind in kinds)
     x_a, x_b = (rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16) for _ in "ab")
 
-    def program(backend):
-        def per_shard(x_a, x_b, idx_a, idx_b, w_a, w_b):
-            sent = [jax_ep.low_latency_dispatch_send(x, idx, num_experts=E, use_fp8=use_fp8,
-                                                     backend=backend, buffer=b)
-                    for b, (x, idx) in enumerate(((x_a, idx_a), (x_b, idx_b)))]
-            received = [jax_ep.low_latency_dispatch_recv(p) for p in sent]
-            staged = []
-            for (recv, handle), idx, w in zip(received, (idx_a, idx_b), (w_a, w_b), strict=True):
-                y = (recv.x.astype(jnp.float32) * 3).astype(jnp.bfloat16)
-                staged.append(jax_ep.low_latency_combine_send(y, idx, w, handle,
-                                                              backend=backend))
-            return ([recv.with_zero_padding() for recv, _ in received],
-                    [jax_ep.low_latency_combine_recv(s) for s in staged])
-
-        return per_shard
-
+    program = functools.partial(two_in_flight, E=E, use_fp8=use_fp8)
     got, want = both_backends(program, R, x_a, x_b, idx_a, idx_b, w_a, w_b)
     assert_trees_bitwise(got, want)
+
+
+def two_in_flight(backend, *, E, use_fp8):
+    """Per shard: two split low-latency round trips, one on each region, both sent before
+    either is received."""
+    def per_shard(x_a, x_b, idx_a, idx_b, w_a, w_b):
+        sent = [jax_ep.low_latency_dispatch_send(x, idx, num_experts=E, use_fp8=use_fp8,
+                                                 backend=backend, buffer=b)
+                for b, (x, idx) in enumerate(((x_a, idx_a), (x_b, idx_b)))]
+        received = [jax_ep.low_latency_dispatch_recv(p) for p in sent]
+        staged = []
+        for (recv, handle), idx, w in zip(received, (idx_a, idx_b), (w_a, w_b), strict=True):
+            y = (recv.x.astype(jnp.float32) * 3).astype(jnp.bfloat16)
+            staged.append(jax_ep.low_latency_combine_send(y, idx, w, handle, backend=backend))
+        return ([recv.with_zero_padding() for recv, _ in received],
+                [jax_ep.low_latency_combine_recv(s) for s in staged])
+
+    return per_shard
 
 
 @pytest.mark.parametrize("R", [2, 3, 4, 8])

@@ -14,13 +14,20 @@ ThreadSanitizer.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 from harness import sharded, to_numpy
-from test_host_peers import assert_trees_bitwise, host_peers  # noqa: F401 (fixture)
+from test_host_peers import (  # noqa: F401 (host_peers: the fixture)
+    assert_trees_bitwise,
+    host_peers,
+    normal_round,
+    two_in_flight,
+)
 from test_virtual import routing
 
 import jax_ep
@@ -71,20 +78,8 @@ def test_normal_ops_replayed(R, expert_major, fp8):
         data = reference.quantize(x) if fp8 else (x.astype(ml_dtypes.bfloat16),)
         return (*data, idx, w)
 
-    def step(backend):
-        def per_shard(*args):
-            *data, idx, w = args
-            recv, handle = jax_ep.dispatch(tuple(data) if fp8 else data[0], idx, w,
-                                           num_experts=E, capacity=capacity,
-                                           expert_major=expert_major, on_overflow="drop",
-                                           on_invalid="mask", backend=backend)
-            rows = recv.x.astype(jnp.float32) * 0.5 if fp8 else recv.x
-            weights = recv.topk_weights if expert_major else None
-            out = jax_ep.combine(rows, handle, topk_weights=weights, backend=backend)
-            return recv.with_zero_padding(), out
-
-        return per_shard
-
+    step = functools.partial(normal_round, E=E, capacity=capacity, expert_major=expert_major,
+                             fp8=fp8)
     run_both(step, R, fresh_inputs)
 
 
@@ -100,23 +95,15 @@ def test_low_latency_replayed(R, use_fp8):
         return x_a, x_b, idx_a, idx_b, w_a, w_b
 
     def step(backend):
+        split = two_in_flight(backend, E=E, use_fp8=use_fp8)
+
         def per_shard(x_a, x_b, idx_a, idx_b, w_a, w_b):
             recv, handle = jax_ep.low_latency_dispatch(x_a, idx_a, num_experts=E,
                                                        use_fp8=use_fp8, backend=backend,
                                                        buffer=0)
-            y = (recv.x.astype(jnp.float32) * 3).astype(jnp.bfloat16)
+            y = (recv.x.astype(jnp.float32) * 2).astype(jnp.bfloat16)
             fused = jax_ep.low_latency_combine(y, idx_a, w_a, handle, backend=backend)
-            sent = [jax_ep.low_latency_dispatch_send(x, idx, num_experts=E, use_fp8=use_fp8,
-                                                     backend=backend, buffer=b)
-                    for b, (x, idx) in enumerate(((x_a, idx_a), (x_b, idx_b)))]
-            received = [jax_ep.low_latency_dispatch_recv(p) for p in sent]
-            staged = []
-            for (recv, handle), idx, w in zip(received, (idx_a, idx_b), (w_a, w_b), strict=True):
-                y = (recv.x.astype(jnp.float32) * 2).astype(jnp.bfloat16)
-                staged.append(jax_ep.low_latency_combine_send(y, idx, w, handle,
-                                                              backend=backend))
-            return (fused, [recv.with_zero_padding() for recv, _ in received],
-                    [jax_ep.low_latency_combine_recv(s) for s in staged])
+            return fused, split(x_a, x_b, idx_a, idx_b, w_a, w_b)
 
         return per_shard
 
