@@ -42,6 +42,7 @@
 #include <type_traits>
 
 #include "cuda/combine_stream.h"
+#include "cuda/dispatch_rows.h"
 #include "cuda/dispatch_stream.h"
 #include "cuda/phase_functors.h"
 
@@ -57,15 +58,16 @@ constexpr int kMaxPeers = static_cast<int>(kSignalBytes / sizeof(uint64_t));
 constexpr size_t kAlign = 256;
 
 enum PeerOp { kPeerDispatch, kPeerCombine, kPeerLlDispatchSend, kPeerLlDispatchRecv,
-              kPeerLlCombineSend, kPeerLlCombineRecv };
+              kPeerLlCombineSend, kPeerLlCombineRecv, kPeerDispatchRows };
 inline const char* const kPeerOpNames[] = {
     "jax_ep_dispatch", "jax_ep_combine", "jax_ep_ll_dispatch_send",
-    "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send", "jax_ep_ll_combine_recv"};
+    "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send", "jax_ep_ll_combine_recv",
+    "jax_ep_dispatch_rows"};
 
 // X(Args) for each argument struct the ops take (explicit instantiations of the entry points).
 #define JAX_EP_FOR_EACH_OP_ARGS(X)                                                         \
   X(DispatchArgs) X(CombineArgs<float>) X(CombineArgs<Bf16>) X(CombineArgs<F16>) X(LowLatencyArgs) \
-  X(LowLatencyCombineArgs)
+  X(LowLatencyCombineArgs) X(RowsArgs)
 
 // What a wait waits for, and so how long it may wait. A wait for the peers' earlier ops, or
 // for their first launch of this op, may wait for peers that have not started it yet (a
@@ -566,6 +568,29 @@ PeerError run_op(Platform& p, int op, const CombineArgs<T>& in) {
                Meet{Peers::kPuts ? Wait::kInOp : Wait::kStart, true, {}});
     return p.result(op);
   });
+}
+
+// Rows along a dispatch's routing (cuda/dispatch_rows.h): each rank stages its rows in the
+// normal-mode region (once the peers are done with their last op there), then every receiver
+// pulls its rows from the sources' stages (once every stage is written) and arrives, which
+// tells the sources their stages are free. Loads only: refused over puts.
+template <typename Platform>
+PeerError run_op(Platform& p, int op, const RowsArgs& in) {
+  if (uses_puts(p)) {
+    return PeerError{std::string(kPeerOpNames[op]) + ": reads its peers with loads, which "
+                     "peers reached by puts do not offer (a bug in jax_ep: it dispatches again "
+                     "there)"};
+  }
+  RowsArgs a = in;
+  a.first_rank = p.rank();
+  Carver c(p.symmetric() + kSignalBytes);
+  a.stage = c.take<char>(int64_t{a.num_tokens} * a.row_bytes);
+  PeerError error = fits(op, "normal-mode", c.used(), p.low_latency_offset() - kSignalBytes);
+  if (!error.ok()) return error;
+  p.per_warp(RowsStage{a}, a.num_tokens, Meet{Wait::kStart, true, {}});
+  p.per_warp(RowsPull<typename Platform::Peers>{a, p.peers()}, a.capacity,
+             Meet{Wait::kInOp, true, {}});
+  return p.result(op);
 }
 
 // The low-latency regions of one call in half `buffer` of the low-latency part, or why they

@@ -56,4 +56,10 @@ void run_virtual(L& l, int, const LowLatencyCombineArgs& a) {
   l.per_warp(sums, sums.items());
 }
 
+// Rows along a dispatch's routing: every receiver reads its rows from the stacked x.
+template <typename L>
+void run_virtual(L& l, int, const RowsArgs& a) {
+  l.per_warp(RowsPull<VirtualPeers>{a, VirtualPeers{}}, a.capacity);
+}
+
 }  // namespace jax_ep

@@ -438,6 +438,39 @@ xffi::Error ParseLowLatencyCombineRecv(xffi::RemainingArgs args, xffi::Remaining
   return xffi::Error::Success();
 }
 
+xffi::Error ParseDispatchRows(xffi::RemainingArgs args, xffi::RemainingRets rets,
+                              int64_t num_ranks, int64_t expert_major, RowsArgs* a) {
+  const std::string_view op = kPeerOpNames[kPeerDispatchRows];
+  Buffers b(op, args, rets);
+  JAX_EP_RETURN_IF_ERROR(b.Count(3, 1));
+  const AnyBuffer x = b.Arg(0);
+  JAX_EP_RETURN_IF_ERROR(CheckRank(op, "x", x, 3));
+  const AnyBuffer out = b.Ret(0);
+  JAX_EP_RETURN_IF_ERROR(CheckRank(op, "out", out, 3));
+  const int64_t V = x.dimensions()[0], T = x.dimensions()[1], W = x.dimensions()[2];
+  const int64_t R = num_ranks, cap = out.dimensions()[1];
+  const bool em = expert_major != 0;
+  const int64_t N = em ? R * T : cap;
+  JAX_EP_RETURN_IF_ERROR(CheckStack(op, V, R));
+  JAX_EP_RETURN_IF_ERROR(CheckInt32(op, "capacity", cap));
+  JAX_EP_RETURN_IF_ERROR(CheckInt32(op, "R*T", R * T));
+
+  *a = RowsArgs{};
+  a->num_ranks = static_cast<int>(R);
+  a->num_tokens = static_cast<int>(T);
+  a->capacity = static_cast<int>(cap);
+  a->num_rows = N;
+  a->row_bytes = W * static_cast<int64_t>(xffi::ByteWidth(x.element_type()));
+  a->expert_major = em;
+  JAX_EP_RETURN_IF_ERROR(b.In(0, "x", kAnyType, {V, T, W}, &a->x));
+  JAX_EP_RETURN_IF_ERROR(b.In(1, "recv_src", DataType::S32, {V, N}, &a->recv_src));
+  JAX_EP_RETURN_IF_ERROR(
+      b.In(2, "entry_row", DataType::S32, {V, em ? cap : 0}, &a->entry_row));
+  if (!em) a->entry_row = nullptr;
+  JAX_EP_RETURN_IF_ERROR(b.Out(0, "out", x.element_type(), {V, cap, W}, &a->out));
+  return xffi::Error::Success();
+}
+
 namespace {
 
 xffi::Error Attr(std::string_view op, const xffi::Dictionary& attrs, std::string_view name,
@@ -484,7 +517,7 @@ xffi::Error ParseChannels(std::string_view op, const xffi::Dictionary& attrs, Ri
 }
 
 // The operand whose leading dimension stacks the op's ranks, by PeerOp.
-constexpr size_t kStackedOperand[] = {2, 0, 1, 0, 0, 2};
+constexpr size_t kStackedOperand[] = {2, 0, 1, 0, 0, 2, 0};
 
 }  // namespace
 
@@ -508,7 +541,9 @@ xffi::Error ParseCall(int op, const AnyBuffer& ranks, xffi::RemainingArgs args,
     call->groups.devices = groups->begin();
     call->groups.size = static_cast<int64_t>(groups->size());
   }
-  if (op != kPeerCombine) JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "num_experts", &E));
+  if (op != kPeerCombine && op != kPeerDispatchRows) {
+    JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "num_experts", &E));
+  }
   switch (op) {
     case kPeerDispatch: {
       int64_t capacity = 0, expert_major = 0, zero_padding = 0;
@@ -559,6 +594,14 @@ xffi::Error ParseCall(int op, const AnyBuffer& ranks, xffi::RemainingArgs args,
                                  ? ParseLowLatencyCombineSend(args, rets, R, E, &a)
                                  : ParseLowLatencyCombineRecv(args, rets, R, E, &a));
       JAX_EP_RETURN_IF_ERROR(LowLatencyBuffer(name, attrs, &a.buffer));
+      call->args = a;
+      break;
+    }
+    case kPeerDispatchRows: {
+      int64_t expert_major = 0;
+      JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "expert_major", &expert_major));
+      RowsArgs a;
+      JAX_EP_RETURN_IF_ERROR(ParseDispatchRows(args, rets, R, expert_major, &a));
       call->args = a;
       break;
     }

@@ -97,9 +97,15 @@ xffi::Error ParseLowLatencyCombineRecv(xffi::RemainingArgs args, xffi::Remaining
                                        int64_t num_ranks, int64_t num_experts,
                                        LowLatencyCombineArgs* out);
 
+// Operands x [R,T,W] (any dtype), recv_src s32 [R,N], entry_row s32 [R,cap] (expert-major)
+// or [R,0]; N = cap rank-major, R*T expert-major. Result: out [R,cap,W] in x's type (zeros in
+// the slots that hold no row).
+xffi::Error ParseDispatchRows(xffi::RemainingArgs args, xffi::RemainingRets rets,
+                              int64_t num_ranks, int64_t expert_major, RowsArgs* out);
+
 // One call of an exchange target, parsed.
 using OpArgs = std::variant<DispatchArgs, CombineArgs<float>, CombineArgs<Bf16>, CombineArgs<F16>,
-                            LowLatencyArgs, LowLatencyCombineArgs>;
+                            LowLatencyArgs, LowLatencyCombineArgs, RowsArgs>;
 struct Call {
   OpArgs args;
   bool between;          // one rank of several devices (else virtual ranks)
@@ -120,7 +126,8 @@ xffi::Error ParseCall(int op, const xffi::AnyBuffer& ranks, xffi::RemainingArgs 
 #define JAX_EP_FOR_EACH_EXCHANGE_TARGET(X)                                                     \
   X(Dispatch, kPeerDispatch) X(Combine, kPeerCombine)                                          \
   X(LowLatencyDispatchSend, kPeerLlDispatchSend) X(LowLatencyDispatchRecv, kPeerLlDispatchRecv) \
-  X(LowLatencyCombineSend, kPeerLlCombineSend) X(LowLatencyCombineRecv, kPeerLlCombineRecv)
+  X(LowLatencyCombineSend, kPeerLlCombineSend) X(LowLatencyCombineRecv, kPeerLlCombineRecv) \
+  X(DispatchRows, kPeerDispatchRows)
 
 #define JAX_EP_DECLARE_HANDLERS(Name, op)      \
   XLA_FFI_DECLARE_HANDLER_SYMBOL(Name##Cpu);   \

@@ -220,6 +220,38 @@ def combine(y, weights, src_row, row_entries, *, num_ranks, top_k, expert_major,
         axis_name=axis_name, stacked=V)
 
 
+def dispatch_rows(values, recv_src, entry_row, *, num_ranks, capacity, axis_name=None,
+                  placement=ANYWHERE):
+    """[V, T, W] values to [V, capacity, W] where a dispatch put its tokens' rows
+    (cuda/dispatch_rows.h): `recv_src` [V, N] and, expert-major, `entry_row` [V, capacity]
+    (None rank-major) from its handle; zeros in the slots that hold no row. Loads only:
+    `rows_by_loads` says where it runs."""
+    _ffi.register()
+    V, _, W = values.shape
+    expert_major = entry_row is not None
+    if entry_row is None:
+        entry_row = jnp.zeros((V, 0), jnp.int32)
+    return _exchange_call(
+        "jax_ep_dispatch_rows", _types(values, [((V, capacity, W), values.dtype)])[0],
+        (values, recv_src, entry_row), dict(num_ranks=num_ranks, expert_major=expert_major),
+        placement, axis_name=axis_name, stacked=V)
+
+
+def rows_by_loads(axis_name: str | None, num_ranks: int, num_tokens: int,
+                  row_bytes: int) -> bool:
+    """Whether `dispatch_rows` can run for this call: always with virtual ranks or one rank;
+    between devices when the peers are reached with stores (not puts, not nodes) and the
+    stage of num_tokens rows fits the normal-mode region (else the dispatch runs again)."""
+    if axis_name is None or num_ranks == 1:
+        return True
+    state = runtime.state()
+    if state is None or state["peer_access"] != "store" or state["ranks_per_node"]:
+        return False
+    align = 256  # cuda/peer_ops.h, kAlign and kSignalBytes
+    normal = (state["buffer_bytes"] - state["low_latency_bytes"]) // align * align - 4096
+    return -(-num_tokens * row_bytes // align) * align <= normal
+
+
 # The wire formats of low-latency dispatch by their number in cuda/wire.h.
 WIRES = ("bf16", "e4m3", "e4m3_ue8m0", "mxfp8", "nvfp4")
 

@@ -299,6 +299,41 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
                    _smallest(1, chunks, T, finish, always=3), moving)
 
 
+def dispatch_rows(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
+                  capacity: int | None = None, expert_major: bool = False,
+                  between: bool = False, puts: bool = False, ranks_per_node: int = 0,
+                  channels=None, channel_senders: int = CHANNEL_SENDERS) -> Account:
+    """Rows along a dispatch's routing (`jax_ep.dispatch(x2, handle=h)`, combine's backward;
+    cuda/dispatch_rows.h): every result slot (row, or entry expert-major) of each receiver
+    pulls its source row or is zeroed, with no count. With virtual ranks one launch reads the
+    rows where they are; between devices each rank stages its T rows in its symmetric buffer
+    first (two launches, each meeting the peers). Over puts no peer can be read: the dispatch
+    runs again (zero padding). The minimum: each source row read once (and, between devices,
+    written once into the symmetric buffer and read once from there, per delivered row) and
+    every slot written."""
+    if puts:
+        again = dispatch(topk_idx, num_experts=num_experts, row_bytes=row_bytes,
+                         capacity=capacity, expert_major=expert_major, between=between,
+                         zero_padding=True, puts=True, ranks_per_node=ranks_per_node,
+                         channels=channels, channel_senders=channel_senders)
+        return dataclasses.replace(again, op="dispatch_rows")
+    R, T, K = np.shape(topk_idx)
+    if capacity is None:
+        capacity = default_capacity(R, T, K, num_experts, expert_major)
+    kept = (kept_entries if expert_major else kept_rows)(topk_idx, num_experts, capacity)
+    destinations = kept.sum(axis=2)
+    delivered, sources = int(destinations.sum()), int((destinations > 0).sum())
+    slots = R * capacity * row_bytes
+    read, minimum = delivered * row_bytes, sources * row_bytes + slots
+    if not between:
+        warps = _smallest(R, capacity)
+        return Account("dispatch_rows", _launch(capacity), 0, read, slots, minimum, warps, warps)
+    staged = R * T * row_bytes
+    warps = _smallest(1, T, capacity, always=2)
+    return Account("dispatch_rows", 2, 2, read + staged, slots + staged,
+                   minimum + sources * row_bytes + read, warps, warps)
+
+
 def _dispatch_messages(topk_idx, num_experts, expert_major, kept, scales,
                        ranks_per_node=0) -> int:
     """Puts and value puts of a dispatch over puts, every rank's: the count puts its row of
@@ -637,8 +672,8 @@ def low_latency_combine(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
 # must move, launches per rank's stream, and warps of work in every launch: an H100's SMs
 # each hold a few warps at once, so a launch fills the GPU with at least 4 per SM.
 BYTES_TARGET = 1.05
-LAUNCH_TARGETS = {"dispatch": 3, "combine": 2, "ll_dispatch_send": 2, "ll_dispatch_recv": 2,
-                  "ll_combine_send": 2, "ll_combine_recv": 2}
+LAUNCH_TARGETS = {"dispatch": 3, "dispatch_rows": 1, "combine": 2, "ll_dispatch_send": 2,
+                  "ll_dispatch_recv": 2, "ll_combine_send": 2, "ll_combine_recv": 2}
 H100_SMS = 132
 WARPS_TARGET = 4 * H100_SMS
 
@@ -652,6 +687,11 @@ EXPECTED = {
     "warp, 2 per rank at T = 128: a rank's slots follow every lower rank's messages, which "
     "only a count before the send knows (between devices, and with one rank, the send numbers "
     "its own messages and fills the GPU: 1,024 warps per rank for the rows)",
+    "dispatch_rows": "launches: between devices a peer cannot read the buffers XLA owns, so "
+    "each rank stages its rows in its symmetric buffer first and meets its peers, then the "
+    "receivers pull (2 launches, no count; the dispatch itself takes 3 with its count); with "
+    "virtual ranks one launch. Bytes: with virtual ranks a receiver reads each of its rows "
+    "where it is, a source row once per destination (the dispatch's send reads it once per 8)",
     "nvfp4": "warps and bytes: an nvfp4 row's global scale needs the whole row's amax, so the "
     "send casts each row with one warp (T warps per rank) and reads it twice (its amax, then "
     "the cast)",
@@ -699,6 +739,7 @@ def deepseek_accounts(num_ranks: int = 8, between: bool = False, seed: int = 0,
         dataclasses.replace(combine(idx, num_experts=num_experts, row_bytes=2 * hidden,
                                     expert_major=True, **where),
                             op="combine (expert-major)"),
+        dispatch_rows(idx, num_experts=num_experts, row_bytes=2 * hidden, **where, **nodes),
     ]
     if between and channels is not None:
         rings = dict(channels=channels)
@@ -838,8 +879,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                                       f", node-aware in nodes of {args.ranks_per_node}"
                                       if 0 < args.ranks_per_node < args.ranks else ""))):
         print(f"R = {args.ranks}, {title}; targets: launches dispatch <= 3, combine <= 2, "
-              f"low latency <= 2 per half; moved <= {BYTES_TARGET} x minimum; at least "
-              f"{WARPS_TARGET} warps in every launch; (over) and (under) mark a miss\n")
+              f"dispatch_rows <= 1, low latency <= 2 per half; moved <= {BYTES_TARGET} x "
+              f"minimum; at least {WARPS_TARGET} warps in every launch; (over) and (under) "
+              "mark a miss\n")
         accounts = deepseek_accounts(args.ranks, between, args.seed, tokens=args.tokens,
                                      ll_tokens=args.ll_tokens, puts=puts,
                                      ranks_per_node=args.ranks_per_node, channels=rings)

@@ -93,9 +93,15 @@ def test_dispatch_combine(backend, expert_major, case):
         assert_bitwise(recv.group_sizes, want["group_sizes"], "group_sizes")
 
     cap = want["x"].shape[1]
+    kw = dict(num_experts=E, capacity=capacity, expert_major=expert_major)
+    if backend == "cuda":  # another array along the handle (cuda/dispatch_rows.h), no count
+        x2 = rng.standard_normal((R, T, 3)).astype(np.float32)  # 12-byte rows
+        rows = _exchange_ffi.dispatch_rows(x2, handle.recv_src,
+                                           handle.entry_row if expert_major else None,
+                                           num_ranks=R, capacity=cap)
+        assert_bitwise(rows, reference.dispatch(x2, idx, w, **kw)["x"], "rows along the handle")
     y = nan_padding(rng.standard_normal((R, cap, H)), want["num_tokens"]).astype(dtype)
     yw = rng.random((R, cap)).astype(np.float32)
-    kw = dict(num_experts=E, capacity=capacity, expert_major=expert_major)
     assert_bitwise(virtual.combine(y, handle, backend=backend),
                    reference.combine(y, idx, **kw), "combine")
     assert_bitwise(virtual.combine(y, handle, topk_weights=yw, backend=backend),

@@ -44,6 +44,7 @@ COPY_PHASES = frozenset(
         "LowLatencySend",
         "LowLatencyFinish",
         "LowLatencyCombineSend",
+        "RowsPull",
     }
 )
 COPY_REGISTERS = {"sm_90": 64}  # Hopper's copies; the other architectures': 128

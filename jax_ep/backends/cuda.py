@@ -86,9 +86,17 @@ def combine(y, weights, handle: DispatchHandle, *, placement=ANYWHERE):
 
 
 def rows_for_receivers(values, handle: DispatchHandle, *, placement=ANYWHERE):
-    """Per-token values [T, H] delivered like the dispatch's rows (entries): its data
-    movement again, with the handle's routing. Cotangents must be defined everywhere, so the
-    rows past the count are zero."""
+    """Per-token values [T, H] delivered like the dispatch's rows (entries), the rows past the
+    count zero (cotangents must be defined everywhere): each receiver pulls its rows along the
+    handle (`_exchange_ffi.dispatch_rows`, no count), or, where peers cannot be read (puts),
+    the dispatch's data movement runs again with the handle's routing."""
+    row_bytes = values.shape[1] * values.dtype.itemsize
+    if _exchange_ffi.rows_by_loads(handle.axis_name, handle.num_ranks, handle.num_tokens,
+                                   row_bytes):
+        entry_row = _one(handle.entry_row) if handle.expert_major else None
+        return _exchange_ffi.dispatch_rows(
+            _one(values), _one(handle.recv_src), entry_row, num_ranks=handle.num_ranks,
+            capacity=handle.capacity, axis_name=handle.axis_name, placement=placement)[0]
     zeros = jnp.zeros(handle.topk_idx.shape, jnp.float32)
     out = _exchange_ffi.dispatch(_one(values), None, _one(handle.topk_idx), _one(zeros),
                                  num_ranks=handle.num_ranks, num_experts=handle.num_experts,

@@ -36,6 +36,7 @@ namespace jax_ep {
 namespace {
 
 int failures = 0;
+bool puts_only = false;  // the host peers reach each other by puts (host::initialize)
 
 void expect(bool ok, const std::string& what) {
   if (ok) return;
@@ -72,8 +73,14 @@ struct DispatchData {
   std::vector<int32_t> recv_idx, recv_src, src_row, entry_row, entry_choice, row_entries,
       num_received, tokens_per_expert, num_dropped, num_needed, num_invalid, clean_idx;
   std::vector<std::vector<int32_t>> work;  // the workspace of every rank (0), of rank r (r + 1)
+  // Rows along the dispatch's routing (cuda/dispatch_rows.h): kRowWidth floats a token
+  // (20-byte rows: the copies go byte by byte), and where they arrive.
+  static constexpr int kRowWidth = 5;
+  std::vector<float> rows_x, rows_out;
 
   explicit DispatchData(const Shape& s) {
+    rows_x.resize(int64_t{s.R} * s.T * kRowWidth);
+    rows_out.resize(int64_t{s.R} * s.capacity * kRowWidth);
     const int64_t R = s.R, T = s.T, K = s.K, H = s.H, cap = s.capacity, S = s.fp8 ? H / 128 : 0;
     x.resize(R * T * H);
     scales.resize(R * T * S);
@@ -134,6 +141,22 @@ struct DispatchData {
     a.num_dropped = num_dropped.data() + v;
     a.num_needed = num_needed.data() + v;
     if (rank >= 0) a.rings = ring_config(s);
+    return a;
+  }
+  // The rows op along this dispatch's results, for rank `rank` or every rank (rank < 0).
+  RowsArgs rows_args(const Shape& s, int rank) {
+    const int64_t v = rank < 0 ? 0 : rank;
+    RowsArgs a{};
+    a.num_ranks = s.R;
+    a.num_tokens = s.T;
+    a.capacity = s.capacity;
+    a.num_rows = s.rows();
+    a.row_bytes = kRowWidth * 4;
+    a.expert_major = s.expert_major;
+    a.x = reinterpret_cast<const char*>(rows_x.data() + v * s.T * kRowWidth);
+    a.recv_src = recv_src.data() + v * s.rows();
+    a.entry_row = s.expert_major ? entry_row.data() + v * s.capacity : nullptr;
+    a.out = reinterpret_cast<char*>(rows_out.data() + v * s.capacity * kRowWidth);
     return a;
   }
   static Rings ring_config(const Shape& s) {
@@ -254,6 +277,7 @@ void fill_inputs(const Shape& s, DispatchData& d, std::mt19937& gen) {
   for (float& v : d.x) v = normal(gen);
   for (float& v : d.scales) v = normal(gen);
   for (float& v : d.weights) v = normal(gen);
+  for (float& v : d.rows_x) v = normal(gen);
   for (int32_t& id : d.idx) {
     const int r = roll(gen);
     id = r == 0 ? -1 : r == 1 ? s.E + 3 : expert(gen);
@@ -276,6 +300,7 @@ void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& 
   if (!peers) {
     HostLauncher l{s.R, grid};
     run_virtual(l, kPeerDispatch, d.args(s, -1));
+    run_virtual(l, kPeerDispatchRows, d.rows_args(s, -1));
     run_virtual(l, kPeerCombine, c.args(s, d, -1));
     const LowLatencyArgs la = ll.dispatch_args(s, -1);
     run_virtual(l, kPeerLlDispatchSend, la);  // it delivers: no receive
@@ -304,6 +329,8 @@ void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& 
       // Each op twice in a row: the second meets the first's data in the symmetric buffer,
       // with no other op's launches in between.
       for (int i = 0; i < 2; ++i) check(run(kPeerDispatch, d.args(s, r), r, grid));
+      // Peers reached by puts cannot be read: jax_ep dispatches again there.
+      if (!puts_only) check(run(kPeerDispatchRows, d.rows_args(s, r), r, grid));
       for (int i = 0; i < 2; ++i) check(run(kPeerCombine, c.args(s, d, r), r, grid));
       // Low latency: once on one region, then two exchanges in flight, one per region.
       auto ll_dispatch = [&](int buffer) {
@@ -384,6 +411,7 @@ struct RoundData {
     dp.scales.assign(dv.scales.begin(), dv.scales.end());
     dp.weights.assign(dv.weights.begin(), dv.weights.end());
     dp.idx.assign(dv.idx.begin(), dv.idx.end());
+    dp.rows_x.assign(dv.rows_x.begin(), dv.rows_x.end());
     cp.y.assign(cv.y.begin(), cv.y.end());
     cp.weights.assign(cv.weights.begin(), cv.weights.end());
     lp.x.assign(lv.x.begin(), lv.x.end());
@@ -407,6 +435,7 @@ struct RoundData {
     expect_equal(dp.num_dropped, dv.num_dropped, "dispatch num_dropped" + at);
     expect_equal(dp.num_needed, dv.num_needed, "dispatch num_needed" + at);
     expect_equal(dp.num_invalid, dv.num_invalid, "dispatch num_invalid" + at);
+    if (!puts_only) expect_equal(dp.rows_out, dv.rows_out, "rows along the dispatch" + at);
     expect_equal(cp.out, cv.out, "combine out" + at);
     // The rows of a wire format fill the first part of recv_x.
     const size_t bytes = size_t(s.El()) * s.R * s.T * wire_data_bytes(s.ll_wire(), s.H) * s.R;
@@ -679,6 +708,7 @@ int main() {
       {12, 9, 10, 12, 128, 108, false, true, 0, 2, 1, 2},
   };
   for (const bool puts : {false, true}) {
+    puts_only = puts;
     if (!host::initialize(32 << 20, 16 << 20, puts).empty()) return 2;
     for (const Shape& s : streamed) {
       for (const HostGrid& grid : {warps, loop}) {
@@ -690,6 +720,7 @@ int main() {
     host::finalize();
   }
   // Peers reached by puts only.
+  puts_only = true;
   if (!host::initialize(32 << 20, 16 << 20, /*puts=*/true).empty()) return 2;
   for (const Shape& s : shapes) check_round(s, seed + 10 * round++, warps, ", puts");
   for (const Shape& s : {shapes[1], shapes[2]}) {
@@ -713,6 +744,7 @@ int main() {
   for (const Shape& s : streamed) check_round(s, seed + 10 * round++, warps, ", nodes of 3");
   host::finalize();
   // EP groups of a mesh, side by side.
+  puts_only = false;
   if (!host::initialize(16 << 20, 4 << 20).empty()) return 2;
   check_group_rules();
   for (const bool ep_first : {false, true}) check_two_groups_at_once(ep_first, seed + 1000);
