@@ -14,7 +14,7 @@
 #include <cstdint>
 
 #include "cuda/channels.h"
-#include "cuda/exchange.h"
+#include "cuda/combine.h"
 
 namespace jax_ep {
 

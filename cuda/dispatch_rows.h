@@ -16,7 +16,7 @@
 
 #include <cstdint>
 
-#include "cuda/exchange.h"
+#include "cuda/primitives.h"
 
 namespace jax_ep {
 

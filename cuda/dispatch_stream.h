@@ -16,7 +16,7 @@
 #include <cstdint>
 
 #include "cuda/channels.h"
-#include "cuda/exchange.h"
+#include "cuda/dispatch.h"
 
 namespace jax_ep {
 
