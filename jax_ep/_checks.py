@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import backends
+from jax_ep.placement import Placement
 
 OVERFLOW_POLICIES = ("error", "drop")
 INVALID_POLICIES = ("error", "mask")
@@ -90,7 +90,7 @@ def check_positive_int(op: str, name: str, value: Any, *, allow_none: bool = Fal
         )
 
 
-def placement(op: str, num_sms: Any, stream: Any, buffer: Any = 0) -> backends.Placement:
+def placement(op: str, num_sms: Any, stream: Any, buffer: Any = 0) -> Placement:
     """The checked Placement of an op's `num_sms` (the SMs each kernel launch may take, None:
     every SM), `stream` (a GPU stream of its own, None: XLA's compute stream) and `buffer`
     (the low-latency region, 0 or 1)."""
@@ -111,7 +111,7 @@ def placement(op: str, num_sms: Any, stream: Any, buffer: Any = 0) -> backends.P
         raise ValueError(
             f"{op}: buffer must be 0 or 1 (one of the two low-latency regions); got {buffer!r}."
         )
-    return backends.Placement(
+    return Placement(
         num_sms=None if num_sms is None else int(num_sms),
         stream=None if stream is None else int(stream),
         buffer=int(buffer),

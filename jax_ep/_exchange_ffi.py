@@ -37,7 +37,7 @@ except ImportError:
     from jax.experimental.compute_on import compute_on as compute_on2
 
 from jax_ep import _ep_groups, _exchange_order, _ffi, fp8, quant, runtime
-from jax_ep.backends import ANYWHERE, Placement
+from jax_ep.placement import ANYWHERE, Placement
 from jax_ep.structs import DispatchHandle, Received
 
 

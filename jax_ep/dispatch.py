@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep import _checks, alignment, backends, checks, fp8, quant
+from jax_ep.placement import Placement
 from jax_ep.profile import scoped
 from jax_ep.structs import DispatchHandle, Received
 
@@ -38,7 +39,7 @@ class _DispatchConfig:
     axis_name: str
     capacity: int
     expert_major: bool
-    placement: backends.Placement
+    placement: Placement
 
 
 def default_capacity(num_ranks: int, num_tokens: int, top_k: int, num_experts: int,
@@ -291,7 +292,7 @@ def _checks_along(op: str, handle, **given) -> None:
 
 @scoped("jax_ep.dispatch_along")
 def _dispatch_along(op: str, x, handle: DispatchHandle, backend: str,
-                    placement: backends.Placement):
+                    placement: Placement):
     """`x`'s rows where the handle's dispatch put its tokens' rows: the data movement of
     dispatch (combine's backward, `rows_for_receivers`), with no routing of its own."""
     data, scales = _check_x(op, x, handle.num_tokens, "the handle's dispatch had")
@@ -311,12 +312,11 @@ def _dispatch_along(op: str, x, handle: DispatchHandle, backend: str,
 
 
 def _rows_along(backend, placement, values, handle):
-    run = backends.function(backend, "dispatch", "rows_for_receivers", placement=placement)
-    return run(values, handle)
+    return backends.get(backend).rows_for_receivers(values, handle, placement=placement)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _along(backend: str, placement: backends.Placement, data, handle):
+def _along(backend: str, placement: Placement, data, handle):
     return _rows_along(backend, placement, data, handle)
 
 
@@ -328,8 +328,7 @@ def _along_fwd(backend, placement, data, handle):
 def _along_bwd(backend, placement, handle, d_rows):
     if not jnp.issubdtype(d_rows.dtype, jnp.floating) or d_rows.dtype.itemsize == 1:
         return None, None  # FP8 data is not differentiated
-    combine_rows = backends.function(backend, "dispatch", "combine", placement=placement)
-    return combine_rows(d_rows, None, handle), None
+    return backends.get(backend).combine(d_rows, None, handle, placement=placement), None
 
 
 _along.defvjp(_along_fwd, _along_bwd)
@@ -379,8 +378,7 @@ def _no_tokens(data, scales, topk_idx, num_experts, num_ranks, axis_name, capaci
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dispatch(config: _DispatchConfig, x, scales, topk_idx, topk_weights):
-    run = backends.function(config.backend, "dispatch", "dispatch", placement=config.placement)
-    return run(
+    return backends.get(config.backend).dispatch(
         x,
         scales,
         topk_idx,
@@ -389,6 +387,7 @@ def _dispatch(config: _DispatchConfig, x, scales, topk_idx, topk_weights):
         axis_name=config.axis_name,
         capacity=config.capacity,
         expert_major=config.expert_major,
+        placement=config.placement,
     )
 
 
@@ -402,15 +401,13 @@ def _dispatch_fwd(config, x, scales, topk_idx, topk_weights):
 def _dispatch_bwd(config, residuals, cotangents):
     handle, received_idx = residuals
     d_received = cotangents[0]
-    to_sources = backends.function(config.backend, "dispatch", "weights_to_sources",
-                                   placement=config.placement)
-    d_weights = to_sources(d_received.topk_weights, received_idx, handle)
+    backend = backends.get(config.backend)
+    d_weights = backend.weights_to_sources(d_received.topk_weights, received_idx, handle,
+                                           placement=config.placement)
     if d_received.scales is not None:  # FP8 data is not differentiated: a zero cotangent
         d_x = None
     else:
-        combine_rows = backends.function(config.backend, "dispatch", "combine",
-                                         placement=config.placement)
-        d_x = combine_rows(d_received.x, None, handle)
+        d_x = backend.combine(d_received.x, None, handle, placement=config.placement)
     return d_x, None, None, d_weights
 
 
@@ -470,9 +467,8 @@ def combine(
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _combine(backend: str, placement: backends.Placement, y, weights, handle):
-    run = backends.function(backend, "combine", "combine", placement=placement)
-    return run(y, weights, handle)
+def _combine(backend: str, placement: Placement, y, weights, handle):
+    return backends.get(backend).combine(y, weights, handle, placement=placement)
 
 
 def _combine_fwd(backend, placement, y, weights, handle):
@@ -482,9 +478,7 @@ def _combine_fwd(backend, placement, y, weights, handle):
 @scoped("jax_ep.combine.backward")
 def _combine_bwd(backend, placement, residuals, d_out):
     y, weights, handle = residuals
-    to_receivers = backends.function(backend, "combine", "rows_for_receivers",
-                                     placement=placement)
-    rows = to_receivers(d_out, handle)
+    rows = backends.get(backend).rows_for_receivers(d_out, handle, placement=placement)
     if weights is None:
         return rows.astype(y.dtype), None, None
     rows = rows.astype(jnp.float32)

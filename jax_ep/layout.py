@@ -31,5 +31,5 @@ def get_dispatch_layout(
     _, top_k = _checks.check_topk_idx(op, topk_idx)
     _checks.check_num_experts(op, num_experts, num_ranks, axis_name)
     _checks.check_top_k(op, top_k, num_experts)
-    run = backends.function(backend, "get_dispatch_layout", "get_dispatch_layout")
-    return run(topk_idx, num_experts=num_experts, num_ranks=num_ranks)
+    return backends.get(backend).get_dispatch_layout(topk_idx, num_experts=num_experts,
+                                                     num_ranks=num_ranks)

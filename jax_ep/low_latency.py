@@ -104,8 +104,7 @@ def low_latency_dispatch_send(
     placement = _checks.placement(op, num_sms, stream, buffer)
     rows = wire(op, use_fp8, wire_format)
     name = backends.resolve(backend)
-    send = backends.function(name, "low_latency_dispatch", "low_latency_dispatch_send",
-                             placement=placement)
+    send = partial(backends.get(name).low_latency_dispatch_send, placement=placement)
     if num_tokens == 0:  # nothing to send: the receive builds the same empty results everywhere
         data = {"no_tokens": (x, topk_idx, rows),
                 "num_invalid": jax.lax.full_like(topk_idx, 0, shape=())}
@@ -156,10 +155,9 @@ def low_latency_dispatch_recv(
     if "no_tokens" in pending.data:
         received, handle = _no_tokens(pending)
     else:
-        recv = backends.function(pending.backend, "low_latency_dispatch",
-                                 "low_latency_dispatch_recv", placement=pending.placement)
-        received, handle = recv(pending.data, num_experts=pending.num_experts,
-                                axis_name=pending.axis_name)
+        received, handle = backends.get(pending.backend).low_latency_dispatch_recv(
+            pending.data, num_experts=pending.num_experts, axis_name=pending.axis_name,
+            placement=pending.placement)
     received = as_quantized(received, pending.wire_format)
     # The combine exchanges on the dispatch's low-latency region.
     return received, dataclasses.replace(handle, buffer=pending.placement.buffer)
@@ -251,8 +249,7 @@ def low_latency_combine_send(
     checks.same_routing(op, topk_idx, handle.topk_idx, num_experts=handle.num_experts)
     placement = _checks.placement(op, num_sms, stream, handle.buffer)
     name = backends.resolve(backend)
-    send = backends.function(name, "low_latency_combine", "low_latency_combine_send",
-                             placement=placement)
+    send = partial(backends.get(name).low_latency_combine_send, placement=placement)
     return LowLatencyCombinePending(
         data=y if num_tokens == 0 else _inference_only(op, send, y, handle),
         topk_weights=topk_weights, handle=handle,
@@ -269,8 +266,8 @@ def low_latency_combine_recv(pending: LowLatencyCombinePending) -> jax.Array:
             "jax_ep.low_latency_combine_recv: pending must be the value returned by "
             f"low_latency_combine_send; got {type(pending).__name__}."
         )
-    recv = backends.function(pending.backend, "low_latency_combine", "low_latency_combine_recv",
-                             placement=pending.placement)
+    recv = partial(backends.get(pending.backend).low_latency_combine_recv,
+                   placement=pending.placement)
     if pending.handle.topk_idx.shape[0] == 0:  # no tokens: nothing comes home
         return jax.lax.full_like(pending.data, 0, shape=(0, pending.data.shape[2]))
     return _inference_only("jax_ep.low_latency_combine", recv, pending.data,

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_ep.backends import ANYWHERE, Placement
+from jax_ep.placement import ANYWHERE, Placement
 
 
 def _pytree(cls: type) -> type:
@@ -241,7 +241,7 @@ class LowLatencyHandle:
     num_experts: int = static()
     num_ranks: int = static()
     axis_name: str = static()
-    buffer: int = static(0)  # the low-latency region of the exchange (backends.Placement)
+    buffer: int = static(0)  # the low-latency region of the exchange (jax_ep.placement)
     ragged: RaggedEntries | None = None  # set by the portable backend's ragged transport
 
 

@@ -14,8 +14,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_ep import _exchange_ffi, _ffi, backends, reference, virtual
+from jax_ep import _exchange_ffi, _ffi, reference, virtual
 from jax_ep.bench.routings import make_routing
+from jax_ep.placement import Placement
 
 BACKENDS = ["cuda", "xla"]
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -311,7 +312,7 @@ def test_num_sms_bounds_the_blocks_not_the_results():
     with pytest.raises(Exception, match="num_sms must be in"):  # the handlers check it too
         _exchange_ffi.combine(x, None, np.zeros((R, R * T), np.int32), None, num_ranks=R,
                               top_k=K, expert_major=False,
-                              placement=backends.Placement(num_sms=-1))
+                              placement=Placement(num_sms=-1))
 
 
 # --- the CUDA lowering of every op, on this CPU-only jaxlib -----------------------------------

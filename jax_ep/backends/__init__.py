@@ -8,42 +8,21 @@
 A named backend never falls back to another: asking for one that cannot run raises an error
 that says why.
 
-The ops' `num_sms`, `stream` and low-latency `buffer` reach the "cuda" backend's functions as
-one `Placement`; XLA places its own collectives, so the "xla" backend takes none.
+What a backend provides is `Backend` (jax_ep/backends/interface.py): the ops call its
+functions directly (`backends.get(name).dispatch(...)`). The ops' `num_sms`, `stream` and
+low-latency `buffer` reach every function as one `Placement` (jax_ep.placement); XLA places
+its own collectives, so the "xla" backend ignores it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Callable
-from functools import partial
-from types import ModuleType
-from typing import Any
+
+from jax_ep.backends.interface import Backend
+from jax_ep.placement import ANYWHERE, Placement  # noqa: F401 (their old home)
 
 BACKENDS = ("xla", "cuda")
 ENV_VAR = "JAX_EP_BACKEND"
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """Where the "cuda" backend runs an op's kernels (static and hashable).
-
-    Attributes:
-      num_sms: the SMs each kernel launch may take; None: every SM.
-      stream: None: XLA's compute stream, in program order with the computation. N: GPU
-        stream N (`gpu_stream:N` of `jax.experimental.compute_on`), where the kernels run
-        beside the computation that does not depend on them.
-      buffer: which of the two low-latency regions of the symmetric buffer a low-latency
-        exchange uses (0 or 1); exchanges on different regions may be in flight at once.
-    """
-
-    num_sms: int | None = None
-    stream: int | None = None
-    buffer: int = 0
-
-
-ANYWHERE = Placement()  # every SM, on XLA's compute stream, low-latency region 0
 
 
 def resolve(backend: str = "auto") -> str:
@@ -62,29 +41,13 @@ def resolve(backend: str = "auto") -> str:
     return backend
 
 
-def get(backend: str = "auto") -> ModuleType:
-    """The module implementing `backend` (after resolving "auto")."""
-    name = resolve(backend)
-    if name == "cuda":
+def get(backend: str = "auto") -> Backend:
+    """The backend that `backend` stands for (after resolving "auto"): a module implementing
+    `Backend` (jax_ep/backends/interface.py), whose functions the ops call."""
+    if resolve(backend) == "cuda":
         from jax_ep.backends import cuda
 
         return cuda
     from jax_ep.backends import xla
 
     return xla
-
-
-def function(backend: str, op: str, name: str, *, placement: Placement | None = None
-             ) -> Callable[..., Any]:
-    """`name` from the module of `backend`, with `placement` bound where the backend launches
-    kernels; a clear error when that backend lacks it."""
-    module = get(backend)
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise NotImplementedError(
-            f"jax_ep.{op}: backend {module.NAME!r} does not implement {op} yet; "
-            f"pass backend='xla' (runs everywhere)."
-        )
-    if module.NAME == "cuda" and placement is not None:
-        return partial(fn, placement=placement)
-    return fn

@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 
 from jax_ep import _exchange_ffi, _ffi
-from jax_ep.backends import ANYWHERE
+from jax_ep.placement import ANYWHERE
 from jax_ep.structs import DispatchHandle, DispatchLayout, LowLatencyHandle, LowLatencyReceived
 
 NAME = "cuda"
@@ -137,14 +137,14 @@ def low_latency_dispatch_send(x, topk_idx, *, num_experts, axis_name, wire,
     return data
 
 
-def low_latency_dispatch_recv(data, *, num_experts, axis_name, placement=ANYWHERE):
+def low_latency_dispatch_recv(sent, *, num_experts, axis_name, placement=ANYWHERE):
     num_ranks = lax.axis_size(axis_name)
     recv_x, recv_scales, src_row, count = _exchange_ffi.ll_dispatch_recv(
-        data, num_ranks=num_ranks, num_experts=num_experts, axis_name=axis_name,
+        sent, num_ranks=num_ranks, num_experts=num_experts, axis_name=axis_name,
         placement=placement)
     received = LowLatencyReceived(x=recv_x[0], scales=_first(recv_scales), count=count[0],
-                                  num_invalid=data["num_invalid"])
-    handle = LowLatencyHandle(topk_idx=data["clean_idx"][0], src_row=src_row[0],
+                                  num_invalid=sent["num_invalid"])
+    handle = LowLatencyHandle(topk_idx=sent["clean_idx"][0], src_row=src_row[0],
                               num_experts=num_experts, num_ranks=num_ranks,
                               axis_name=axis_name)
     return received, handle
@@ -159,10 +159,10 @@ def low_latency_combine_send(y, handle: LowLatencyHandle, *, placement=ANYWHERE)
                                          axis_name=handle.axis_name, placement=placement)
 
 
-def low_latency_combine_recv(rows, topk_weights, handle: LowLatencyHandle, *,
+def low_latency_combine_recv(parts, topk_weights, handle: LowLatencyHandle, *,
                              placement=ANYWHERE):
-    """`rows`: the send's staging, or y itself when there is one rank."""
-    out = _exchange_ffi.ll_combine_recv(rows, _one(handle.src_row), _one(handle.topk_idx),
+    """`parts`: the send's staging, or y itself when there is one rank."""
+    out = _exchange_ffi.ll_combine_recv(parts, _one(handle.src_row), _one(handle.topk_idx),
                                         _one(topk_weights), num_ranks=handle.num_ranks,
                                         num_experts=handle.num_experts,
                                         axis_name=handle.axis_name, placement=placement)

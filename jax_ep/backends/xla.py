@@ -41,6 +41,7 @@ from jax_ep.backends._rows import (
     slot_rows,
     sum_in_order,
 )
+from jax_ep.placement import ANYWHERE, Placement
 from jax_ep.structs import (
     DispatchHandle,
     DispatchLayout,
@@ -117,6 +118,7 @@ def dispatch(
     capacity: int,
     expert_major: bool,
     transport_name: str | None = None,
+    placement: Placement = ANYWHERE,
 ) -> tuple[Received, DispatchHandle, jax.Array]:
     """Returns (received, handle, rows or entries this rank needed before the capacity cut);
     `transport_name` overrides `transport()`."""
@@ -201,7 +203,8 @@ def _reduce_entries(y: jax.Array, weights: jax.Array | None, handle: DispatchHan
     return rows.astype(y.dtype)
 
 
-def combine(y: jax.Array, weights: jax.Array | None, handle: DispatchHandle) -> jax.Array:
+def combine(y: jax.Array, weights: jax.Array | None, handle: DispatchHandle, *,
+            placement: Placement = ANYWHERE) -> jax.Array:
     """Sum each token's rows over the ranks that received it, in rank order (float32)."""
     num_ranks, num_tokens = handle.num_ranks, handle.num_tokens
     if handle.expert_major:
@@ -218,7 +221,8 @@ def combine(y: jax.Array, weights: jax.Array | None, handle: DispatchHandle) -> 
     return sum_in_order(num_ranks, lambda d: parts[d]).astype(y.dtype)
 
 
-def rows_for_receivers(values: jax.Array, handle: DispatchHandle) -> jax.Array:
+def rows_for_receivers(values: jax.Array, handle: DispatchHandle, *,
+                       placement: Placement = ANYWHERE) -> jax.Array:
     """Per-token `values` [T, ...] delivered to the rows (entries) of the dispatch: [N, ...].
 
     The data movement of dispatch, reused by the backward of combine.
@@ -234,7 +238,8 @@ def rows_for_receivers(values: jax.Array, handle: DispatchHandle) -> jax.Array:
     return gather_rows(all_values, src)
 
 
-def weights_to_sources(d_weights: jax.Array, received_idx: jax.Array, handle: DispatchHandle):
+def weights_to_sources(d_weights: jax.Array, received_idx: jax.Array, handle: DispatchHandle,
+                       *, placement: Placement = ANYWHERE):
     """Cotangent of the received topk_weights -> cotangent of the source topk_weights [T, K]."""
     num_ranks, num_tokens, top_k = handle.num_ranks, handle.num_tokens, handle.top_k
     d_weights = jnp.where(received_idx >= 0, d_weights, 0.0)
@@ -258,7 +263,7 @@ def weights_to_sources(d_weights: jax.Array, received_idx: jax.Array, handle: Di
 
 def low_latency_dispatch_send(
     x: jax.Array, topk_idx: jax.Array, *, num_experts: int, axis_name: str, wire: str,
-    transport_name: str | None = None,
+    transport_name: str | None = None, placement: Placement = ANYWHERE,
 ):
     """First half: quantize to the `wire` format (a jax_ep.quant format, or "bf16") and move
     the tokens (data rows, and their other bytes in float32 words: quant.to_rows) and routing
@@ -281,7 +286,7 @@ def low_latency_dispatch_send(
 
 
 def low_latency_dispatch_recv(
-    sent, *, num_experts: int, axis_name: str
+    sent, *, num_experts: int, axis_name: str, placement: Placement = ANYWHERE
 ) -> tuple[LowLatencyReceived, LowLatencyHandle]:
     """Second half: lay the rows out in per-expert slots [E_local, R*T, H]."""
     if "entry_pos" in sent:  # sent by the ragged transport
@@ -315,7 +320,8 @@ def low_latency_dispatch_recv(
     return received, handle
 
 
-def low_latency_combine_send(y: jax.Array, handle: LowLatencyHandle) -> jax.Array:
+def low_latency_combine_send(y: jax.Array, handle: LowLatencyHandle, *,
+                             placement: Placement = ANYWHERE) -> jax.Array:
     """First half: each rank returns, per source token and choice, its expert's output row."""
     if handle.ragged is not None:
         return ragged.low_latency_combine_send(y, handle)
@@ -326,7 +332,8 @@ def low_latency_combine_send(y: jax.Array, handle: LowLatencyHandle) -> jax.Arra
 
 
 def low_latency_combine_recv(
-    parts: jax.Array, topk_weights: jax.Array, handle: LowLatencyHandle
+    parts: jax.Array, topk_weights: jax.Array, handle: LowLatencyHandle, *,
+    placement: Placement = ANYWHERE,
 ) -> jax.Array:
     """Second half: weighted sum over the top-k choices at the home rank (float32, k order)."""
     dest = routing.dest_rank(handle.topk_idx, handle.num_experts, handle.num_ranks)

@@ -159,13 +159,14 @@ def run_case(
     error: anything else went wrong; the traceback goes to stderr and the run goes on (the
     exit status will be 1).
     """
-    from jax_ep.bench import suite, timing
+    from jax_ep.bench import suite, timing, virtual_cases
 
     row: dict[str, Any] = {"op": op, "backend": backend, "status": "ok"}
     if unavailable is not None:
         return {**row, "status": "n/a", "reason": f"backend unavailable: {unavailable}"}
     try:
-        case = suite.build_case(op, inputs, backend, virtual=virtual)
+        case = suite.build_case(op, inputs, backend,
+                                virtual_cases.CASES if virtual else None)
         t = timing.time_calls(case.fn, case.args, warmup=warmup, repeat=repeat)
     except NotImplementedError as error:
         return {**row, "status": "n/a", "reason": str(error)}

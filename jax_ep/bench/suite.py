@@ -441,27 +441,22 @@ def case_wire(op: str, inp: Inputs) -> dict[str, float] | None:
     return out
 
 
-def build_case(op: str, inp: Inputs, backend: str, virtual: bool = False) -> Case:
-    """The case of `op` on `backend`, compiled and run once (its counts checked).
-
-    With `virtual`, the case of `virtual_cases` (all ranks on one device).
+def build_case(op: str, inp: Inputs, backend: str, cases: dict | None = None) -> Case:
+    """The case of `op` on `backend`, compiled and run once (its counts checked): from CASES
+    (per shard), or from `cases` (`virtual_cases.CASES`: all ranks on one device).
 
     Raises:
       NotImplementedError: the backend cannot run the op here.
       RuntimeError: the op's counts disagree with the routing's.
     """
+    virtual = cases is not None
     exchange = backend == "cuda" and not virtual and op != "layout" and inp.setup.ranks > 1
     if exchange and jax.devices()[0].platform == "cpu":
         raise NotImplementedError(
             "on CPU the cuda backend exchanges between ranks only with virtual ranks "
             "(--virtual); between devices it needs GPUs with NVSHMEM"
         )
-    if virtual:
-        from jax_ep.bench import virtual_cases
-
-        case = virtual_cases.CASES[op](inp, backend)
-    else:
-        case = CASES[op](inp, backend)
+    case = (cases or CASES)[op](inp, backend)
     out = jax.block_until_ready(case.fn(*case.args))
     if case.check is not None:
         case.check(out)

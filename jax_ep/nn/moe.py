@@ -33,6 +33,7 @@ from jax_ep import _checks, alignment, backends, eplb, fp8
 from jax_ep.nn import router as routing
 from jax_ep.nn.router import RouterConfig
 from jax_ep.overlap import Comm, Compute
+from jax_ep.placement import Placement
 
 # Each parameter's axes in logical names; `sharding_rules` maps the names to mesh axes.
 LOGICAL_AXES = {
@@ -125,11 +126,11 @@ def _dispatch_fp8_bwd(options, residuals, cotangents):
     options = dict(options)
     backend, num_sms, stream = options["backend"], options["num_sms"], options["stream"]
     d_x = jax_ep.combine(d_rows, handle, backend=backend, num_sms=num_sms, stream=stream)
-    to_sources = backends.function(backend, "dispatch", "weights_to_sources",
-                                   placement=backends.Placement(num_sms, stream))
     d_weights = alignment.unaligned(d_received.topk_weights, handle)
     received_idx = alignment.unaligned(received_idx, handle, fill=-1)
-    return d_x, to_sources(d_weights, received_idx, handle), None
+    d_weights = backends.get(backend).weights_to_sources(
+        d_weights, received_idx, handle, placement=Placement(num_sms, stream))
+    return d_x, d_weights, None
 
 
 _dispatch_fp8.defvjp(_dispatch_fp8_fwd, _dispatch_fp8_bwd)
