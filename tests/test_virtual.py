@@ -318,7 +318,8 @@ def test_num_sms_bounds_the_blocks_not_the_results():
 # --- the CUDA lowering of every op, on this CPU-only jaxlib -----------------------------------
 
 TARGETS = ("jax_ep_dispatch", "jax_ep_combine", "jax_ep_ll_dispatch_send",
-           "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send", "jax_ep_ll_combine_recv")
+           "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send", "jax_ep_ll_combine_recv",
+           "jax_ep_dispatch_rows")
 
 
 @needs_extension
@@ -344,8 +345,11 @@ def test_lowers_for_cuda(expert_major, use_fp8):
 
     def normal(x, idx, w):
         recv, handle = virtual.dispatch(x, idx, w, num_experts=E, expert_major=expert_major)
-        return virtual.combine(recv.x, handle, topk_weights=recv.topk_weights.reshape(R, -1)
-                               if expert_major else None)
+        rows = _exchange_ffi.dispatch_rows(w, handle.recv_src,  # w along the handle
+                                           handle.entry_row if expert_major else None,
+                                           num_ranks=R, capacity=handle.capacity)
+        return rows, virtual.combine(recv.x, handle, topk_weights=recv.topk_weights.reshape(
+            R, -1) if expert_major else None)
 
     def low_latency(x, idx, w):
         recv, handle = virtual.low_latency_dispatch(x, idx, num_experts=E, use_fp8=use_fp8)
