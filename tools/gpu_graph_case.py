@@ -156,6 +156,21 @@ def recorded_in_command_buffer(dump: str) -> str | None:
     return None
 
 
+def describe_dump(dump: str) -> None:
+    """What the dump holds where the check looks, for the log of a failed check: the files,
+    and the lines of the thunk sequences that name an exchange call or a command buffer."""
+    names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(dump, "*")))
+    print(f"graph case: the dump holds {len(names)} files; thunk sequences and optimized HLO:")
+    for name in names:
+        if "thunk" in name or "after_optimizations" in name:
+            print(f"  {name}")
+    for path in sorted(glob.glob(os.path.join(dump, "*thunk_sequence*")))[:2]:
+        lines = [line for line in read(path).splitlines()
+                 if "ommand" in line or any(t in line for t in TARGETS)]
+        print(f"graph case: {os.path.basename(path)}, lines naming a command buffer or an "
+              "exchange:", *lines[:40], sep="\n  ")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--processes", type=int, default=1)
@@ -198,6 +213,7 @@ def main() -> int:
             where = recorded_in_command_buffer(os.path.join(tmp, "dump"))
             if where is None:
                 failures.append("XLA's dump shows no exchange call inside a command buffer")
+                describe_dump(os.path.join(tmp, "dump"))
             else:
                 print(f"graph case: exchanges recorded in a command buffer ({where})")
         for key, data in results["on"]["runs"].items():
