@@ -103,7 +103,7 @@ std::string local_initialize(const std::vector<int>& ordinals,
 // Frees the buffers of local_initialize. Empty string on success.
 std::string local_finalize();
 
-// What the doctor reports (jax_ep/doctor.py): the CUDA driver's version and the version of the
+// What the doctor reports (jax_ep/tools/doctor.py): the CUDA driver's version and the version of the
 // CUDA runtime built in (1000 x major + 10 x minor; 0 where the call fails, as without a
 // driver), and whether each GPU this process sees can access each other's memory
 // (cudaDeviceCanAccessPeer; row a, column b; empty without a driver).

@@ -1,5 +1,5 @@
 // What an op does, counted where its code runs on the CPU: the cross-check of the account
-// (jax_ep/account.py), which predicts the same numbers from the routing for the GPU.
+// (jax_ep/tools/account.py), which predicts the same numbers from the routing for the GPU.
 //
 // Counted: launches (phases with items, per rank's stream) and the warps of work in the
 // smallest (one per item, every rank's with virtual ranks), barriers between ranks (the

@@ -15,7 +15,7 @@ of 8 GPUs, on node n (0 or 1):
 
 Each step dispatches every rank's tokens to their experts (expert-major), applies the experts
 (a scale per expert stands in for the MLPs) and combines. The first step is checked bit for
-bit against jax_ep.reference, then the steps are timed. Without --coordinator the script runs
+bit against jax_ep.tools.reference, then the steps are timed. Without --coordinator the script runs
 in one process on CPU devices (host peers: the same ops, buffer carving and flags), a
 rehearsal on any machine, here as two nodes of 4:
 
@@ -72,7 +72,7 @@ def main() -> None:
     from jax.sharding import PartitionSpec as P
 
     import jax_ep
-    from jax_ep import reference
+    from jax_ep.tools import reference
 
     R, T, H, K = jax.device_count(), args.tokens, args.hidden, args.top_k
     E = R * args.experts_per_rank
@@ -120,7 +120,7 @@ def main() -> None:
         out = run(*inputs)
         same = all(np.asarray(s.data).tobytes() == want[s.index].tobytes()
                    for s in out.addressable_shards)
-        print(f"process {me}: first step equals jax_ep.reference bit for bit: {same}",
+        print(f"process {me}: first step equals jax_ep.tools.reference bit for bit: {same}",
               flush=True)
         if not same:
             raise SystemExit(1)

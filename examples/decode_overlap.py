@@ -161,9 +161,9 @@ def main():
     error = np.abs(np.asarray(results["overlap"], np.float64) - reference).max()
     print(f"max |overlapped - dense float64 reference| = {error:.3g} (bfloat16 output)")
     if args.profile:
-        trace = jax_ep.profile.capture(step("overlap"), *placed, log_dir=args.profile)
+        trace = jax_ep.tools.profile.capture(step("overlap"), *placed, log_dir=args.profile)
         print(f"trace: {trace.path} ({trace.labelled} labelled events); summarize it with\n"
-              f"  python -m jax_ep.trace_report {trace.path}")
+              f"  python -m jax_ep.tools.trace_report {trace.path}")
     if not same:
         parser.exit(1, f"{parser.prog}: error: the overlapped program differs from the "
                        "sequential one\n")

@@ -73,7 +73,7 @@ def main():
             if overlap and args.profile:
                 graph, state = nnx.split(layer)
                 step = jax.jit(lambda state, x: nnx.merge(graph, state)(x)[0])  # noqa: B023
-                trace = jax_ep.profile.capture(step, state, x, log_dir=args.profile)
+                trace = jax_ep.tools.profile.capture(step, state, x, log_dir=args.profile)
         times[overlap] = float(np.median(samples))
         name = "overlap" if overlap else "one batch"
         print(f"{name:>9}: median {times[overlap] * 1e3:.2f} ms over {args.repeat} calls")
@@ -90,7 +90,7 @@ def main():
           f"{same_stats}")
     if args.profile:
         print(f"trace: {trace.path}; summarize it with\n"
-              f"  python -m jax_ep.trace_report {trace.path}")
+              f"  python -m jax_ep.tools.trace_report {trace.path}")
     if difference > 1e-5 or not same_stats:
         parser.exit(1, f"{parser.prog}: error: the overlapped layer differs from the "
                        "one-batch layer\n")

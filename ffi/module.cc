@@ -173,7 +173,7 @@ NB_MODULE(_ext, m) {
         "exchange ops run on the CPU did since the last reset (launches and barriers per "
         "rank's stream, summed over ranks; bytes of row data; puts and value puts, over "
         "puts; the warps of work in the smallest launch, None without one; the calls "
-        "recorded and replayed with $JAX_EP_CPU_REPLAY). The cross-check of jax_ep.account.");
+        "recorded and replayed with $JAX_EP_CPU_REPLAY). The cross-check of jax_ep.tools.account.");
   m.def("workspace", &Workspace, nb::arg("target"), nb::arg("num_ranks"),
         nb::arg("num_tokens"), nb::arg("top_k"), nb::arg("num_experts"), nb::arg("stacked"),
         "Length of the int32 workspace result of FFI target `target` (jax_ep_dispatch or "

@@ -4,7 +4,7 @@ The DeepEP contract (layout, dispatch, combine, low-latency dispatch/combine, FP
 backward) as shard_map-friendly functions with static shapes. See docs/contract.md.
 """
 
-from jax_ep import backends, checks, eplb, fp8, overlap, profile, quant, runtime, virtual
+from jax_ep import _moved, backends, checks, eplb, fp8, overlap, quant, runtime, virtual
 from jax_ep._ffi import build_info
 from jax_ep.checks import checked
 from jax_ep.dispatch import DEFAULT_NUM_SMS, capacity_from_factor, combine, dispatch
@@ -28,14 +28,16 @@ from jax_ep.structs import (
 
 __version__ = "0.1.0"
 
-# Modules reached as attributes on first use (`jax_ep.pipeline`, `jax_ep.nn`, ...): importing
-# them here would slow `import jax_ep` (Flax) or run them twice under `python -m`.
-_ON_FIRST_USE = ("account", "bench", "doctor", "nn", "perfmodel", "pipeline", "reference",
-                 "trace_report")
+# Modules reached as attributes on first use (`jax_ep.pipeline`, `jax_ep.nn`, `jax_ep.tools`):
+# importing them here would slow `import jax_ep` (Flax) or run them twice under `python -m`.
+_ON_FIRST_USE = ("nn", "pipeline", "tools")
+
+# The tools' old homes (`jax_ep.account`, ...) still import, with a DeprecationWarning.
+_moved.install()
 
 
 def __getattr__(name: str):
-    if name in _ON_FIRST_USE:
+    if name in _ON_FIRST_USE or name in _moved.MOVED:
         import importlib
 
         return importlib.import_module(f"jax_ep.{name}")
@@ -53,14 +55,11 @@ __all__ = [
     "LowLatencyHandle",
     "LowLatencyReceived",
     "Received",
-    "account",
     "backends",
-    "bench",
     "build_info",
     "capacity_from_factor",
     "checked",
     "checks",
-    "doctor",
     "combine",
     "dispatch",
     "eplb",
@@ -76,12 +75,9 @@ __all__ = [
     "low_latency_dispatch_send",
     "nn",
     "overlap",
-    "perfmodel",
     "pipeline",
-    "profile",
     "quant",
-    "reference",
     "runtime",
-    "trace_report",
+    "tools",
     "virtual",
 ]

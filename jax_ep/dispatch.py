@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep import _checks, alignment, backends, checks, fp8, quant
+from jax_ep._scopes import scoped
 from jax_ep.placement import Placement
-from jax_ep.profile import scoped
 from jax_ep.structs import DispatchHandle, Received
 
 # SMs each normal-mode kernel launch takes by default: the budget DeepEP's normal kernels use on

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 
 from jax_ep import _checks, backends
-from jax_ep.profile import scoped
+from jax_ep._scopes import scoped
 from jax_ep.structs import DispatchLayout
 
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep import _checks, _exchange_ffi, backends, checks, fp8, overlap, quant
-from jax_ep.profile import scoped
+from jax_ep._scopes import scoped
 from jax_ep.structs import (
     LowLatencyCombinePending,
     LowLatencyDispatchPending,

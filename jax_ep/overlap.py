@@ -23,7 +23,7 @@ XLA is free to reorder independent operations, so the order is pinned with
   give it `num_sms` below the GPU's SMs so the compute keeps SMs to run on.
 
 Every step runs under `jax.named_scope("mb<i>/<stage>[.send|.recv]")`, which names its
-operations in profiles (see `jax_ep.profile`).
+operations in profiles (see `jax_ep.tools.profile`).
 """
 
 from __future__ import annotations

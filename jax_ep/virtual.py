@@ -1,7 +1,7 @@
 """Virtual ranks: all R ranks of an EP group in one call on one device.
 
 Every argument and result carries a leading rank axis `[R, ...]` (the layout of
-`jax_ep.reference`), and one call does the whole group's exchange. This is how the kernels
+`jax_ep.tools.reference`), and one call does the whole group's exchange. This is how the kernels
 are checked and timed without R GPUs: with `backend="cuda"` the same kernel bodies that run
 between GPUs run between R slices of one device's memory (on a CPU, the C++ handlers run
 those bodies in loops); with `backend="xla"` the portable implementation runs under

@@ -1,7 +1,7 @@
 """Runs a per-shard jax_ep program on R of the 8 host devices with stacked inputs.
 
 Inputs and outputs are stacked on a leading rank axis ([R, ...]), the layout of
-`jax_ep.reference`, so results compare directly with it.
+`jax_ep.tools.reference`, so results compare directly with it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 import jax_ep
-from jax_ep.bench import suite
+from jax_ep.tools.bench import suite
 
 
 @functools.cache

@@ -5,7 +5,7 @@ import numpy as np
 from harness import sharded
 
 import jax_ep
-from jax_ep.bench.routings import make_routing
+from jax_ep.tools.bench.routings import make_routing
 
 R, T, K, E, H = 8, 10, 4, 24, 128
 

@@ -1,4 +1,4 @@
-"""The account (jax_ep.account) against what the code does: the CPU handlers run the phase
+"""The account (jax_ep.tools.account) against what the code does: the CPU handlers run the phase
 bodies and op sequences the GPU runs and count their launches, barriers and bytes of row data
 (cuda/meter.h); for random routings (skewed, masked and invalid ids, empty ranks, capacity
 cuts, sizes that are not powers of two) the counts must equal the account's, exactly.
@@ -25,7 +25,8 @@ from test_host_peers import (
 from test_virtual import routing
 
 import jax_ep
-from jax_ep import _exchange_ffi, _ffi, account, fp8, runtime
+from jax_ep import _exchange_ffi, _ffi, fp8, runtime
+from jax_ep.tools import account
 
 pytestmark = pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
 
@@ -348,7 +349,7 @@ def test_puts_need_ranks_on_devices():
 
 
 def test_deepseek_table_runs():
-    """`python -m jax_ep.account`'s table: every op at DeepSeek's shapes, both placements."""
+    """`python -m jax_ep.tools.account`'s table: every op at DeepSeek's shapes, both placements."""
     for between in (False, True):
         accounts = account.deepseek_accounts(num_ranks=4, between=between, tokens=64,
                                              ll_tokens=16, hidden=256, num_experts=32)
@@ -358,7 +359,7 @@ def test_deepseek_table_runs():
 
 
 def test_the_table_shows_each_launch_s_parallelism(capsys):
-    """`python -m jax_ep.account` prints its shapes, the warps of work in each op's smallest
+    """`python -m jax_ep.tools.account` prints its shapes, the warps of work in each op's smallest
     launch against what fills an H100, and why every row that misses a target does."""
     account.main(["--ranks", "4", "--tokens", "256", "--ll-tokens", "128"])
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""The main job, python -m jax_ep.bench, runs end to end and reports every op."""
+"""The main job, python -m jax_ep.tools.bench, runs end to end and reports every op."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import jax_ep
-from jax_ep.bench import OPS
+from jax_ep.tools.bench import OPS
 
 TIME_UNITS = {"us": 1e-6, "ms": 1e-3}
 
@@ -20,13 +20,13 @@ SMALL = ["--tokens", "16", "--ll-tokens", "8", "--hidden", "128", "--experts", "
 
 
 def _run_bench(tmp_path, *extra):
-    """python -m jax_ep.bench on small shapes in a fresh process; (process, JSON record)."""
+    """python -m jax_ep.tools.bench on small shapes in a fresh process; (process, JSON record)."""
     out = tmp_path / "bench.json"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = os.pathsep.join(
         [str(Path(jax_ep.__file__).parents[1]), *filter(None, [env.get("PYTHONPATH")])]
     )
-    command = [sys.executable, "-m", "jax_ep.bench", *SMALL, *extra, "--json", str(out)]
+    command = [sys.executable, "-m", "jax_ep.tools.bench", *SMALL, *extra, "--json", str(out)]
     proc = subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path
     )
@@ -87,9 +87,9 @@ def test_bench_runs_every_op(tmp_path):
 def test_bench_explains_a_round_trip_faster_than_its_dispatch():
     """The note on ll_round_trip < ll_dispatch appears exactly for the backends where it
     happened, with the size of the receive buffer dispatch returns."""
-    from jax_ep import perfmodel
-    from jax_ep.bench import suite
-    from jax_ep.bench.__main__ import readings
+    from jax_ep.tools import perfmodel
+    from jax_ep.tools.bench import suite
+    from jax_ep.tools.bench.__main__ import readings
 
     setup = suite.Setup(ranks=8, tokens=16, ll_tokens=32, hidden=2048, top_k=8, experts=256,
                         routing="uniform", dtype="bfloat16", seed=0)
@@ -105,13 +105,13 @@ def test_bench_explains_a_round_trip_faster_than_its_dispatch():
 
 
 def test_bench_prints_the_performance_model(tmp_path):
-    """Each modelled row carries jax_ep.perfmodel's prediction for the chosen hardware."""
-    from jax_ep import perfmodel
+    """Each modelled row carries jax_ep.tools.perfmodel's prediction for the chosen hardware."""
+    from jax_ep.tools import perfmodel
 
     proc, record = _run_bench(tmp_path, "--model", "H800", "--ops", "dispatch", "ll_combine",
                               "--backends", "xla")
     assert record["model_hardware"] == "H800" and "--model H800" in record["command"]
-    assert "model: jax_ep.perfmodel's prediction for H800" in " ".join(proc.stdout.split())
+    assert "model: jax_ep.tools.perfmodel's prediction for H800" in " ".join(proc.stdout.split())
     rows = {r["op"]: r for r in record["rows"]}
     config = perfmodel.Config(num_tokens=16, hidden=128, num_topk=4, num_experts=16,
                               num_ranks=8, fp8_dispatch=True)
@@ -130,7 +130,7 @@ def test_bench_reports_wire_bytes_and_transport(tmp_path, monkeypatch):
     monkeypatch.setenv("JAX_EP_XLA_TRANSPORT", "ragged")
     proc, record = _run_bench(tmp_path, "--ops", "dispatch", "ll_combine", "--backends", "xla")
     assert "xla backend's transport: ragged" in proc.stdout
-    assert "JAX_EP_XLA_TRANSPORT=ragged python -m jax_ep.bench" in record["command"]
+    assert "JAX_EP_XLA_TRANSPORT=ragged python -m jax_ep.tools.bench" in record["command"]
     assert {r["transport"] for r in record["rows"]} == {"ragged"}
     assert "bytes sent to other ranks, per rank" in proc.stdout
     wire = record["wire_bytes_per_rank"]
@@ -148,15 +148,15 @@ def test_bench_refuses_unwritable_json_and_oversized_runs_up_front(tmp_path):
     )
 
     def run(*flags):
-        return subprocess.run([sys.executable, "-m", "jax_ep.bench", *flags], env=env,
+        return subprocess.run([sys.executable, "-m", "jax_ep.tools.bench", *flags], env=env,
                               capture_output=True, text=True, timeout=120, cwd=tmp_path)
 
     proc = run("--json", str(tmp_path / "missing" / "x.json"))
-    assert proc.returncode == 2 and "jax_ep.bench" not in proc.stdout  # nothing timed
+    assert proc.returncode == 2 and "jax_ep.tools.bench" not in proc.stdout  # nothing timed
     json_path = tmp_path / "missing" / "x.json"
-    assert f"python -m jax_ep.bench: error: --json {json_path}: the folder" in proc.stderr
+    assert f"python -m jax_ep.tools.bench: error: --json {json_path}: the folder" in proc.stderr
     proc = run("--tokens", "100000000")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "python -m jax_ep.bench: error: --ranks" in proc.stderr
+    assert "python -m jax_ep.tools.bench: error: --ranks" in proc.stderr
     assert "--tokens 100000000" in proc.stderr and "GiB" in proc.stderr
     assert "lower them" in proc.stderr

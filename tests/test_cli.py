@@ -14,10 +14,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (command, its prog, flags of a usage error, a word the error names)
 COMMANDS = [
-    (["-m", "jax_ep.bench"], "python -m jax_ep.bench", ["--repeat", "0"], "--repeat"),
-    (["-m", "jax_ep.perfmodel"], "python -m jax_ep.perfmodel", ["--ep", "0"], "num_ranks"),
-    (["-m", "jax_ep.account"], "python -m jax_ep.account", ["--ranks", "3"], "--ranks 3"),
-    (["-m", "jax_ep.trace_report"], "python -m jax_ep.trace_report", ["missing.json"],
+    (["-m", "jax_ep.tools.bench"], "python -m jax_ep.tools.bench", ["--repeat", "0"],
+     "--repeat"),
+    (["-m", "jax_ep.tools.perfmodel"], "python -m jax_ep.tools.perfmodel", ["--ep", "0"],
+     "num_ranks"),
+    (["-m", "jax_ep.tools.account"], "python -m jax_ep.tools.account", ["--ranks", "3"],
+     "--ranks 3"),
+    (["-m", "jax_ep.tools.trace_report"], "python -m jax_ep.tools.trace_report", ["missing.json"],
      "does not exist"),
     (["-m", "jax_ep.pipeline.simulate"], "python -m jax_ep.pipeline.simulate", [],
      "--table"),

@@ -1,4 +1,4 @@
-"""Normal dispatch and combine against the NumPy reference (jax_ep.reference).
+"""Normal dispatch and combine against the NumPy reference (jax_ep.tools.reference).
 
 Covers: every routing kind (uniform, hot expert, masks, empty ranks, duplicate choices),
 R in {1, 2, 4, 8}, rank-major and expert-major layouts, BF16/float32 and FP8 payloads,
@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from test_virtual import nan_padding
 
 import jax_ep
-from jax_ep import reference
-from jax_ep.bench.routings import KINDS, make_routing
+from jax_ep.tools import reference
+from jax_ep.tools.bench.routings import KINDS, make_routing
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 

@@ -1,6 +1,6 @@
 """Dispatch along a handle (`jax_ep.dispatch(x2, handle=h)`): another array of the same tokens
 into the rows of an earlier dispatch, against the NumPy reference of a dispatch of it with the
-same routing (jax_ep.reference), bit for bit; its gradient against the reference's backward
+same routing (jax_ep.tools.reference), bit for bit; its gradient against the reference's backward
 (the unweighted combine); the FP8 pair, widths and dtypes of every kind, both layouts, the
 aligned layout, capacity cuts, skewed and masked routings, and the errors that name what is
 wrong."""
@@ -18,8 +18,9 @@ from harness import sharded, to_numpy
 from test_dispatch import _assert_bitwise
 
 import jax_ep
-from jax_ep import fp8, quant, reference
-from jax_ep.bench.routings import KINDS, make_routing
+from jax_ep import fp8, quant
+from jax_ep.tools import reference
+from jax_ep.tools.bench.routings import KINDS, make_routing
 
 
 def _routing(rng, R, T, K, E, kind):

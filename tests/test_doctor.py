@@ -1,4 +1,4 @@
-"""python -m jax_ep.doctor: on this CPU machine it passes; with GPU facts faked, each check
+"""python -m jax_ep.tools.doctor: on this CPU machine it passes; with GPU facts faked, each check
 fails where it should and names its fix."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import sys
 import pytest
 
 import jax_ep
-from jax_ep import _ffi, doctor
+from jax_ep import _ffi
 from jax_ep.runtime import BufferConfig
+from jax_ep.tools import doctor
 
 BUILD = {"ffi_api_version": "0.3", "cuda": True, "cuda_arch": "sm_80,sm_90,sm_100,sm_120",
          "nvshmem_version": "3.4.5"}
@@ -126,7 +127,7 @@ def test_the_extension_reports_cuda_versions_and_peer_access():
 
 
 def test_on_this_machine_it_runs_the_cpu_checks_and_exits_0():
-    proc = subprocess.run([sys.executable, "-m", "jax_ep.doctor", "--timeout", "120"],
+    proc = subprocess.run([sys.executable, "-m", "jax_ep.tools.doctor", "--timeout", "120"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert "[skip] architectures: no GPU in this process" in proc.stdout

@@ -85,7 +85,7 @@ def test_across_nodes_rehearses_on_cpu_devices_in_nodes():
                        "2", JAX_EP_PEER_ACCESS="put", JAX_EP_RANKS_PER_NODE="3")
     assert ("6 ranks in 1 processes (cpu), peers reached with puts, nodes of 3 (node-aware "
             "dispatch)") in out, out
-    assert "first step equals jax_ep.reference bit for bit: True" in out, out
+    assert "first step equals jax_ep.tools.reference bit for bit: True" in out, out
     assert "median step" in out, out
 
 

@@ -18,7 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_ep import _ffi, reference
+from jax_ep import _ffi
+from jax_ep.tools import reference
 
 TARGET = "jax_ep_dispatch_layout"
 FIELDS = ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank", "num_invalid")
@@ -257,7 +258,7 @@ def test_lowers_for_cuda_with_attributes():
 
 
 def test_source_tree_without_a_build_uses_the_installed_extension(tmp_path):
-    """`pip install . && python -m jax_ep.bench` from the repository root imports the source
+    """`pip install . && python -m jax_ep.tools.bench` from the repository root imports the source
     tree, which has no extension: the installed one is used, so the cuda rows run."""
     import os
     import shutil

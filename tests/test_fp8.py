@@ -7,7 +7,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_ep import fp8, reference
+from jax_ep import fp8
+from jax_ep.tools import reference
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])

@@ -1,5 +1,5 @@
 """A differential fuzz of the ops against a NumPy model of docs/contract.md written here (not
-jax_ep.reference): random shapes (T and H not powers of two), routings with masked, invalid
+jax_ep.tools.reference): random shapes (T and H not powers of two), routings with masked, invalid
 and repeated choices, a hot expert and ranks nobody picks, capacities that cut, both layouts,
 row weights, the FP8 pair and the low-latency ops, through whatever path the run takes
 ($JAX_EP_BACKEND, $JAX_EP_XLA_TRANSPORT, $JAX_EP_TEST_MESH, host peers over stores, puts or

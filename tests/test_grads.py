@@ -15,8 +15,8 @@ from harness import mesh, sharded, to_numpy
 from jax.test_util import check_grads
 
 import jax_ep
-from jax_ep import reference
-from jax_ep.bench.routings import make_routing
+from jax_ep.tools import reference
+from jax_ep.tools.bench.routings import make_routing
 
 
 def _routing(rng, num_ranks, kind="masked", num_tokens=7, top_k=3, experts_per_rank=2):

@@ -24,7 +24,8 @@ from test_cuda_backend import gradient_program
 from test_virtual import assert_bitwise, routing
 
 import jax_ep
-from jax_ep import _ffi, reference, runtime
+from jax_ep import _ffi, runtime
+from jax_ep.tools import reference
 
 pytestmark = pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
 RANKS = [2, 3, 4, 8]

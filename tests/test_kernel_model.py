@@ -1,4 +1,4 @@
-"""The model of our kernels' device time (jax_ep.kernel_model, `perfmodel --ours`)."""
+"""The model of our kernels' device time (jax_ep.tools.kernel_model, `perfmodel --ours`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jax_ep import account, kernel_model, perfmodel
+from jax_ep.tools import account, kernel_model, perfmodel
 
 PROFILE_JSON = Path(__file__).parent.parent / kernel_model.PROFILE.replace(".md", ".json")
 

@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_ep
-from jax_ep import backends, reference
-from jax_ep.bench.routings import KINDS, make_routing
+from jax_ep import backends
+from jax_ep.tools import reference
+from jax_ep.tools.bench.routings import KINDS, make_routing
 
 FIELDS = ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank", "num_invalid")
 

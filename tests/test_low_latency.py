@@ -14,8 +14,8 @@ from test_dispatch import _assert_bitwise
 from test_virtual import nan_padding
 
 import jax_ep
-from jax_ep import reference
-from jax_ep.bench.routings import KINDS, make_routing
+from jax_ep.tools import reference
+from jax_ep.tools.bench.routings import KINDS, make_routing
 
 
 def _case(rng, num_ranks, kind, num_tokens=11, top_k=4, experts_per_rank=3, hidden=256):

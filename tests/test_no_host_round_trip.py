@@ -15,8 +15,8 @@ from flax import nnx
 from harness import checked, compiled_text
 
 import jax_ep
-from jax_ep.bench.routings import make_routing
 from jax_ep.nn import MoE, RouterConfig
+from jax_ep.tools.bench.routings import make_routing
 
 R, T, K, E, H = 4, 6, 3, 8, 128
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute",

@@ -1,4 +1,4 @@
-"""jax_ep.overlap (two-micro-batch schedules) and jax_ep.profile (labelled traces)."""
+"""jax_ep.overlap (two-micro-batch schedules) and jax_ep.tools.profile (labelled traces)."""
 
 import gzip
 import json
@@ -12,9 +12,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import overlap, profile
+from jax_ep import overlap
 from jax_ep.nn import MoE, RouterConfig
 from jax_ep.overlap import Comm, Compute
+from jax_ep.tools import profile
 
 identity = lambda c: c  # noqa: E731
 

@@ -1,4 +1,4 @@
-"""The performance model (jax_ep.perfmodel): expected traffic against exhaustive enumeration,
+"""The performance model (jax_ep.tools.perfmodel): expected traffic against exhaustive enumeration,
 a closed form and sampled routings; byte counts per link against a NumPy count on random
 routings; the time formulas by hand; monotonicity; DeepEP's published rows; bad input."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jax_ep import perfmodel as pm
+from jax_ep.tools import perfmodel as pm
 
 # ---------------------------------------------------------------------------------------------
 # Independent reference: DeepEP's benchmark routing, sampled or enumerated with NumPy.

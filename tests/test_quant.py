@@ -254,7 +254,7 @@ def test_wire_bytes_are_what_dispatch_moves(format):
 
 
 def test_the_account_shows_each_format_s_wire(capsys):
-    from jax_ep import account
+    from jax_ep.tools import account
 
     account.main(["--ranks", "4", "--tokens", "256", "--ll-tokens", "16"])
     out = capsys.readouterr().out

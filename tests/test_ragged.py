@@ -23,8 +23,8 @@ from test_dispatch import _assert_bitwise
 
 import jax_ep
 from jax_ep.backends import ragged, xla
-from jax_ep.bench import suite, wire
-from jax_ep.bench.routings import make_routing
+from jax_ep.tools.bench import suite, wire
+from jax_ep.tools.bench.routings import make_routing
 
 
 def _placements(rng, sizes, length):
@@ -132,7 +132,7 @@ def test_transports_agree_bitwise(monkeypatch, num_ranks, num_tokens, top_k, num
 
 def test_ragged_moves_exactly_the_routed_rows(monkeypatch):
     """The rows each rank sends (the exchange's sizes) are the routing's (token, rank)
-    pairs, the count jax_ep.bench.wire reports; self-sends are local copies."""
+    pairs, the count jax_ep.tools.bench.wire reports; self-sends are local copies."""
     monkeypatch.setenv(xla.TRANSPORT_ENV_VAR, "ragged")
     rng = np.random.default_rng()
     num_ranks, num_tokens, top_k, num_experts = 4, 45, 5, 20

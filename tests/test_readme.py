@@ -1,5 +1,6 @@
 """The README's Python code blocks run as pasted, each in a fresh interpreter with nothing
-set beforehand (no XLA_FLAGS), as on a new user's CPU-only machine."""
+set beforehand (no XLA_FLAGS), as on a new user's CPU-only machine; the names the README and
+docs/design.md give resolve."""
 
 from __future__ import annotations
 
@@ -31,16 +32,31 @@ def test_readme_block_runs_as_pasted(index, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def test_every_dotted_name_in_the_readme_is_an_attribute():
-    """`jax_ep.pipeline`, `jax_ep.nn.linen.MoE`, ...: each name the README writes resolves
-    from `import jax_ep` alone, attribute by attribute."""
+def dotted_names(doc: str) -> set[str]:
+    with open(os.path.join(ROOT, doc)) as f:
+        return set(re.findall(r"\b(jax_ep(?:\.[A-Za-z_]\w*)+)", f.read()))
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/design.md"])
+@pytest.mark.filterwarnings("ignore:.*moved to jax_ep.tools:DeprecationWarning")  # old names
+def test_every_dotted_name_in_the_doc_is_an_attribute(doc):
+    """`jax_ep.pipeline`, `jax_ep.nn.linen.MoE`, ...: each name the doc writes resolves from
+    `import jax_ep` alone, attribute by attribute."""
     import jax_ep
 
-    with open(os.path.join(ROOT, "README.md")) as f:
-        names = set(re.findall(r"\b(jax_ep(?:\.[A-Za-z_]\w*)+)", f.read()))
-    assert {"jax_ep.pipeline", "jax_ep.nn.linen.MoE"} <= names
+    names = dotted_names(doc)
+    assert {"jax_ep.pipeline", "jax_ep.tools.account"} <= names
     for name in sorted(names):
         obj = jax_ep
         for part in name.split(".")[1:]:
             assert hasattr(obj, part), f"{name}: no attribute {part!r}"
             obj = getattr(obj, part)
+
+
+def test_every_path_in_the_design_exists():
+    """docs/design.md's module map and call path name files by their path from the root."""
+    with open(os.path.join(ROOT, "docs", "design.md")) as f:
+        paths = set(re.findall(r"`((?:jax_ep|cuda|ffi|tools|tests|examples)/[\w./-]+)`", f.read()))
+    assert "jax_ep/backends/interface.py" in paths and len(paths) > 40
+    missing = sorted(p for p in paths if not os.path.exists(os.path.join(ROOT, p)))
+    assert not missing, missing

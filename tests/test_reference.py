@@ -1,4 +1,4 @@
-"""Checks of the NumPy reference (jax_ep.reference) against hand-computed cases.
+"""Checks of the NumPy reference (jax_ep.tools.reference) against hand-computed cases.
 
 Expected values are written out as literals, worked by hand from docs/contract.md. Random
 inputs only enter identities that hold exactly (adjoint identities on integer-valued data).
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 try:
-    from jax_ep import reference as ref
+    from jax_ep.tools import reference as ref
 except ImportError:  # the package is not importable: load the module from its file
     _path = pathlib.Path(__file__).resolve().parents[1] / "jax_ep" / "reference.py"
     _spec = importlib.util.spec_from_file_location("jax_ep_reference", _path)

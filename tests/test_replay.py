@@ -31,7 +31,8 @@ from test_host_peers import (  # noqa: F401 (host_peers: the fixture)
 from test_virtual import routing
 
 import jax_ep
-from jax_ep import _ffi, reference
+from jax_ep import _ffi
+from jax_ep.tools import reference
 
 pytestmark = pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
 RUNS = 6

@@ -296,7 +296,8 @@ def _with_a_nan(rng, shape, H):
 def test_fp8_quantize_a_block_with_a_nan_is_nan(H):
     """docs/contract.md ("FP8"): a NaN makes its block's scale NaN and every value of the
     block NaN, at every H; the other blocks are as without it."""
-    from jax_ep import fp8, reference
+    from jax_ep import fp8
+    from jax_ep.tools import reference
 
     rng = np.random.default_rng()
     x = _with_a_nan(rng, (3,), H)

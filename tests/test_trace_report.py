@@ -1,4 +1,4 @@
-"""jax_ep.trace_report on synthetic traces with hand-computed answers, and on real ones.
+"""jax_ep.tools.trace_report on synthetic traces with hand-computed answers, and on real ones.
 
 Covers: interval algebra against a brute-force grid; PyTorch-style traces (busy time per
 stream, overlap, SMs, phases through correlation ids, flow events and the autograd-thread
@@ -21,8 +21,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_ep import profile, trace_report
-from jax_ep.trace_report import Classifier
+from jax_ep.tools import profile, trace_report
+from jax_ep.tools.trace_report import Classifier
 
 TRAIN_JSON = Path(__file__).resolve().parents[2] / "shared/data/profile-data/train.json"
 T0 = 1_000_000.0  # the traces' clock starts anywhere; offsets below are from here
@@ -398,7 +398,7 @@ def test_cli_writes_report_png_and_json(tmp_path, capsys):
 def test_cli_errors(tmp_path, capsys):
     assert trace_report.main([str(tmp_path / "missing.json")]) == 2
     err = capsys.readouterr().err
-    assert "python -m jax_ep.trace_report: error:" in err and "does not exist" in err
+    assert "python -m jax_ep.tools.trace_report: error:" in err and "does not exist" in err
     no_kernels = tmp_path / "cpu_only.json"
     no_kernels.write_text(json.dumps({"traceEvents": [annotation("step", 0, 10),
                                                       launch(1, 2)]}))

@@ -14,9 +14,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_ep import _exchange_ffi, _ffi, reference, virtual
-from jax_ep.bench.routings import make_routing
+from jax_ep import _exchange_ffi, _ffi, virtual
 from jax_ep.placement import Placement
+from jax_ep.tools import reference
+from jax_ep.tools.bench.routings import make_routing
 
 BACKENDS = ["cuda", "xla"]
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}

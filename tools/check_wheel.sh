@@ -27,6 +27,6 @@ assert info["cuda"], info
 assert jax_ep._ffi.architectures(info) == want, (info, want)
 print("check_wheel: build_info", info)
 PY
-  python -m jax_ep.doctor
+  python -m jax_ep.tools.doctor
 '
 echo "check_wheel: ok ($(du -h "$wheel" | cut -f1) $(basename "$wheel"))"

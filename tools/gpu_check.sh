@@ -125,7 +125,7 @@ sanitize() {
 }
 
 bench() {
-  python3 -m jax_ep.bench --fp8 --backends cuda xla --require cuda "$@"
+  python3 -m jax_ep.tools.bench --fp8 --backends cuda xla --require cuda "$@"
 }
 
 export -f environment build installed sanitize bench

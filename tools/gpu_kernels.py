@@ -1,7 +1,7 @@
 """Every kernel case on the GPU, in one process: `python3 tools/gpu_kernels.py [--json PATH]`.
 
 Runs the cases of tests/gpu/test_gpu_kernels.py (tests/test_virtual.py's checks with
-backend="cuda": the kernels against jax_ep.reference, bit for bit) one after another in this
+backend="cuda": the kernels against jax_ep.tools.reference, bit for bit) one after another in this
 process, printing one line per case with the seed that reproduces it. A case that fails is run
 again in a subprocess of its own (tests/gpu/gpu_case.py), so that a kernel fault that poisons
 this process's CUDA context is told apart from a wrong result. Exits non-zero when no GPU is

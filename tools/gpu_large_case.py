@@ -26,8 +26,9 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jax_ep import reference, virtual
-from jax_ep.bench.routings import make_routing
+from jax_ep import virtual
+from jax_ep.tools import reference
+from jax_ep.tools.bench.routings import make_routing
 
 R, T, H, K, E, LL_T = 8, 4096, 7168, 8, 256, 128
 

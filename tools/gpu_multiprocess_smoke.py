@@ -10,7 +10,7 @@ $JAX_EP_RANKS_PER_NODE, node-aware: stores within each simulated node; --channel
 $JAX_EP_CHANNELS: the rings the rank-major dispatch and combine stream through, or off), runs
 dispatch and combine (both layouts) and the low-latency round trip with backend="cuda" inside
 shard_map over a (data D, ep N/D) mesh of the N processes (D = 1: the EP axis alone; D > 1: D
-EP groups, each with its own inputs), and compares its shard with jax_ep.reference of its
+EP groups, each with its own inputs), and compares its shard with jax_ep.tools.reference of its
 group bit for bit. Several processes on one GPU run NVSHMEM's "limited MPG" mode: functional
 only (no NVLink, slow time-sliced waits); timings mean nothing here. With --local the same
 check runs in this one process over every device it sees: several GPUs through CUDA peer
@@ -31,7 +31,7 @@ T, K, E, H, TL = 12, 3, 8, 256, 4
 
 def check(data: int) -> str:
     """Every exchange on a (data, ep) mesh of every device, each shard this process holds
-    against jax_ep.reference of its EP group, bit for bit; returns how the ranks met."""
+    against jax_ep.tools.reference of its EP group, bit for bit; returns how the ranks met."""
     import jax
     import ml_dtypes
     import numpy as np
@@ -39,7 +39,7 @@ def check(data: int) -> str:
     from jax.sharding import PartitionSpec as P
 
     import jax_ep
-    from jax_ep import reference
+    from jax_ep.tools import reference
 
     D, R = data, jax.device_count() // data  # data groups, EP ranks per group
     jax_ep.initialize(jax_ep.BufferConfig(num_tokens=T, hidden=H, top_k=K, num_experts=E,

@@ -24,8 +24,8 @@ from harness import mesh, sharded, to_numpy  # noqa: E402
 from test_dispatch import _assert_bitwise  # noqa: E402
 
 from jax_ep.backends import xla  # noqa: E402
-from jax_ep.bench import suite  # noqa: E402
-from jax_ep.bench.routings import make_routing  # noqa: E402
+from jax_ep.tools.bench import suite  # noqa: E402
+from jax_ep.tools.bench.routings import make_routing  # noqa: E402
 
 # (T, K, E, kind, capacity, expert_major, FP8)
 CASES = [(37, 3, 12, "hot_expert", None, False, False), (37, 3, 12, "duplicates", 20, True, False),

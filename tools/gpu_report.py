@@ -117,9 +117,9 @@ def markdown(report: dict) -> str:
             out += [f"| {r['ms_per_call']:.3f} | {r['launches_per_call']:g} | "
                     f"`{r['kernel'][:100]}` |" for r in rows[:12]]
         if large.get("kernels"):
-            from jax_ep import kernel_model  # the report needs jax_ep only for this table
+            from jax_ep.tools import kernel_model  # the report needs jax_ep only for this table
 
-            out += ["", "What `python -m jax_ep.perfmodel --ours` predicted for these ops at "
+            out += ["", "What `python -m jax_ep.tools.perfmodel --ours` predicted for these ops at "
                         "these shapes (per op and call; compare with the kernels above):", "",
                     kernel_model.predictions()]
     for tool in SANITIZERS:

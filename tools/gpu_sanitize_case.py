@@ -1,7 +1,7 @@
 """Small cases of every exchange kernel with virtual ranks, for compute-sanitizer.
 
 Run: compute-sanitizer --tool memcheck --target-processes all python tools/gpu_sanitize_case.py
-Each op runs once on tiny shapes (R = 2 and 3) and is checked against jax_ep.reference. The
+Each op runs once on tiny shapes (R = 2 and 3) and is checked against jax_ep.tools.reference. The
 split low-latency ops run as one jitted program, as a step runs them: called one by one, XLA
 copies the send's half-written buffers into the receive's outputs, which initcheck reports as
 reads of uninitialized memory.
@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import test_virtual as tv  # noqa: E402
 
-from jax_ep import reference, virtual  # noqa: E402
+from jax_ep import virtual  # noqa: E402
+from jax_ep.tools import reference  # noqa: E402
 
 SMALL = [(2, 5, 2, 4, 16, "duplicates"), (3, 4, 3, 6, 8, "masked")]
 SMALL_LL = [(2, 3, 2, 4, 128, "duplicates"), (3, 2, 3, 6, 128, "masked")]

@@ -3,7 +3,7 @@
 Every function runs per shard inside `shard_map` over `axis_name` (the handles carry theirs).
 `placement` says where the "cuda" backend runs its kernels (jax_ep.placement); the "xla"
 backend leaves placement to XLA and ignores it. The backends are modules (jax_ep.backends.xla,
-jax_ep.backends.cuda) that implement this protocol; tests/test_backends.py checks each against
+jax_ep.backends.cuda) that implement this protocol; tests/test_package.py checks each against
 it, and a type checker accepts them where a `Backend` is expected.
 """
 

@@ -1,6 +1,6 @@
 """One GPU test case, run in its own process: `python gpu_case.py TEST_NAME JSON_KWARGS`.
 
-Runs a test function of tests/test_virtual.py (the kernels against jax_ep.reference, bit for
+Runs a test function of tests/test_virtual.py (the kernels against jax_ep.tools.reference, bit for
 bit) on the GPU with the cuda backend. Its own process, so that a hung or trapping kernel
 fails this case only; exits non-zero on any failure.
 """

@@ -1,8 +1,8 @@
 """Communication and compute in a profiler trace: busy time, overlap, SMs, phases.
 
-`python -m jax_ep.trace_report TRACE [--png OUT] [--json OUT] ...` reads a Chrome trace
+`python -m jax_ep.tools.trace_report TRACE [--png OUT] [--json OUT] ...` reads a Chrome trace
 (JSON, optionally gzipped, or a directory holding one) written by the PyTorch profiler or by
-`jax.profiler` (raw, or labelled by `jax_ep.profile.capture`) and prints, for one device:
+`jax.profiler` (raw, or labelled by `jax_ep.tools.profile.capture`) and prints, for one device:
 
 - per-stream busy time in the analysis window (by default from the first kernel's start to
   the last kernel's end),
@@ -450,7 +450,7 @@ def _num_sms(trace: dict[str, Any], device: int) -> int | None:
 class _PhaseFinder:
     """The phase of a device event and a key naming its occurrence.
 
-    In order: the event's own named scope (`args.scope` from `jax_ep.profile`, or `tf_op`);
+    In order: the event's own named scope (`args.scope` from `jax_ep.tools.profile`, or `tf_op`);
     a GPU-side annotation around it; the innermost CPU annotation open at its launch, found
     through the correlation id or the flow event that links launch and kernel.
     """
@@ -1129,7 +1129,7 @@ def _lanes(occurrences: Sequence[Occurrence]) -> list[int]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m jax_ep.trace_report",
+        prog="python -m jax_ep.tools.trace_report",
         description="Communication vs compute in a Chrome trace (PyTorch profiler or "
                     "jax.profiler): per-stream busy time, overlap, SMs of communication "
                     "kernels, phases.")

@@ -1,4 +1,4 @@
-"""`python -m jax_ep.doctor`: whether this machine can run jax_ep, each check with its fix.
+"""`python -m jax_ep.tools.doctor`: whether this machine can run jax_ep, each check with its fix.
 
 It gathers the facts (JAX and its CUDA plugin, the extension's build, NVSHMEM's host library
 against the device library built in, the devices and their compute capabilities, the CUDA
@@ -318,7 +318,7 @@ def self_test(timeout_s: float) -> list[Check]:
         return [Check("self-test", FAIL, f"did not finish within {timeout_s:g} s",
                       "a hang here is a bug: report it with the doctor's output")]
     return result or [Check("self-test", FAIL, "raised before it finished",
-                            "run it again with python -X faulthandler -m jax_ep.doctor")]
+                            "run it again with python -X faulthandler -m jax_ep.tools.doctor")]
 
 
 def report(checks: Sequence[Check]) -> str:
@@ -335,7 +335,7 @@ def report(checks: Sequence[Check]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m jax_ep.doctor", description=__doc__.split("\n\n")[0],
+        prog="python -m jax_ep.tools.doctor", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096,
                         help="BufferConfig.num_tokens for the memory check")

@@ -20,9 +20,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import jax_ep
-from jax_ep import account
-from jax_ep.bench import OPS, wire
-from jax_ep.bench.routings import KINDS, make_routing
+from jax_ep.tools import account
+from jax_ep.tools.bench import OPS, wire
+from jax_ep.tools.bench.routings import KINDS, make_routing
 
 AXIS = "ep"
 BLOCK = 128  # channels per FP8 scale
@@ -384,7 +384,7 @@ assert tuple(CASES) == OPS
 
 
 def case_account(op: str, inp: Inputs, virtual: bool) -> Any:
-    """What the cuda backend's kernels do for `op` on these inputs (a jax_ep.account.Account:
+    """What the cuda backend's kernels do for `op` on these inputs (a jax_ep.tools.account.Account:
     launches, barriers, bytes of row data against the minimum), or None for the layout."""
     s = inp.setup
     between = not virtual and s.ranks > 1
@@ -414,7 +414,7 @@ def case_account(op: str, inp: Inputs, virtual: bool) -> Any:
 
 
 def case_wire(op: str, inp: Inputs) -> dict[str, float] | None:
-    """Bytes a rank sends over the wire for `op` (jax_ep.bench.wire): the routed "minimum"
+    """Bytes a rank sends over the wire for `op` (jax_ep.tools.bench.wire): the routed "minimum"
     and each transport's, or None for the layout (purely local)."""
     s = inp.setup
     if op == "layout":

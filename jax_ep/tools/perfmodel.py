@@ -12,7 +12,7 @@ jax_ep's node-aware scheme today, whose legs run one after another; `internode_t
 them beside DeepEP's internode rows.
 
 The H800 constants were fit once to DeepEP's published tables; `calibration_table()` compares
-every published row with the model, and `python -m jax_ep.perfmodel --table` prints it
+every published row with the model, and `python -m jax_ep.tools.perfmodel --table` prints it
 (docs/perfmodel.md explains the model, the constants and its limits).
 """
 
@@ -803,13 +803,13 @@ def internode_markdown(rows: Sequence[InternodeRow]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """`python -m jax_ep.perfmodel`: one prediction, or --table for the comparison."""
-    parser = argparse.ArgumentParser(prog="python -m jax_ep.perfmodel", description=__doc__)
+    """`python -m jax_ep.tools.perfmodel`: one prediction, or --table for the comparison."""
+    parser = argparse.ArgumentParser(prog="python -m jax_ep.tools.perfmodel", description=__doc__)
     parser.add_argument("--table", action="store_true",
                         help="print the DeepEP comparison and the internode schemes' table")
     parser.add_argument("--ours", action="store_true",
                         help="print our kernels' predicted H100 device times, calibrated on "
-                        "their one profile (jax_ep.kernel_model)")
+                        "their one profile (jax_ep.tools.kernel_model)")
     parser.add_argument("--hardware", choices=sorted(PRESETS), default="H800")
     parser.add_argument("--mode", choices=(*MODES, "both"), default="both")
     parser.add_argument("--ep", type=int, default=8, help="EP ranks")
@@ -824,7 +824,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="how normal mode crosses nodes (default: node_aware, DeepEP's)")
     args = parser.parse_args(argv)
     if args.ours:
-        from jax_ep import kernel_model  # the account: NumPy only, but not needed otherwise
+        from jax_ep.tools import kernel_model  # the account: NumPy only, but not needed otherwise
 
         print(kernel_model.report())
         return

@@ -35,7 +35,7 @@ of cuda/dispatch_stream.h and cuda/combine_stream.h). The same code runs on the
 CPU, where it counts what it does (cuda/meter.h, `jax_ep._ext.meter`); tests/test_account.py
 checks that the two agree on random routings, so the account describes the code as it is.
 
-Run `python -m jax_ep.account` for the account at DeepSeek's shapes (docs/cuda.md).
+Run `python -m jax_ep.tools.account` for the account at DeepSeek's shapes (docs/cuda.md).
 """
 
 from __future__ import annotations
@@ -837,7 +837,7 @@ def expected(accounts: Sequence[Account], puts: bool = False) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m jax_ep.account",
+        prog="python -m jax_ep.tools.account",
         description="The cuda backend's account (launches, barriers, bytes of row data, the "
         "warps of work in each op's smallest launch, over puts the messages, and the symmetric "
         "buffer per rank) at DeepSeek's shapes, uniform routing: "

@@ -1,4 +1,4 @@
-"""python -m jax_ep.bench: every op on every available backend, side by side, in one run.
+"""python -m jax_ep.tools.bench: every op on every available backend, side by side, in one run.
 
 On a CPU-only machine it runs on 8 virtual devices, with DeepEP's setups scaled down so that
 the default run takes well under two minutes on 2 cores; on a GPU machine it uses the GPUs and
@@ -22,8 +22,8 @@ import time
 import traceback
 from typing import Any
 
-from jax_ep.bench import FP8_VARIANTS, OPS
-from jax_ep.bench.routings import KINDS
+from jax_ep.tools.bench import FP8_VARIANTS, OPS
+from jax_ep.tools.bench.routings import KINDS
 
 CPU_DEFAULTS = {"ranks": 8, "tokens": 512, "ll_tokens": 32, "hidden": 2048, "repeat": 10}
 GPU_DEFAULTS = {"tokens": 4096, "ll_tokens": 128, "hidden": 7168, "repeat": 50}
@@ -32,13 +32,13 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 class UsageError(Exception):
     """Flags that describe a run the ops would reject: reported as argparse reports its own
-    errors (`python -m jax_ep.bench: error: ...`, exit status 2)."""
+    errors (`python -m jax_ep.tools.bench: error: ...`, exit status 2)."""
 
 
 def make_parser() -> argparse.ArgumentParser:
     """The command line; the size flags left unset take the platform's defaults later."""
     p = argparse.ArgumentParser(
-        prog="python -m jax_ep.bench",
+        prog="python -m jax_ep.tools.bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -85,7 +85,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--model",
         default="auto",
         choices=("auto", "H800", "H100", "H200"),
-        help="hardware of the performance model's column (jax_ep.perfmodel). auto: this "
+        help="hardware of the performance model's column (jax_ep.tools.perfmodel). auto: this "
         "machine's copy bandwidth when one memory holds every rank (CPU devices, --virtual), "
         "else the GPU's preset",
     )
@@ -114,7 +114,7 @@ def rerun_command(args: argparse.Namespace, settings: dict[str, Any]) -> str:
     environment variables that choose a backend's path)."""
     words = [f"{name}={os.environ[name]}" for name in ("JAX_EP_BACKEND", "JAX_EP_XLA_TRANSPORT")
              if os.environ.get(name)]
-    words += ["python", "-m", "jax_ep.bench"]
+    words += ["python", "-m", "jax_ep.tools.bench"]
     for name, value in settings.items():
         words += [f"--{name.replace('_', '-')}", str(value)]
     # Left at their defaults, these select the same ops and backends again.
@@ -159,7 +159,7 @@ def run_case(
     error: anything else went wrong; the traceback goes to stderr and the run goes on (the
     exit status will be 1).
     """
-    from jax_ep.bench import suite, timing, virtual_cases
+    from jax_ep.tools.bench import suite, timing, virtual_cases
 
     row: dict[str, Any] = {"op": op, "backend": backend, "status": "ok"}
     if unavailable is not None:
@@ -190,7 +190,7 @@ def run_case(
     return out
 
 
-# Which prediction of jax_ep.perfmodel each op is: (mode, FP8 dispatch, parts).
+# Which prediction of jax_ep.tools.perfmodel each op is: (mode, FP8 dispatch, parts).
 MODELLED = {
     "dispatch": ("normal", False, ("dispatch",)),
     "dispatch_fp8": ("normal", True, ("dispatch",)),
@@ -205,7 +205,7 @@ MODELLED = {
 
 def model_hardware(choice: str, shared: bool, device_kind: str, bandwidth: float) -> Any:
     """The perfmodel hardware of the "model" column (see --model)."""
-    from jax_ep import perfmodel
+    from jax_ep.tools import perfmodel
 
     if choice != "auto":
         return perfmodel.PRESETS[choice]
@@ -216,9 +216,9 @@ def model_hardware(choice: str, shared: bool, device_kind: str, bandwidth: float
 
 
 def add_predictions(rows: list[dict[str, Any]], setup: Any, hardware: Any) -> None:
-    """Adds model_s, jax_ep.perfmodel's time for the row's op at this run's sizes (uniform
+    """Adds model_s, jax_ep.tools.perfmodel's time for the row's op at this run's sizes (uniform
     routing assumed), to every row whose op the model covers."""
-    from jax_ep import perfmodel
+    from jax_ep.tools import perfmodel
 
     itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[setup.dtype]
     for r in rows:
@@ -283,7 +283,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 def print_wire(wire: dict[str, dict[str, float]]) -> None:
     """Bytes each rank sends to the others per op: the routed minimum, then each transport's
     bytes and their ratio to the minimum."""
-    from jax_ep.bench.wire import TRANSPORTS
+    from jax_ep.tools.bench.wire import TRANSPORTS
 
     header = f"{'op':<17} {'minimum':>11}" + "".join(
         f" {name:>11} {'x min':>6}" for name in TRANSPORTS)
@@ -314,14 +314,14 @@ def footnote(bandwidth: float, shared: bool, backends: list[str], on_cpu: bool,
         f"({bandwidth / 1e9:.1f} GB/s counting read + write; {scope}); of floor = floor / time "
         f"(1.0 = at the floor).",
         "vs xla: time / the xla backend's time for the same op (below 1 = faster than xla).",
-        f"model: jax_ep.perfmodel's prediction for {hardware.name} (uniform routing; "
+        f"model: jax_ep.tools.perfmodel's prediction for {hardware.name} (uniform routing; "
         "docs/perfmodel.md; --model picks the hardware).",
-        "launches, barriers, moved/min (cuda rows): jax_ep.account's count of what the "
+        "launches, barriers, moved/min (cuda rows): jax_ep.tools.account's count of what the "
         "kernels do, per rank's stream: kernel launches, barriers between "
         "ranks, and bytes of row data read + written over the bytes that must move (targets: "
         "dispatch <= 3 launches, combine <= 2, low latency <= 2 per half; moved/min <= 1.15). "
         "Checked against the CPU handlers' own counts in tests/test_account.py.",
-        "bytes sent to other ranks (jax_ep.bench.wire, from the routing): the routed minimum "
+        "bytes sent to other ranks (jax_ep.tools.bench.wire, from the routing): the routed minimum "
         "(normal mode and low-latency dispatch: one row per token and other rank it goes to; "
         "low-latency combine: one row per token and distinct expert on another rank), and "
         "what each transport sends: the xla backend's all_gather (every token to every rank) "
@@ -340,7 +340,7 @@ def footnote(bandwidth: float, shared: bool, backends: list[str], on_cpu: bool,
 def readings(rows: list[dict[str, Any]], setup: Any, hardware: Any, on_cpu: bool,
              virtual: bool) -> list[str]:
     """Paragraphs on numbers that look wrong at first sight, printed where they occur."""
-    from jax_ep import perfmodel
+    from jax_ep.tools import perfmodel
 
     notes = []
     median = {(r["op"], r["backend"]): r["time"]["median"] for r in rows if r["status"] == "ok"}
@@ -391,7 +391,7 @@ def make_setup(args: argparse.Namespace, num_devices: int, on_cpu: bool) -> tupl
 
     Raises UsageError when the flags describe a run the ops would reject.
     """
-    from jax_ep.bench import suite
+    from jax_ep.tools.bench import suite
 
     defaults = CPU_DEFAULTS if on_cpu else GPU_DEFAULTS
 
@@ -486,7 +486,7 @@ def run(args: argparse.Namespace) -> int:
     import jax
 
     import jax_ep
-    from jax_ep.bench import suite, timing
+    from jax_ep.tools.bench import suite, timing
 
     devices = jax.devices()
     platform = devices[0].platform
@@ -508,7 +508,7 @@ def run(args: argparse.Namespace) -> int:
         device += f" (virtual devices on {os.cpu_count()} cores)"
 
     started = time.perf_counter()
-    print(f"jax_ep.bench on {device}: measuring the copy bandwidth ...", file=sys.stderr)
+    print(f"jax_ep.tools.bench on {device}: measuring the copy bandwidth ...", file=sys.stderr)
     bandwidth = timing.copy_bandwidth(devices[0])
     inputs = suite.make_inputs(setup, None if args.virtual else suite.make_mesh(setup.ranks))
     # A backend that cannot run at all (no compiled extension) is skipped with a note.
@@ -590,7 +590,7 @@ def run(args: argparse.Namespace) -> int:
                if r["backend"] in args.require and r["status"] != "ok"]
     missing += [f"backend {n} (not selected)" for n in args.require if n not in names]
     if missing:
-        print(f"python -m jax_ep.bench: error: --require: not timed: {', '.join(missing)}",
+        print(f"python -m jax_ep.tools.bench: error: --require: not timed: {', '.join(missing)}",
               file=sys.stderr)
         return 1
     return 1 if any(r["status"] == "error" for r in rows) else 0

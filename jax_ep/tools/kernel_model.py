@@ -1,6 +1,6 @@
 """Device time of the cuda backend's kernels on an H100, predicted from the account.
 
-Each op (its kernels on one stream, jax_ep.account):
+Each op (its kernels on one stream, jax_ep.tools.account):
 
     t = launches x LAUNCH_S + bytes / (rate x fill),  fill = min(1, row_warps / WARPS_TARGET)
 
@@ -19,7 +19,7 @@ floor, which the table prints beside the prediction. The error of each profiled 
 against the model is printed with it; the count kernels move no rows and are bound by their
 few warps' serial work, which the model does not see.
 
-Run `python -m jax_ep.perfmodel --ours`. The next GPU report compares these predictions with
+Run `python -m jax_ep.tools.perfmodel --ours`. The next GPU report compares these predictions with
 the measured per-kernel times.
 """
 
@@ -30,8 +30,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jax_ep import account
 from jax_ep.fp8 import BLOCK
+from jax_ep.tools import account
 
 # The profiled shapes (973005d's tools/gpu_large_case.py).
 R, T, LL_T, H, K, E = 8, 4096, 128, 7168, 8, 256
@@ -153,7 +153,7 @@ def prediction_table(accounts: Sequence[account.Account], rate: float) -> str:
 
 
 def todays_accounts(num_ranks: int = R, seed: int = 0) -> list[account.Account]:
-    """Today's ops at the profiled shapes (jax_ep.account)."""
+    """Today's ops at the profiled shapes (jax_ep.tools.account)."""
     return account.deepseek_accounts(num_ranks=num_ranks, seed=seed, tokens=T, ll_tokens=LL_T,
                                      hidden=H, top_k=K, num_experts=E)
 

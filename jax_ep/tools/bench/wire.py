@@ -8,7 +8,7 @@ backend's kernels, next to the routed minimum: the rows that must reach another 
   all_gather sends every token's row (with its K ids and K weights) to every other rank;
   combine returns a [T, H] block to every other rank. ragged sends the routed rows with their
   routing (2K + 1 int32) and one all_gather of R counts. cuda sends the routed rows (their
-  few bytes of bookkeeping left out, as in jax_ep.account).
+  few bytes of bookkeeping left out, as in jax_ep.tools.account).
 - Low latency: dispatch's minimum is one row per (token, other rank), combine's one row per
   (token, distinct expert on another rank) (the experts' outputs differ). all_gather sends
   every token (with its K ids) to every other rank and returns [T, K, H] to each; ragged sends

@@ -8,13 +8,12 @@ where `jax.named_scope` puts them. jax_ep's ops run under scopes named after the
 (`jax_ep.dispatch`, `jax_ep.low_latency_combine_send`, ...) and `jax_ep.overlap` adds one
 per micro-batch and stage (`mb0/dispatch.send`), so the trace shows who ran when. Open the
 file in https://ui.perfetto.dev or chrome://tracing, or summarize it with
-`python -m jax_ep.trace_report`.
+`python -m jax_ep.tools.trace_report`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gzip
 import json
 import re
@@ -29,20 +28,6 @@ import jax
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*op_name="([^"]*)"')
 # The outer `jit(name)/` that every op of a jitted function carries says nothing.
 _OUTER_JIT = re.compile(r"^jit\([^)]*\)/")
-
-
-def scoped(name: str) -> Callable:
-    """Decorator: the function's operations run under `jax.named_scope(name)`."""
-
-    def wrap(fn: Callable) -> Callable:
-        @functools.wraps(fn)
-        def inner(*args, **kwargs):
-            with jax.named_scope(name):
-                return fn(*args, **kwargs)
-
-        return inner
-
-    return wrap
 
 
 def op_scopes(hlo_text: str) -> dict[str, str]:
@@ -77,7 +62,7 @@ def _newest_trace(log_dir: Path, since: float) -> Path:
                   if p.stat().st_mtime >= since]
     if not candidates:
         raise RuntimeError(
-            f"jax_ep.profile: the profiler wrote no *.trace.json.gz under {log_dir}/plugins/"
+            f"jax_ep.tools.profile: the profiler wrote no *.trace.json.gz under {log_dir}/plugins/"
             "profile; is another profiler session active in this process?"
         )
     return max(candidates, key=lambda p: p.stat().st_mtime)
@@ -115,7 +100,7 @@ def capture(fn: Callable, *args: Any, log_dir: str | Path, steps: int = 3,
       A `Trace` (paths and the scopes found).
     """
     if steps < 1 or warmup < 0:
-        raise ValueError(f"jax_ep.profile.capture: steps must be >= 1 and warmup >= 0; got "
+        raise ValueError(f"jax_ep.tools.profile.capture: steps must be >= 1 and warmup >= 0; got "
                          f"steps={steps}, warmup={warmup}.")
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)

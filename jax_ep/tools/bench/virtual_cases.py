@@ -14,7 +14,7 @@ from collections.abc import Callable
 import jax
 
 from jax_ep import fp8, virtual
-from jax_ep.bench.suite import (
+from jax_ep.tools.bench.suite import (
     Case,
     Inputs,
     _check_received,

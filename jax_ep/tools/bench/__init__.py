@@ -1,4 +1,4 @@
-"""Benchmarks of jax_ep's ops: `python -m jax_ep.bench` (see `jax_ep/bench/__main__.py`).
+"""Benchmarks of jax_ep's ops: `python -m jax_ep.tools.bench` (see `__main__.py` here).
 
 Modules: `suite` (the timed programs, one per op), `timing` (timers, copy bandwidth),
 `virtual_cases` (the same ops through

@@ -1,11 +1,15 @@
-"""The package's structure: each backend implements the one interface the ops call, and no
-module of jax_ep imports itself through others (an import cycle)."""
+"""The package's structure: each backend implements the one interface the ops call, no module
+of jax_ep imports itself through others (an import cycle), the library never imports its tools,
+and the tools' old names still lead to them."""
 
 from __future__ import annotations
 
 import ast
 import inspect
+import json
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -78,10 +82,15 @@ def imports(path: pathlib.Path, modules: set[str]) -> set[str]:
     return {m for m in out if m in modules and m not in (name, "jax_ep")}
 
 
-def test_no_import_cycle():
+def import_graph() -> dict[str, set[str]]:
+    """Each module of jax_ep -> the jax_ep modules it imports."""
     paths = sorted(PACKAGE.rglob("*.py"))
     modules = {module_name(p) for p in paths}
-    graph = {module_name(p): imports(p, modules) for p in paths}
+    return {module_name(p): imports(p, modules) for p in paths}
+
+
+def test_no_import_cycle():
+    graph = import_graph()
     done, path = set(), []
 
     def visit(module):
@@ -98,3 +107,72 @@ def test_no_import_cycle():
 
     for module in sorted(graph):
         visit(module)
+
+
+def test_the_library_never_imports_a_tool():
+    """Tools build on the library, never the other way: no module outside jax_ep.tools imports
+    one inside (the package's __init__, which only names them, is allowed)."""
+    graph = import_graph()
+    for module, dependencies in graph.items():
+        if not module.startswith("jax_ep.tools"):
+            tools = sorted(d for d in dependencies if d.startswith("jax_ep.tools."))
+            assert not tools, f"{module} imports {tools}"
+
+
+def test_tools_names_each_of_its_modules():
+    from jax_ep import tools
+
+    folder = PACKAGE / "tools"
+    found = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    found |= {p.parent.name for p in folder.glob("*/__init__.py")}
+    assert set(tools.MODULES) == found
+
+
+OLD_NAMES = r"""
+import importlib, json, sys, warnings
+import jax_ep
+from jax_ep import tools
+loaded = sorted(m for m in sys.modules if m.startswith("jax_ep.tools."))
+out = {"loaded_by_import": loaded, "names": {}}
+for name in tools.MODULES:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # both ways in: an attribute of the package, and an import of the old name
+        old = getattr(jax_ep, name) if name == "reference" else importlib.import_module(
+            "jax_ep." + name)
+    new = importlib.import_module("jax_ep.tools." + name)
+    out["names"][name] = {
+        "same": old is new, "spec": new.__spec__.name,
+        "warnings": [(w.category.__name__, str(w.message), w.filename) for w in caught]}
+from jax_ep.bench import suite
+import jax_ep.tools.bench.suite as new_suite
+out["submodule_same"] = suite is new_suite
+print(json.dumps(out))
+"""
+
+
+def test_old_names_are_the_moved_modules_with_a_warning(tmp_path):
+    """`jax_ep.account` and the other tools' old homes import the very module at the new name,
+    with a DeprecationWarning naming it that points at the importing line; `import jax_ep`
+    loads no tool."""
+    script = tmp_path / "old_names.py"
+    script.write_text(OLD_NAMES)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["loaded_by_import"] == [] and out["submodule_same"]
+    for name, seen in out["names"].items():
+        assert seen["same"] and seen["spec"] == f"jax_ep.tools.{name}", (name, seen)
+        assert [(c, f) for c, _, f in seen["warnings"]] == [("DeprecationWarning", str(script))]
+        assert f"jax_ep.{name} moved to jax_ep.tools.{name}" in seen["warnings"][0][1]
+
+
+@pytest.mark.parametrize("old", ["account", "bench"])
+def test_old_command_lines_run_the_moved_ones(old, tmp_path):
+    done = subprocess.run([sys.executable, "-m", f"jax_ep.{old}", "--help"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"usage: python -m jax_ep.tools.{old}")
+    assert (f"FutureWarning: python -m jax_ep.{old} is now python -m jax_ep.tools.{old}"
+            in done.stderr)
