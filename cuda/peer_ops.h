@@ -574,6 +574,23 @@ PeerError run_op(Platform& p, int op, const CombineArgs<T>& in) {
 // normal-mode region (once the peers are done with their last op there), then every receiver
 // pulls its rows from the sources' stages (once every stage is written) and arrives, which
 // tells the sources their stages are free. Loads only: refused over puts.
+inline void carve_stage(Carver& c, RowsArgs* a) {
+  a->stage = c.take<char>(int64_t{a->num_tokens} * a->row_bytes);
+}
+
+// Whether the stage of T rows of `row_bytes` fits the normal-mode region of a buffer of
+// `bytes` whose last `low_latency_bytes` hold the low-latency regions: run_op's own check,
+// asked by the host before it chooses this op (jax_ep/_exchange_ffi.py, rows_by_loads).
+inline bool rows_stage_fits(size_t bytes, size_t low_latency_bytes, int num_tokens,
+                            int64_t row_bytes) {
+  RowsArgs a{};
+  a.num_tokens = num_tokens;
+  a.row_bytes = row_bytes;
+  Carver c(nullptr);
+  carve_stage(c, &a);
+  return c.used() <= low_latency_offset(bytes, low_latency_bytes) - kSignalBytes;
+}
+
 template <typename Platform>
 PeerError run_op(Platform& p, int op, const RowsArgs& in) {
   if (uses_puts(p)) {
@@ -584,7 +601,7 @@ PeerError run_op(Platform& p, int op, const RowsArgs& in) {
   RowsArgs a = in;
   a.first_rank = p.rank();
   Carver c(p.symmetric() + kSignalBytes);
-  a.stage = c.take<char>(int64_t{a.num_tokens} * a.row_bytes);
+  carve_stage(c, &a);
   PeerError error = fits(op, "normal-mode", c.used(), p.low_latency_offset() - kSignalBytes);
   if (!error.ok()) return error;
   p.per_warp(RowsStage{a}, a.num_tokens, Meet{Wait::kStart, true, {}});

@@ -202,6 +202,11 @@ void BindRuntime(nb::module_& m) {
         "puts: with the send areas of peers reached by puts; ranks_per_node: node-aware, "
         "with the relays' slots (0: one node); channels > 0: the dispatch streamed through "
         "rings of chunk_tokens x ring_chunks slots (cuda/channels.h).");
+  m.def("rows_stage_fits", &rows_stage_fits, nb::arg("buffer_bytes"),
+        nb::arg("low_latency_bytes"), nb::arg("num_tokens"), nb::arg("row_bytes"),
+        "Whether jax_ep_dispatch_rows' stage of num_tokens rows of row_bytes fits the "
+        "normal-mode region of a buffer of buffer_bytes with low_latency_bytes of "
+        "low-latency regions (the check the op makes, cuda/peer_ops.h).");
   m.def("host_peers_finalize", &host::finalize,
         "Frees the host peers' buffers (no exchange may be running).");
   m.def("host_peers_buffer_bytes", &host::buffer_bytes,

@@ -247,10 +247,8 @@ def rows_by_loads(axis_name: str | None, num_ranks: int, num_tokens: int,
     state = runtime.state()
     if state is None or state["peer_access"] != "store" or state["ranks_per_node"]:
         return False
-    align = 256  # cuda/peer_ops.h, kAlign: the regions and their pieces start aligned
-    normal = ((state["buffer_bytes"] - state["low_latency_bytes"]) // align * align
-              - runtime.SIGNAL_BYTES)
-    return -(-num_tokens * row_bytes // align) * align <= normal
+    return _ffi.EXT.rows_stage_fits(state["buffer_bytes"], state["low_latency_bytes"],
+                                    num_tokens, row_bytes)
 
 
 # The wire formats of low-latency dispatch by their number in cuda/wire.h.

@@ -101,6 +101,19 @@ def test_initialize_on_cpu_sets_up_host_peers():
 
 
 @pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
+@pytest.mark.parametrize("low_latency", [0, 300, 1 << 20])
+def test_rows_stage_fits_the_normal_region_to_the_byte(low_latency):
+    """dispatch_rows' stage (T rows, rounded up to 256 bytes) against the normal region: the
+    buffer less its low-latency bytes, rounded down to 256, less the signals."""
+    T, row_bytes = 5, 100  # 500 bytes, 512 with the alignment
+    enough = runtime.SIGNAL_BYTES + 512 + low_latency
+    assert _ffi.EXT.rows_stage_fits(enough, low_latency, T, row_bytes)
+    assert not _ffi.EXT.rows_stage_fits(enough - 1, low_latency, T, row_bytes)
+    assert _ffi.EXT.rows_stage_fits(enough, low_latency, 1, 512)
+    assert not _ffi.EXT.rows_stage_fits(enough, low_latency, 1, 513)  # 768 with the alignment
+
+
+@pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
 def test_extension_runtime_bindings_without_gpu():
     assert _ffi.EXT.runtime_state() is None
     if not _ffi.cuda_kernels_compiled():
