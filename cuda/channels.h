@@ -180,30 +180,41 @@ JAX_EP_HOST_DEVICE RingLink flat_link(int me, int peer) { return {peer, me, peer
 //   void give_up(RingWaitKind, int peer, int channel, uint64_t have, uint64_t want) const;
 //                                      records why a ring wait gave up (the leader calls it)
 
-// The bound of a polling loop: the op timeout since the last progress.
+// The bound of a polling loop: the op timeout since the last progress. Every lane of the warp
+// calls again() with the same `moved`; the leader alone reads the clock and the Watch and
+// decides, and every lane follows its verdict (a lane that read the status word a moment
+// later could otherwise leave the loop alone, and the warp's next full-mask shuffle would
+// miss it).
 template <typename Watch>
 class Patience {
  public:
-  JAX_EP_HOST_DEVICE explicit Patience(const Watch& watch) : watch_(watch), start_(watch.now()) {}
+  JAX_EP_HOST_DEVICE Patience(const Watch& watch, const Warp& w)
+      : watch_(watch), w_(w), start_(w.leader() ? watch.now() : 0) {}
   // After a round of polls, which `moved` something or not: whether to poll again. False when
   // a wait of this op gave up elsewhere, or nothing moved for the op timeout (expired()).
   JAX_EP_HOST_DEVICE bool again(bool moved) {
-    if (moved) {
-      start_ = watch_.now();
-      return true;
+    enum Verdict { kAgain, kFailed, kExpired };
+    int verdict = kAgain;
+    if (w_.leader()) {
+      if (moved) {
+        start_ = watch_.now();
+      } else if (watch_.failed()) {
+        verdict = kFailed;
+      } else if (watch_.now() - start_ > watch_.limit()) {
+        verdict = kExpired;
+      } else {
+        watch_.pause();
+      }
     }
-    if (watch_.failed()) return false;
-    if (watch_.now() - start_ > watch_.limit()) {
-      expired_ = true;
-      return false;
-    }
-    watch_.pause();
-    return true;
+    verdict = w_.shared(verdict);
+    expired_ = verdict == kExpired;
+    return verdict == kAgain;
   }
   JAX_EP_HOST_DEVICE bool expired() const { return expired_; }
 
  private:
   const Watch& watch_;
+  const Warp& w_;
   uint64_t start_;
   bool expired_ = false;
 };
@@ -274,7 +285,7 @@ JAX_EP_HOST_DEVICE bool ring_reserve(const Rings& g, const Peers& peers, int c, 
   if (ring_has_space(g, c, l.here, w)) return true;
   const int64_t sent = g.sent(c, l.here);
   if (g.published(c, l.here) < sent) ring_publish(g, peers, c, l, sent, false, w);
-  Patience<Watch> patience(watch);
+  Patience<Watch> patience(watch, w);
   int64_t consumed = 0;
   do {
     consumed = ring_head(g, c, l.here, w);

@@ -18,15 +18,21 @@
 
 namespace jax_ep {
 
-// Bytes of a combine ring slot: the row of H values, its weight and its token, to 16.
+// Bytes of a combine ring slot's row part: the row of H values, padded to 16 (so that its
+// weight and token are aligned, and the row moves in 16-byte words whatever H is).
+template <typename T>
+JAX_EP_HOST_DEVICE int64_t combine_slot_row_bytes(const CombineArgs<T>& a) {
+  return (a.hidden * static_cast<int64_t>(sizeof(T)) + 15) / 16 * 16;
+}
+// Bytes of a combine ring slot: the row part, its weight and its token, to 16.
 template <typename T>
 JAX_EP_HOST_DEVICE int64_t combine_slot_bytes(const CombineArgs<T>& a) {
-  return (a.hidden * static_cast<int64_t>(sizeof(T)) + 8 + 15) / 16 * 16;
+  return combine_slot_row_bytes(a) + 16;
 }
-// A combine slot's weight and token, after its row.
+// A combine slot's weight and token, after its row part.
 template <typename T>
 JAX_EP_HOST_DEVICE float* slot_weight(const CombineArgs<T>& a, char* slot) {
-  return reinterpret_cast<float*>(slot + a.hidden * static_cast<int64_t>(sizeof(T)));
+  return reinterpret_cast<float*>(slot + combine_slot_row_bytes(a));
 }
 template <typename T>
 JAX_EP_HOST_DEVICE int32_t* slot_token(const CombineArgs<T>& a, char* slot) {
@@ -54,7 +60,7 @@ JAX_EP_HOST_DEVICE void combine_stream_send(const CombineArgs<T>& a, const Peers
     }
   }
   w.sync();
-  Patience<Watch> patience(watch);
+  Patience<Watch> patience(watch, w);
   int stuck = -1;  // a home whose ring is full
   for (bool moved = true; patience.again(moved);) {
     stuck = -1;
@@ -111,7 +117,7 @@ JAX_EP_HOST_DEVICE bool combine_ring_ready(const Rings& g, int c, int r, const W
            g.consumed(c, r) < static_cast<int64_t>(tail & ~kRingClosed);
   };
   if (ready(static_cast<uint64_t>(g.at(c, r, Rings::kSeen)))) return true;
-  Patience<Watch> patience(watch);
+  Patience<Watch> patience(watch, w);
   uint64_t tail = 0;
   do {
     tail = ring_tail(g, c, r, w);

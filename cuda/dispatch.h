@@ -151,19 +151,24 @@ struct DispatchArgs {
   }
   // (receiver, row) pairs of a relay slot: at most one per choice, K.
   JAX_EP_HOST_DEVICE int targets() const { return top_k; }
-  // Bytes of a packed slot: the row, its scales, its metadata, rounded up to 16.
+  // Bytes of the row part of a slot (packed, ring and relay slots): the row, padded to 16, so
+  // that the scales and metadata after it are aligned for their loads and stores, and the
+  // row copies move 16-byte words, whatever the row's size (bfloat16 with odd H).
+  JAX_EP_HOST_DEVICE int64_t slot_row_bytes() const { return (row_bytes + 15) / 16 * 16; }
+  // Bytes of a packed slot: the row part, its scales, its metadata, rounded up to 16.
   JAX_EP_HOST_DEVICE int64_t packed_slot() const {
-    return (row_bytes + 4 * (scale_cols + 1 + 2 * int64_t{top_k}) + 15) / 16 * 16;
+    return (slot_row_bytes() + 4 * (scale_cols + 1 + 2 * int64_t{top_k}) + 15) / 16 * 16;
   }
-  // Bytes of a ring slot: the row, its scales, its source, its row on the receiver, the
+  // Bytes of a ring slot: the row part, its scales, its source, its row on the receiver, the
   // token's K ids and K weights, rounded up to 16 (dispatch_stream.h).
   JAX_EP_HOST_DEVICE int64_t ring_slot() const {
-    return (row_bytes + 4 * (scale_cols + 2 + 2 * int64_t{top_k}) + 15) / 16 * 16;
+    return (slot_row_bytes() + 4 * (scale_cols + 2 + 2 * int64_t{top_k}) + 15) / 16 * 16;
   }
   // Bytes of a relay ring's slot: a ring slot's and the targets() (receiver, row) pairs in
   // the relay's node, rounded up to 16.
   JAX_EP_HOST_DEVICE int64_t relay_slot() const {
-    return (row_bytes + 4 * (scale_cols + 2 + 2 * int64_t{top_k} + 2 * targets()) + 15) / 16 * 16;
+    return (slot_row_bytes() + 4 * (scale_cols + 2 + 2 * int64_t{top_k} + 2 * targets()) + 15) /
+           16 * 16;
   }
   // Bytes from one row to the next in the receive, send and relay areas.
   JAX_EP_HOST_DEVICE int64_t row_stride() const { return packed ? packed_slot() : row_bytes; }
@@ -182,7 +187,7 @@ JAX_EP_HOST_DEVICE bool arrives_packed(const DispatchArgs& a) {
   return Peers::kPuts && a.packed;
 }
 JAX_EP_HOST_DEVICE PackedMeta packed_meta(const DispatchArgs& a, char* slot) {
-  int32_t* src = reinterpret_cast<int32_t*>(slot + a.row_bytes) + a.scale_cols;
+  int32_t* src = reinterpret_cast<int32_t*>(slot + a.slot_row_bytes()) + a.scale_cols;
   return {src, src + 1, reinterpret_cast<float*>(src + 1 + a.top_k)};
 }
 // The metadata of packed slot `row` that arrived at receiver d (this rank between devices).
@@ -543,7 +548,8 @@ JAX_EP_HOST_DEVICE void dispatch_stage(const DispatchArgs& a, const Peers& peers
   const int64_t here = a.local(s) * a.num_tokens + t, S = a.scale_cols, K = a.top_k;
   char* row = a.send_x + here * a.row_stride();
   copy_row(row, a.x + here * a.row_bytes, a.row_bytes, lane, lanes);
-  float* scales = a.packed ? reinterpret_cast<float*>(row + a.row_bytes) : a.send_scales + here * S;
+  float* scales = a.packed ? reinterpret_cast<float*>(row + a.slot_row_bytes())
+                           : a.send_scales + here * S;
   if (S > 0) copy_row(scales, a.scales + here * S, S * 4, lane, lanes);
   if (a.packed) {
     const PackedMeta meta = packed_meta(a, row);
@@ -674,7 +680,8 @@ JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peer
       const char* from = x.sent + i * (packed ? a.packed_slot() : a.row_bytes);
       copy_row(x.to + i * a.row_bytes, from, a.row_bytes, lane, lanes);
       copy_row(scales.to + i * S,
-               packed ? reinterpret_cast<const float*>(from + a.row_bytes) : scales.sent + i * S,
+               packed ? reinterpret_cast<const float*>(from + a.slot_row_bytes())
+                      : scales.sent + i * S,
                S * 4, lane, lanes);
     }
     if (i >= kept && a.zero_padding) {

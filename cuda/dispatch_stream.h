@@ -56,7 +56,7 @@ struct RingMeta {
   int32_t* targets;  // [targets(), 2], relay rings only
 };
 JAX_EP_HOST_DEVICE RingMeta ring_meta(const DispatchArgs& a, char* slot) {
-  int32_t* src = reinterpret_cast<int32_t*>(slot + a.row_bytes) + a.scale_cols;
+  int32_t* src = reinterpret_cast<int32_t*>(slot + a.slot_row_bytes()) + a.scale_cols;
   float* weights = reinterpret_cast<float*>(src + 2 + a.top_k);
   return {src, src + 1, src + 2, weights, reinterpret_cast<int32_t*>(weights + a.top_k)};
 }
@@ -88,7 +88,7 @@ JAX_EP_HOST_DEVICE void fill_slots(const DispatchArgs& a, const SlotBatch& b, co
     Fan<char> rows(0), scale_rows(1);
     for (int i = 0; i < b.n; ++i) {
       rows.add(b.slot[i]);
-      if (S > 0) scale_rows.add(b.slot[i] + a.row_bytes);
+      if (S > 0) scale_rows.add(b.slot[i] + a.slot_row_bytes());
     }
     fan_out_row(rows, x, a.row_bytes, lane, w.lanes);
     if (S > 0) fan_out_row(scale_rows, scales, S * 4, lane, w.lanes);
@@ -278,7 +278,7 @@ JAX_EP_HOST_DEVICE void dispatch_stream_unpack(const DispatchArgs& a, const char
   const DispatchArgs::Results& o = a.out;
   w.each([&](int lane) {
     copy_row(o.x + row * a.row_bytes, slot, a.row_bytes, lane, w.lanes);
-    if (S > 0) copy_row(o.scales + row * S, slot + a.row_bytes, S * 4, lane, w.lanes);
+    if (S > 0) copy_row(o.scales + row * S, slot + a.slot_row_bytes(), S * 4, lane, w.lanes);
     for (int k = lane; k < K; k += w.lanes) {
       const int32_t e = local_expert(meta.ids[k], d, El);
       o.idx[row * K + k] = e;
@@ -300,7 +300,7 @@ JAX_EP_HOST_DEVICE bool drain_rings(const Rings& g, const Peers& peers, int c, i
     for (int i = j; i < links; i += step) g.consumed(c, i) = 0;
   }
   w.sync();
-  Patience<Watch> patience(watch);
+  Patience<Watch> patience(watch, w);
   int waiting = -1;  // a ring still open
   for (bool moved = true; patience.again(moved);) {
     waiting = -1;
@@ -380,7 +380,7 @@ JAX_EP_HOST_DEVICE void dispatch_stream_forward(const DispatchArgs& a, const Nod
       [&](int, const char* slot) {
         // Its targets' slots, reserved, then written from one read per kFanOut of them.
         const RingMeta meta = ring_meta(a, const_cast<char*>(slot));
-        const float* scales = reinterpret_cast<const float*>(slot + a.row_bytes);
+        const float* scales = reinterpret_cast<const float*>(slot + a.slot_row_bytes());
         SlotBatch batch;
         for (int p = 0; p < a.targets() && meta.targets[2 * p] >= 0; ++p) {
           const RingLink l = node_link(a, me, meta.targets[2 * p], f);

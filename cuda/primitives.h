@@ -87,15 +87,41 @@ JAX_EP_HOST_DEVICE void each_word(int first, int words, int lane, int lanes, con
   }
 }
 
-// Copies `bytes` from src to dst with `lanes` cooperating lanes: 16-byte words when both
-// pointers and the size allow, each lane loading kWordsInFlight of them before storing any,
-// else single bytes.
+// The widest unit of a copy, 2^(this) bytes (16, 8, 4, 2 or 1), that `bits` (the OR of its
+// addresses and its size) allows: every access of a copy is aligned to its own size, so none
+// faults on a GPU (a misaligned access is a sticky error there, which x86 would hide). Slots
+// pad their rows to 16 bytes (DispatchArgs::slot_row_bytes), so only a row of XLA's arrays
+// whose size is not a multiple of 16 (bfloat16 with odd H: 2-byte units) is copied in
+// narrower units.
+JAX_EP_HOST_DEVICE int copy_shift(uintptr_t bits) {
+  return (bits & 15u) == 0 ? 4 : (bits & 7u) == 0 ? 3 : (bits & 3u) == 0 ? 2 : bits & 1u ? 0 : 1;
+}
+
+// Unit i of 2^shift bytes (8, 4, 2 or 1) from s to d: the copies narrower than a Word.
+JAX_EP_HOST_DEVICE void copy_unit_at(char* d, const char* s, int64_t i, int shift) {
+  switch (shift) {
+    case 3:
+      reinterpret_cast<uint64_t*>(d)[i] = reinterpret_cast<const uint64_t*>(s)[i];
+      break;
+    case 2:
+      reinterpret_cast<uint32_t*>(d)[i] = reinterpret_cast<const uint32_t*>(s)[i];
+      break;
+    case 1:
+      reinterpret_cast<uint16_t*>(d)[i] = reinterpret_cast<const uint16_t*>(s)[i];
+      break;
+    default:
+      d[i] = s[i];
+  }
+}
+
+// Copies `bytes` from src to dst with `lanes` cooperating lanes, in the widest units the
+// pointers and the size allow (copy_shift): 16-byte words, each lane loading kWordsInFlight of
+// them before storing any; narrower units one at a time (rows of unusual sizes only).
 JAX_EP_HOST_DEVICE void copy_row(void* dst, const void* src, int64_t bytes, int lane, int lanes) {
   if (lane == 0) meter_rows(bytes, bytes);
-  const bool aligned = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
-                         static_cast<uintptr_t>(bytes)) &
-                        15u) == 0;
-  if (aligned) {
+  const int shift = copy_shift(reinterpret_cast<uintptr_t>(dst) |
+                               reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes));
+  if (shift == 4) {
     Word* d = static_cast<Word*>(dst);
     const Word* s = static_cast<const Word*>(src);
     const int words = static_cast<int>(bytes / 16);  // a row holds fewer than 2^31 words
@@ -107,7 +133,9 @@ JAX_EP_HOST_DEVICE void copy_row(void* dst, const void* src, int64_t bytes, int 
   } else {
     char* d = static_cast<char*>(dst);
     const char* s = static_cast<const char*>(src);
-    for (int64_t i = lane; i < bytes; i += lanes) d[i] = s[i];
+    JAX_EP_NO_UNROLL for (int64_t i = lane; i < bytes >> shift; i += lanes) {
+      copy_unit_at(d, s, i, shift);
+    }
   }
 }
 
@@ -178,17 +206,17 @@ class Fan {
 
 // Copies `bytes` from src to every destination of the fan, reading src once, and empties the
 // fan. Like copy_row: 16-byte words when every pointer and the size allow (kWordsInFlight
-// loads per lane, then their stores to each destination), else bytes. Every lane of the warp
-// calls it with the same fan.
+// loads per lane, then their stores to each destination), else the widest narrower unit.
+// Every lane of the warp calls it with the same fan.
 JAX_EP_HOST_DEVICE void fan_out_row(Fan<char>& fan, const void* src, int64_t bytes, int lane,
                                     int lanes) {
   const int n = fan.size();
   if (n == 0) return;
   fan_sync();
   if (lane == 0) meter_rows(bytes, n * bytes);
-  const uintptr_t bits =
-      reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes) | fan.address_bits();
-  if ((bits & 15u) == 0) {
+  const int shift = copy_shift(reinterpret_cast<uintptr_t>(src) |
+                               static_cast<uintptr_t>(bytes) | fan.address_bits());
+  if (shift == 4) {
     const Word* s = static_cast<const Word*>(src);
     const int words = static_cast<int>(bytes / 16);  // a row holds fewer than 2^31 words
     for (int first = 0; first < words; first += lanes * kWordsInFlight) {
@@ -201,9 +229,8 @@ JAX_EP_HOST_DEVICE void fan_out_row(Fan<char>& fan, const void* src, int64_t byt
     }
   } else {
     const char* s = static_cast<const char*>(src);
-    for (int64_t i = lane; i < bytes; i += lanes) {
-      const char c = s[i];
-      for (int j = 0; j < n; ++j) fan[j][i] = c;
+    JAX_EP_NO_UNROLL for (int64_t i = lane; i < bytes >> shift; i += lanes) {
+      JAX_EP_NO_UNROLL for (int j = 0; j < n; ++j) copy_unit_at(fan[j], s, i, shift);
     }
   }
   fan_sync();  // every lane read the table before it is filled again
@@ -213,11 +240,19 @@ JAX_EP_HOST_DEVICE void fan_out_row(Fan<char>& fan, const void* src, int64_t byt
 JAX_EP_HOST_DEVICE void zero_row(void* dst, int64_t bytes, int lane, int lanes) {
   if (lane == 0) meter_rows(0, bytes);
   char* d = static_cast<char*>(dst);
-  if (((reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(bytes)) & 15u) == 0) {
+  const int shift = copy_shift(reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(bytes));
+  if (shift == 4) {
     Word* w = reinterpret_cast<Word*>(d);
     for (int64_t i = lane; i < bytes / 16; i += lanes) w[i] = Word{{0, 0, 0, 0}};
   } else {
-    for (int64_t i = lane; i < bytes; i += lanes) d[i] = 0;
+    JAX_EP_NO_UNROLL for (int64_t i = lane; i < bytes >> shift; i += lanes) {
+      switch (shift) {
+        case 3: reinterpret_cast<uint64_t*>(d)[i] = 0; break;
+        case 2: reinterpret_cast<uint32_t*>(d)[i] = 0; break;
+        case 1: reinterpret_cast<uint16_t*>(d)[i] = 0; break;
+        default: d[i] = 0;
+      }
+    }
   }
 }
 

@@ -279,7 +279,8 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
         # The count, the send, the relay (every token of every rank) and the finish meet the
         # peers; the stage does not (it runs with items only).
         aware = _node_aware_dispatch(kept, topk_idx, E, expert_major, ranks_per_node, row,
-                                     _message(row, K, expert_major), padding, minimum, landing,
+                                     _message(row_bytes, scale_bytes, K, expert_major), padding,
+                                     minimum, landing,
                                      _smallest(1, chunks, T, R * T, finish, T, always=4))
         return dataclasses.replace(
             aware, read=aware.read + totals, written=aware.written + totals, row_warps=moving,
@@ -288,7 +289,7 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
     if puts:
         # The stage copies every token's row into the send area; the send puts one copy per
         # destination from there (rank-major, the row's packed slot).
-        staged, message = R * T * row, _message(row, K, expert_major)
+        staged, message = R * T * row, _message(row_bytes, scale_bytes, K, expert_major)
         read = staged + delivered * message + totals
         written = staged + delivered * message + padding * row + totals
         return Account("dispatch", 4, 3, read + landing, written + landing,
@@ -383,11 +384,14 @@ def _node_deliveries(kept, topk_idx, num_experts, expert_major, ranks_per_node):
     return own, other
 
 
-def _message(row, top_k, expert_major):
+def _message(row_bytes, scale_bytes, top_k, expert_major):
     """Bytes a dispatch over puts sends per delivered row: rank-major, the packed slot (the
-    row and scales, the source, K ids and K weights, to a multiple of 16 bytes; cuda/exchange.h,
-    packed_slot); expert-major, the row and scales (its metadata goes value by value)."""
-    return row if expert_major else _round16(row + 4 * (1 + 2 * top_k))
+    row padded to 16 bytes, its scales, the source, K ids and K weights, to a multiple of 16
+    bytes; cuda/dispatch.h, packed_slot); expert-major, the row and scales (its metadata goes
+    value by value)."""
+    if expert_major:
+        return row_bytes + scale_bytes
+    return _round16(_round16(row_bytes) + scale_bytes + 4 * (1 + 2 * top_k))
 
 
 def _node_aware_dispatch(kept, topk_idx, num_experts, expert_major, ranks_per_node, row,
@@ -447,7 +451,7 @@ def _streamed_dispatch(kept, topk_idx, num_experts, row_bytes, scale_bytes, chan
     R, T, K = np.shape(topk_idx)
     row = row_bytes + scale_bytes
     S = scale_bytes // 4
-    slot = _round16(row_bytes + 4 * (S + 2 + 2 * K))
+    slot = _round16(_round16(row_bytes) + 4 * (S + 2 + 2 * K))  # the row padded to 16
     delivered = int(kept.sum())
     aware = 0 < ranks_per_node < R
     forwarders = 2 if aware else 0  # cuda/dispatch_stream.h, kForwarders
@@ -478,7 +482,7 @@ def _streamed_dispatch(kept, topk_idx, num_experts, row_bytes, scale_bytes, chan
     read, written = (reads + delivered) * row, int(slots.sum()) * row + delivered * row
     messages = None
     if aware:
-        relay_slot = _round16(slot + 8 * K)
+        relay_slot = _round16(_round16(row_bytes) + 4 * (S + 2 + 4 * K))  # and the targets
         relayed = int(crosses.sum())
         # Each relay slot's put; the forwarder's copies into its targets' node rings.
         read += relayed * relay_slot + _fan_out_reads(other[crosses]) * row
@@ -507,7 +511,7 @@ def _streamed_combine(held, row_bytes, channels, senders, puts, out, minimum,
     home's receiver reads each once in its sum and writes every output row."""
     R = held.shape[0]
     rows = int(held.sum())
-    slot = _round16(row_bytes + 8)  # the row, its weight and token
+    slot = _round16(row_bytes) + 16  # the row padded to 16, its weight and token
     moved = rows * row_bytes + (rows * slot if puts else 0)
     read, written = moved + carried, moved + out
     units = channels.channels * (senders + 1)

@@ -58,6 +58,13 @@ struct Shape {
   int wire = 0;  // low-latency wire format (cuda/wire.h); 0: e4m3 with fp8, else bf16
   // Between devices, the dispatch streamed through rings (cuda/channels.h); 0: in phases.
   int channels = 0, chunk_tokens = 0, ring_chunks = 0;
+  // Bytes of an element of the normal ops' rows, x and y: 4 (float32), or 2 (bfloat16: with
+  // an odd H a row's size is not a multiple of 4, so what a slot holds after it must be
+  // padded to stay aligned; the alignment sanitizer checks every access).
+  int elem = 4;
+  int64_t row_bytes() const { return int64_t{H} * elem; }
+  // The low-latency ops run where H is a multiple of their 128-channel blocks.
+  bool low_latency() const { return H % kFp8Block == 0; }
   int El() const { return E / R; }
   int ll_wire() const { return wire ? wire : fp8 ? kWireE4m3 : kWireBf16; }
   int rows() const { return expert_major ? R * T : capacity; }
@@ -74,7 +81,7 @@ struct DispatchData {
       num_received, tokens_per_expert, num_dropped, num_needed, num_invalid, clean_idx;
   std::vector<std::vector<int32_t>> work;  // the workspace of every rank (0), of rank r (r + 1)
   // Rows along the dispatch's routing (cuda/dispatch_rows.h): kRowWidth floats a token
-  // (20-byte rows: the copies go byte by byte), and where they arrive.
+  // (20-byte rows: the copies go in 4-byte units), and where they arrive.
   static constexpr int kRowWidth = 5;
   std::vector<float> rows_x, rows_out;
 
@@ -115,9 +122,9 @@ struct DispatchData {
     a.num_experts = s.E;
     a.capacity = s.capacity;
     a.expert_major = s.expert_major;
-    a.row_bytes = H * 4;
+    a.row_bytes = s.row_bytes();
     a.scale_cols = S;
-    a.x = reinterpret_cast<const char*>(x.data() + v * T * H);
+    a.x = reinterpret_cast<const char*>(x.data()) + v * T * s.row_bytes();
     a.scales = scales.data() + v * T * S;
     a.topk_idx = idx.data() + v * T * K;
     a.topk_weights = weights.data() + v * T * K;
@@ -127,7 +134,7 @@ struct DispatchData {
     const int V = rank < 0 ? s.R : 1;
     w.resize(carve_dispatch_workspace(&a, V));
     carve_dispatch_workspace(&a, V, w.data());
-    a.recv_x = recv_x.data() + v * cap * H * 4;
+    a.recv_x = recv_x.data() + v * cap * s.row_bytes();
     a.recv_scales = recv_scales.data() + v * cap * S;
     a.recv_idx = recv_idx.data() + v * cap * s.cols();
     a.recv_weights = recv_weights.data() + v * cap * s.cols();
@@ -168,8 +175,10 @@ struct DispatchData {
   }
 };
 
+// The combine's rows are float32, or bfloat16 (y16, out16) when the shape's elem is 2.
 struct CombineData {
   std::vector<float> y, weights, out;
+  std::vector<Bf16> y16, out16;
   CombineData(const Shape& s, std::mt19937& gen) {
     const int64_t R = s.R;
     std::normal_distribution<float> normal;
@@ -178,23 +187,38 @@ struct CombineData {
     for (float& v : y) v = normal(gen);
     for (float& v : weights) v = normal(gen);
     out.resize(R * s.T * s.H);
+    if (s.elem == 2) out16.resize(out.size());
+    round_y(s);
   }
-  CombineArgs<float> args(const Shape& s, DispatchData& d, int rank) {
+  // y16: y rounded to bfloat16 (after y changed).
+  void round_y(const Shape& s) {
+    if (s.elem != 2) return;
+    y16.resize(y.size());
+    for (size_t i = 0; i < y.size(); ++i) y16[i] = from_float<Bf16>(y[i]);
+  }
+  template <typename T>
+  CombineArgs<T> args(const Shape& s, DispatchData& d, int rank, const T* y_rows, T* out_rows) {
     const int64_t v = rank < 0 ? 0 : rank, rows = int64_t{s.R} * s.T;
-    CombineArgs<float> a{};
+    CombineArgs<T> a{};
     a.num_ranks = s.R;
     a.num_tokens = s.T;
     a.top_k = s.K;
     a.hidden = s.H;
     a.capacity = s.capacity;
     a.expert_major = s.expert_major;
-    a.y = y.data() + v * s.capacity * s.H;
+    a.y = y_rows + v * s.capacity * s.H;
     a.weights = weights.data() + v * s.capacity;
     a.src_row = d.src_row.data() + v * rows;
     a.row_entries = s.expert_major ? d.row_entries.data() + v * rows * s.K : nullptr;
-    a.out = out.data() + v * s.T * s.H;
+    a.out = out_rows + v * s.T * s.H;
     if (rank >= 0) a.rings = DispatchData::ring_config(s);
     return a;
+  }
+  // f(args) with the combine's arguments in the shape's element type.
+  template <typename F>
+  auto with_args(const Shape& s, DispatchData& d, int rank, const F& f) {
+    if (s.elem == 2) return f(args(s, d, rank, y16.data(), out16.data()));
+    return f(args(s, d, rank, y.data(), out.data()));
   }
 };
 
@@ -301,7 +325,8 @@ void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& 
     HostLauncher l{s.R, grid};
     run_virtual(l, kPeerDispatch, d.args(s, -1));
     run_virtual(l, kPeerDispatchRows, d.rows_args(s, -1));
-    run_virtual(l, kPeerCombine, c.args(s, d, -1));
+    c.with_args(s, d, -1, [&](const auto& a) { run_virtual(l, kPeerCombine, a); });
+    if (!s.low_latency()) return;
     const LowLatencyArgs la = ll.dispatch_args(s, -1);
     run_virtual(l, kPeerLlDispatchSend, la);  // it delivers: no receive
     LowLatencyCombineArgs lc = ll.combine_args(s, -1);
@@ -331,8 +356,11 @@ void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& 
       for (int i = 0; i < 2; ++i) check(run(kPeerDispatch, d.args(s, r), r, grid));
       // Peers reached by puts cannot be read: jax_ep dispatches again there.
       if (!puts_only) check(run(kPeerDispatchRows, d.rows_args(s, r), r, grid));
-      for (int i = 0; i < 2; ++i) check(run(kPeerCombine, c.args(s, d, r), r, grid));
+      for (int i = 0; i < 2; ++i) {
+        check(c.with_args(s, d, r, [&](const auto& a) { return run(kPeerCombine, a, r, grid); }));
+      }
       // Low latency: once on one region, then two exchanges in flight, one per region.
+      if (!s.low_latency()) return;
       auto ll_dispatch = [&](int buffer) {
         LowLatencyArgs a = ll.dispatch_args(s, r);
         a.buffer = buffer;
@@ -378,7 +406,8 @@ void run_round(const Shape& s, DispatchData& d, CombineData& c, LowLatencyData& 
 std::string round_name(const Shape& s, uint32_t seed, const char* how) {
   return " (R " + std::to_string(s.R) + ", T " + std::to_string(s.T) + ", capacity " +
          std::to_string(s.capacity) + (s.expert_major ? ", expert-major" : "") +
-         (s.fp8 ? ", fp8" : "") + ", wire " + std::to_string(s.ll_wire()) +
+         (s.fp8 ? ", fp8" : "") + (s.elem == 2 ? ", bfloat16 rows" : "") + ", wire " +
+         std::to_string(s.ll_wire()) +
          (s.channels ? ", rings " + std::to_string(s.channels) + "x" +
                            std::to_string(s.chunk_tokens) + "x" + std::to_string(s.ring_chunks)
                      : "") +
@@ -403,6 +432,7 @@ struct RoundData {
     std::normal_distribution<float> normal;
     for (float& v : cv.y) v = normal(gen);
     for (float& v : cv.weights) v = normal(gen);
+    cv.round_y(s);
     for (Bf16& v : lv.x) v = from_float<Bf16>(normal(gen));
     for (Bf16& v : lv.y) v = from_float<Bf16>(normal(gen));
     for (float& v : lv.weights) v = normal(gen);
@@ -413,6 +443,7 @@ struct RoundData {
     dp.idx.assign(dv.idx.begin(), dv.idx.end());
     dp.rows_x.assign(dv.rows_x.begin(), dv.rows_x.end());
     cp.y.assign(cv.y.begin(), cv.y.end());
+    cp.y16.assign(cv.y16.begin(), cv.y16.end());
     cp.weights.assign(cv.weights.begin(), cv.weights.end());
     lp.x.assign(lv.x.begin(), lv.x.end());
     lp.y.assign(lv.y.begin(), lv.y.end());
@@ -437,6 +468,7 @@ struct RoundData {
     expect_equal(dp.num_invalid, dv.num_invalid, "dispatch num_invalid" + at);
     if (!puts_only) expect_equal(dp.rows_out, dv.rows_out, "rows along the dispatch" + at);
     expect_equal(cp.out, cv.out, "combine out" + at);
+    expect_equal(cp.out16, cv.out16, "combine out (bfloat16)" + at);
     // The rows of a wire format fill the first part of recv_x.
     const size_t bytes = size_t(s.El()) * s.R * s.T * wire_data_bytes(s.ll_wire(), s.H) * s.R;
     expect(std::memcmp(lp.recv_x.data(), lv.recv_x.data(), bytes) == 0,
@@ -686,6 +718,9 @@ int main() {
       {R, 9, 3, 8, 384, 36, false, false, kWireE4m3Ue8m0},  // low latency: UE8M0 scales, padded
       {R, 9, 3, 8, 256, 36, false, false, kWireMxfp8},      // MXFP8
       {R, 9, 3, 8, 256, 36, false, false, kWireNvfp4},      // NVFP4, a row in one segment
+      // bfloat16 rows of 26 bytes (H 13): padded in the packed slots over puts.
+      {R, 11, 3, 8, 13, 30, false, false, 0, 0, 0, 0, 2},
+      {R, 9, 2, 8, 13, 40, true, false, 0, 0, 0, 0, 2},
   };
   uint32_t round = 0;
   for (const Shape& s : shapes) {
@@ -706,6 +741,8 @@ int main() {
       // 12 ranks, top-10: a sender warp writes a token into more rings than one read of its
       // row serves (kFanOut), in two batches.
       {12, 9, 10, 12, 128, 108, false, true, 0, 2, 1, 2},
+      // bfloat16 rows of 26 bytes (H 13): each ring slot pads its row to 32 bytes.
+      {R, 13, 3, 8, 13, 30, false, false, 0, 2, 1, 2, 2},
   };
   for (const bool puts : {false, true}) {
     puts_only = puts;
