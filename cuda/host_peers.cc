@@ -22,12 +22,12 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using Signal = std::atomic<uint64_t>;
 
-// What made a rank's group unusable (0: nothing).
+// What made a rank's group unusable, as a GPU keeps it in its status word: `failed` set
+// once (with release, after `error`), never cleared until jax_ep.finalize(). Written under
+// the platform's failure mutex; `error` read after `failed` is seen.
 struct RankStatus {
-  bool timed_out = false;  // a wait gave up waiting for `peer` in `op`
-  int op = 0;
-  int peer = 0;
-  Wait wait = Wait::kInOp;
+  std::atomic<bool> failed{false};
+  std::string error;  // what every later call reports: "an earlier call of ..."
 };
 
 // Per-rank state that only the rank's own launches touch, one exchange at a time (`busy`): what
@@ -299,10 +299,8 @@ class HostPlatform {
                        "time, in one order on every rank (jax_ep orders them with a token); "
                        "two at once would share the rank's buffer and flags"};
     }
-    if (state.status.timed_out) {
-      return after_timeout(op, state.status.op, state.status.peer, state.status.wait,
-                           group_->timeouts(),
-                           "call jax_ep.finalize() and jax_ep.initialize() again");
+    if (state.status.failed.load(std::memory_order_acquire)) {
+      return PeerError{name + ": " + state.status.error};
     }
     return PeerError{};
   }
@@ -360,13 +358,18 @@ class HostPlatform {
     bool waits_first() const { return meet.before.has_value(); }
     bool has_last() const { return meet.arrive || meet.after; }
     void first() const {
-      if (!meet.before) return;
       const RankState& own = p->group_->rank(p->me_);
+      if (meet.opens_send && own.regions.in_flight[meet.region][meet.flight_kind] != 0) {
+        p->refuse_send(meet.region);
+      }
+      if (!meet.before || p->rank_failed()) return;
       p->wait_for_peers(*meet.before,
                         meet.region_wait ? own.regions.last_use[meet.region] : own.epoch);
     }
     void done() const {}  // a host put is complete when it returns
-    bool failed() const { return p->failed_.load(std::memory_order_acquire); }
+    // This call's failure, or the rank's from an earlier call (its status word, which the
+    // GPU's launches read too): the launches after it do nothing.
+    bool failed() const { return p->failed_.load(std::memory_order_acquire) || p->rank_failed(); }
     void last() const {
       if (meet.arrive) p->arrive(meet);
       if (meet.after) p->wait_for_peers(*meet.after, p->group_->rank(p->me_).epoch);
@@ -378,40 +381,89 @@ class HostPlatform {
               .count());
     }
     uint64_t limit() const { return p->group_->timeouts().in_op_ns; }
-    void pause() const { std::this_thread::yield(); }
+    // Between the idle polls of a ring wait: a peer that failed stops the wait at once.
+    void pause() const {
+      p->check_peers();
+      std::this_thread::yield();
+    }
     void give_up(RingWaitKind kind, int peer, int channel, uint64_t have, uint64_t want) const {
-      p->fail(peer, Wait::kInOp,
-              ring_timed_out(kind, peer, channel, have, want, p->group_->timeouts()));
+      p->give_up(ring_timed_out(kind, peer, channel, have, want, p->group_->timeouts()));
     }
   };
 
-  // Records the first failure of this rank's op: a wait that gave up waiting for `peer`.
-  void fail(int peer, Wait wait, const std::string& why) {
-    std::lock_guard<std::mutex> lock(failure_);
-    if (failed_.load(std::memory_order_relaxed)) return;
-    group_->rank(me_).status = RankStatus{true, op_, peer, wait};
-    error_ = PeerError{std::string(kPeerOpNames[op_]) + ": " + why};
-    failed_.store(true, std::memory_order_release);
+  // Whether this rank failed, in this call or an earlier one (its status word).
+  bool rank_failed() const {
+    return group_->rank(me_).status.failed.load(std::memory_order_acquire);
   }
 
-  // Records the first failure of this rank's op that leaves the group usable (it failed on
-  // this rank alone, after it met the peers).
-  void refuse(const std::string& why) {
+  // Records the first failure of this rank's op, `why` (what this call reports; `earlier`,
+  // what the rank's later calls report after "an earlier call of "), in the rank's status
+  // word, and tells every peer through its arrival signal (kRankFailed): their waits on this
+  // rank give up at once instead of waiting out a timeout.
+  void fail(const std::string& why, const std::string& earlier) {
     std::lock_guard<std::mutex> lock(failure_);
-    if (failed_.load(std::memory_order_relaxed)) return;
-    error_ = PeerError{why};
-    failed_.store(true, std::memory_order_release);
+    if (!failed_.load(std::memory_order_relaxed)) {
+      error_ = PeerError{why};
+      failed_.store(true, std::memory_order_release);
+    }
+    poison(earlier);
+  }
+  // Records `earlier` as the rank's failure unless it has one (the first stays), and sets
+  // its signal at every peer to its arrivals so far with kRankFailed, where it stays (arrive).
+  // Under failure_; no launch of the rank arrives meanwhile (a launch arrives after all its
+  // units are done).
+  void poison(const std::string& earlier) {
+    RankState& own = group_->rank(me_);
+    if (own.status.failed.load(std::memory_order_relaxed)) return;
+    own.status.error = "an earlier call of " + earlier;
+    own.status.failed.store(true, std::memory_order_release);
+    for (int p = 0; p < group_->num_ranks(); ++p) {
+      group_->signal(p, me_).store(own.epoch | kRankFailed, std::memory_order_release);
+    }
+  }
+  // A peer's arrival signal carries kRankFailed: this rank stops too.
+  void fail_by_peer(int peer) {
+    const std::string why = peer_failed(peer);
+    fail(std::string(kPeerOpNames[op_]) + ": " + why,
+         std::string(kPeerOpNames[op_]) + " on this rank " + why);
+  }
+  // fail_by_peer for the first peer whose arrival signal carries kRankFailed, if any.
+  void check_peers() {
+    for (int p = 0; p < group_->num_ranks(); ++p) {
+      if (p != me_ && (group_->signal(me_, p).load(std::memory_order_acquire) & kRankFailed)) {
+        fail_by_peer(p);
+        return;
+      }
+    }
+  }
+  // A wait that gave up: `why` says how (a timeout).
+  void give_up(const std::string& why) {
+    fail(std::string(kPeerOpNames[op_]) + ": " + why,
+         std::string(kPeerOpNames[op_]) + " on this rank " + why + "; the EP group is unusable, "
+         "call jax_ep.finalize() and jax_ep.initialize() again");
+  }
+
+  // A send on a region in flight, refused as on a GPU (Meet::opens_send): the rank's status
+  // word records it (this call returns; the rank's next call reports it), and its signals
+  // carry kRankFailed, so that every peer's next wait on this rank gives up too.
+  void refuse_send(int region) {
+    std::lock_guard<std::mutex> lock(failure_);
+    poison(in_flight_error(op_, region) + "; the EP group is unusable, call jax_ep.finalize() "
+           "and jax_ep.initialize() again");
   }
 
   // Tells every peer that this rank finished one more launch (after its writes), and records
-  // the arrival of a low-latency op in its region's record.
+  // the arrival of a low-latency op in its region's record. Once the rank failed, its
+  // signals keep the count and the bit poison() set: its later launches did nothing.
   void arrive(const Meet& meet) {
     RankState& own = group_->rank(me_);
-    const uint64_t arrivals = ++own.epoch;
+    const uint64_t arrivals = own.epoch + 1;
     if (meet.region >= 0 &&
         !record_arrival(&own.regions, meet.region, meet.flight, meet.flight_kind, arrivals)) {
-      refuse(in_flight_error(op_, meet.region));
+      refuse_send(meet.region);
     }
+    own.epoch = arrivals;
+    if (rank_failed()) return;
     for (int p = 0; p < group_->num_ranks(); ++p) {
       group_->signal(p, me_).store(arrivals, std::memory_order_release);
     }
@@ -424,8 +476,15 @@ class HostPlatform {
     const Clock::time_point start = Clock::now();
     for (int p = 0; p < group_->num_ranks(); ++p) {
       const Signal& arrived = group_->signal(me_, p);
-      for (int spin = 0; arrived.load(std::memory_order_acquire) < target; ++spin) {
-        if (failed_.load(std::memory_order_acquire)) return;
+      for (int spin = 0;; ++spin) {
+        const uint64_t seen = arrived.load(std::memory_order_acquire);
+        // Arrivals from before a peer failed count; a peer that failed first never comes.
+        if ((seen & ~kRankFailed) >= target) break;
+        if ((seen & kRankFailed) != 0 && p != me_) {
+          fail_by_peer(p);
+          return;
+        }
+        if (failed_.load(std::memory_order_acquire) || rank_failed()) return;
         if (spin < 64) {
           std::this_thread::yield();
           continue;
@@ -433,7 +492,7 @@ class HostPlatform {
         const auto waited =
             std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start);
         if (static_cast<uint64_t>(waited.count()) > timeout_ns) {
-          fail(p, wait, timed_out(p, wait, group_->timeouts()));
+          give_up(timed_out(p, wait, group_->timeouts()));
           return;
         }
         std::this_thread::sleep_for(std::chrono::microseconds(20));

@@ -156,11 +156,29 @@ class LocalPlatform {
   int index_ = 0;
 };
 
+// The calling thread's current device, made current again when the guard goes: a call makes
+// its own GPU current (LocalPlatform::open), and XLA's thread must find the device it had.
+class CurrentDeviceGuard {
+ public:
+  CurrentDeviceGuard() {
+    if (cudaGetDevice(&device_) != cudaSuccess) device_ = -1;
+  }
+  ~CurrentDeviceGuard() {
+    if (device_ >= 0) cudaSetDevice(device_);
+  }
+  CurrentDeviceGuard(const CurrentDeviceGuard&) = delete;
+  CurrentDeviceGuard& operator=(const CurrentDeviceGuard&) = delete;
+
+ private:
+  int device_ = -1;
+};
+
 }  // namespace
 
 template <typename Args>
 PeerError run_local(int op, const Args& args, const int32_t* axis_index, int num_sms,
                     cudaStream_t stream, const GroupTable& groups, int ordinal) {
+  const CurrentDeviceGuard restore;
   LocalPlatform platform;
   PeerError error =
       platform.open(op, args.num_ranks, axis_index, num_sms, stream, groups, ordinal);

@@ -90,7 +90,10 @@ enum class Wait { kStart, kInOp };
 // less (`region_wait`): until every peer arrived as often as this rank had when the region's
 // last op arrived (the peers are done with the region, not necessarily with an op on the
 // other one). Its arriving launch records the region's last use and, by `flight`, whether an
-// exchange of `flight_kind` is now in flight on it.
+// exchange of `flight_kind` is now in flight on it. The first launch of a send
+// (`opens_send`) refuses it, before it writes anything, when the region still holds an
+// exchange of its kind that was not received: a failure of the rank (status 5), which every
+// rank of a group running the same program finds by itself.
 //
 // Everything a launch meets with is fixed when the op is issued (attributes and buffer
 // addresses): what changes from call to call (the arrival counts, the regions' records) lives
@@ -107,6 +110,7 @@ struct Meet {
   bool region_wait = false;
   int8_t flight = 0;  // kFlightSend, kFlightReceive or 0 (nothing in flight changes)
   int flight_kind = kFlightDispatch;
+  bool opens_send = false;  // the first launch of a send on `region` (refused when busy)
   int waits() const { return before.has_value() + after.has_value(); }
 };
 
@@ -121,8 +125,7 @@ struct RegionRecord {
 
 // The arrival (the `arrivals`-th) of a launch of a low-latency op on `region`: records the
 // region's last use and what is in flight on it. False when the op sends on a region that
-// still holds an exchange of its kind: the send overwrote it, so the error fails the step that
-// made both calls, and the region is free again for the next step.
+// still holds an exchange of its kind (its first launch refused it already, Meet::opens_send).
 JAX_EP_HOST_DEVICE bool record_arrival(RegionRecord* record, int region, int8_t flight,
                                        int kind, uint64_t arrivals) {
   record->last_use[region] = arrivals;
@@ -130,6 +133,22 @@ JAX_EP_HOST_DEVICE bool record_arrival(RegionRecord* record, int region, int8_t 
   const bool refused = flight == kFlightSend && busy != 0;
   if (flight != 0) busy = flight == kFlightSend && !refused;
   return !refused;
+}
+
+// A rank that fails (a wait gave up, a send refused: the GPU's status word, the host peers'
+// RankStatus) sets its signal at every peer to its arrivals so far with this bit, and leaves
+// it so: its later launches do nothing and arrive no more. A peer's wait satisfied by the
+// arrivals from before the failure goes on (those launches did their work); one that needs a
+// later arrival stops at once (peer_failed) instead of waiting out a timeout. So a failure
+// anywhere reaches the whole group within a poll, and no rank goes on with rows that a failed
+// peer never sent.
+constexpr uint64_t kRankFailed = uint64_t{1} << 63;
+
+// Why a wait of this rank stopped when peer `peer`'s signal carried kRankFailed.
+inline std::string peer_failed(int peer) {
+  return "stopped because EP peer " + std::to_string(peer) + " failed in an earlier exchange "
+         "(its own error names the cause); the EP group is unusable, call jax_ep.finalize() "
+         "and jax_ep.initialize() again (on GPUs, restart the processes if a peer timed out)";
 }
 
 struct Timeouts {
@@ -662,7 +681,7 @@ PeerError run_op(Platform& p, int op, const LowLatencyArgs& out) {
   }
   // What first publishes to the peers waits for them to be done with the last op on the
   // region; the op's last launch arrives, recording the send or the receive.
-  const Meet first{Wait::kStart, false, {}, a.buffer, true};
+  const Meet first{Wait::kStart, false, {}, a.buffer, true, 0, kFlightDispatch, true};
   Meet last{Wait::kStart, true, {}, a.buffer, true, kFlightSend, kFlightDispatch};
   return with_peers(p, [&](const auto& peers) {
     using Peers = std::decay_t<decltype(peers)>;
@@ -674,6 +693,8 @@ PeerError run_op(Platform& p, int op, const LowLatencyArgs& out) {
         p.per_warp(LowLatencyCount{a}, a.num_chunks, first,
                    LowLatencyTotals<Peers>{a, a.first_rank, 1, peers});
         last.before.reset();
+      } else {
+        last.opens_send = true;
       }
       if constexpr (Peers::kPuts) {
         with_ll_stage(a, [&](const auto& stage) { p.per_warp(stage, stage.items(), Meet{}); });
@@ -711,7 +732,7 @@ PeerError run_op(Platform& p, int op, const LowLatencyCombineArgs& in) {
     if (send) {
       if constexpr (Peers::kPuts) p.per_warp(LowLatencyCombineStage{a}, sources, Meet{});
       p.per_warp(LowLatencyCombineSend<Peers>{a, peers}, sources,
-                 Meet{Wait::kStart, true, {}, a.buffer, true, kFlightSend, kFlightCombine});
+                 Meet{Wait::kStart, true, {}, a.buffer, true, kFlightSend, kFlightCombine, true});
     } else {
       const LowLatencyCombineToken sums{a};
       p.per_warp(sums, sums.items(),

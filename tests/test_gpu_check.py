@@ -79,7 +79,9 @@ def test_script_records_steps_it_cannot_run(tmp_path):
 def test_the_smoke_check_rehearses_on_cpu_devices():
     """tools/gpu_multiprocess_smoke.py --local runs its check over the devices of one process:
     between GPUs through CUDA peer access, here between 8 CPU devices through host peers, on a
-    (data 2, ep 4) mesh, each shard against the reference of its EP group."""
+    (data 2, ep 4) mesh, each shard against the reference of its EP group; then a refused
+    low-latency send, reported by every rank, and the group again after a new
+    initialization."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools",
@@ -87,12 +89,14 @@ def test_the_smoke_check_rehearses_on_cpu_devices():
                            "--local", "--data", "2"],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "smoke in one process with 8 devices (cpu, store, 2 EP groups): ok" in proc.stdout
+    assert re.search(r"smoke in one process with 8 devices \(cpu, store, 2 EP groups; a refused "
+                     r"send reported in [\d.]+ s\): ok", proc.stdout), proc.stdout
 
 
 def test_the_graph_case_rehearses_on_cpu_devices(tmp_path):
     """tools/gpu_graph_case.py's decode loop between 4 CPU devices (host peers): the runs
-    with and without command buffers (none on the CPU) agree bit for bit, and the bench row is
+    with and without command buffers (none on the CPU) agree bit for bit, the program
+    compiled ahead of time runs right after a new initialization, and the bench row is
     written, marked not meaningful."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
@@ -104,6 +108,7 @@ def test_the_graph_case_rehearses_on_cpu_devices(tmp_path):
     record = json.loads(row.read_text())
     assert record["name"] == "ll_roundtrip_graph" and record["meaningful"] is False, record
     assert "times not meaningful here" in proc.stdout
+    assert "run after a new initialize(): recorded again: the same result" in proc.stdout
 
 
 def script_steps() -> list[str]:

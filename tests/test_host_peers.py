@@ -166,39 +166,57 @@ def test_two_low_latency_exchanges_in_flight_on_the_two_regions(R):
     assert_trees_bitwise(got, want)
 
 
-def test_a_second_dispatch_sent_on_a_buffer_in_flight_is_refused():
+# (streamed, access, replayed): each of the four once, and each pair of them.
+REFUSALS = [(False, "store", False), (True, "store", True), (False, "put", True),
+            (True, "put", False)]
+
+
+@pytest.mark.parametrize("streamed, access, replayed", REFUSALS,
+                         ids=[f"{'streamed' if s else 'phased'}-{a}s{'-replayed' if r else ''}"
+                              for s, a, r in REFUSALS])
+def test_a_dispatch_sent_on_a_buffer_in_flight_fails_every_rank(monkeypatch, streamed, access,
+                                                                  replayed):
     """Two dispatches sent on one low-latency buffer before either is received: the second
-    would overwrite the first's messages, so it fails and names the fix. A failed exchange
-    leaves the order of exchanges in error (later programs with exchanges fail with its
-    error) until jax_ep is initialized again; then the same dispatches on the two buffers
-    run."""
-    R, T, K, E, H = 2, 4, 2, 4, 128
+    would overwrite the first's messages, so its own launches refuse it on every rank, as on a
+    GPU (the send returns; the rank's status word holds the refusal), and the next exchange
+    of every rank (here a dispatch and combine, phased or streamed, over stores or puts, run
+    or replayed) reports it, naming the fix: the program returns nothing. The group stays
+    unusable, and later programs fail with the same error, until jax_ep is initialized again;
+    then the same step on the two buffers runs and matches the portable backend."""
+    if replayed:
+        monkeypatch.setenv("JAX_EP_CPU_REPLAY", "1")
+    R, T, K, E, H = 4, 6, 2, 8, 128
     rng = np.random.default_rng()
-    idx, _ = routing(rng, R, T, K, E, "uniform")
+    idx, w = routing(rng, R, T, K, E, "uniform")
     x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
 
-    def program(buffers):
-        def per_shard(x, idx):
-            sent = [jax_ep.low_latency_dispatch_send(x, idx, num_experts=E, backend="cuda",
-                                                     buffer=b) for b in buffers]
-            sent = jax.lax.optimization_barrier(sent)  # both sends before either receive
-            return [jax_ep.low_latency_dispatch_recv(p)[0].count for p in sent]
+    def program(buffers, backend="cuda"):
+        def per_shard(x, idx, w):
+            for b in buffers:  # both sends before any receive
+                jax_ep.low_latency_dispatch_send(x, idx, num_experts=E, backend=backend,
+                                                 buffer=b)
+            recv, handle = jax_ep.dispatch(x, idx, w, num_experts=E, backend=backend)
+            return jax_ep.combine(recv.x, handle, backend=backend)
 
         return per_shard
 
-    refused = (r"jax_ep_ll_dispatch_send: low-latency buffer 0 still holds an exchange that "
-               r"was sent and not yet received; call low_latency_dispatch_recv on it .* or "
-               r"send this one on buffer 1")
-    with pytest.raises(Exception, match=refused):
-        jax.block_until_ready(sharded(program((0, 0)), R)(x, idx))
-    with pytest.raises(Exception, match=refused):
-        jax.block_until_ready(sharded(program((0, 1)), R)(x, idx))
-    state = jax_ep.runtime.state()
-    jax_ep.finalize()
-    jax_ep.initialize(buffer_bytes=state["buffer_bytes"],
-                      low_latency_bytes=state["low_latency_bytes"])
-    counts = [np.asarray(c) for c in sharded(program((0, 1)), R)(x, idx)]
-    np.testing.assert_array_equal(counts[0], counts[1])
+    refused = (r"jax_ep_dispatch: an earlier call of jax_ep_ll_dispatch_send: low-latency "
+               r"buffer 0 still holds an exchange that was sent and not yet received; call "
+               r"low_latency_dispatch_recv on it .* or send this one on buffer 1 .*the EP "
+               r"group is unusable, call jax_ep.finalize\(\) and jax_ep.initialize\(\) again")
+    with host_peers_with(monkeypatch, JAX_EP_PEER_ACCESS=access,
+                         JAX_EP_CHANNELS="2,1,2" if streamed else "off") as state:
+        assert (state["channels"] is not None) == streamed
+        with pytest.raises(Exception, match=refused):
+            jax.block_until_ready(sharded(program((0, 0)), R)(x, idx, w))
+        with pytest.raises(Exception, match="low-latency buffer 0 still holds"):
+            jax.block_until_ready(sharded(program((0, 1)), R)(x, idx, w))
+        jax_ep.finalize()
+        jax_ep.initialize(buffer_bytes=state["buffer_bytes"],
+                          low_latency_bytes=state["low_latency_bytes"])
+        got = np.asarray(sharded(program((0, 1)), R)(x, idx, w))
+    want = np.asarray(sharded(program((0, 1), "xla"), R)(x, idx, w))
+    assert_bitwise(got, want, "the combine after a new initialization")
 
 
 @pytest.mark.parametrize("R", [3, 8])

@@ -12,7 +12,9 @@ command buffers, --xla_gpu_graph_min_graph_size=1). The check:
   - with command buffers on, XLA's dump shows the exchange calls inside a command buffer
     (the thunk sequence after XLA's thunk passes, or a command_buffer computation of the HLO);
   - each run's result equals the first's (XLA runs a step eagerly, then records, then
-    replays), and the results with command buffers on equal those with them off, bit for bit.
+    replays), and the results with command buffers on equal those with them off, bit for bit;
+  - the program compiled ahead of time and recorded, then run after jax_ep.finalize() and a
+    new initialize(), is recorded again or refused with an error, never wrong in silence.
 Then each mode times the program (median of repeats, after the warm-up): the bench row
 `ll_roundtrip_graph`, microseconds per decode step with command buffers off and on, written
 to --json. On CPU devices (no GPU) it runs as a rehearsal: host peers over
@@ -92,9 +94,41 @@ def run_mode(steps: int, out_dir: str, repeats: int) -> dict:
             start = time.perf_counter()
             jax.block_until_ready(fn(*args))
             times.append(time.perf_counter() - start)
+        want = np.asarray(out.addressable_shards[0].data)
+        stale = replay_after_finalize(fn, args, want, lambda: jax_ep.initialize(
+            jax_ep.BufferConfig(num_tokens=T, hidden=H, top_k=K, num_experts=E, num_ranks=R,
+                                low_latency_tokens=T)))
     jax_ep.finalize()
     return {"us_per_step": statistics.median(times) / steps * 1e6,
-            "platform": jax.devices()[0].platform}
+            "platform": jax.devices()[0].platform, "after_finalize": stale}
+
+
+def replay_after_finalize(fn, args, want, initialize) -> str:
+    """A program compiled ahead of time, run (and so recorded), then run again after
+    jax_ep.finalize() and `initialize()`: its command buffer holds the old buffer's
+    addresses. Either XLA records it again (its result is right) or its launches find the
+    buffer changed, do nothing, and the next call reports it (docs/contract.md, "Command
+    buffers"); never a wrong result without an error. Returns which happened."""
+    import jax
+    import numpy as np
+
+    import jax_ep
+
+    compiled = fn.lower(*args).compile()
+    for _ in range(2):  # run, record and replay
+        jax.block_until_ready(compiled(*args))
+    jax_ep.finalize()
+    initialize()
+    try:
+        out = jax.block_until_ready(compiled(*args))
+        if np.array_equal(np.asarray(out.addressable_shards[0].data), want):
+            return "recorded again: the same result"
+        jax.block_until_ready(fn(*args))  # a fresh call's handler reports the stale replay
+    except Exception as e:  # noqa: BLE001 (the report, whatever XLA wraps it in)
+        assert "recorded before jax_ep.finalize()" in str(e), f"the stale replay: {e}"
+        return "refused: the stale replay reported"
+    raise AssertionError("a replay recorded before jax_ep.finalize() returned a wrong result "
+                         "and no call reported it")
 
 
 def worker(args) -> None:
@@ -220,6 +254,8 @@ def main() -> int:
             if data.tobytes() != results["off"]["runs"][key].tobytes():
                 failures.append(f"run {key[0]}, rank {key[1]}: command buffers on differ from "
                                 "off")
+    print(f"graph case: a program compiled before jax_ep.finalize(), run after a new "
+          f"initialize(): {results['on']['after_finalize']}")
     off, on = results["off"]["us_per_step"], results["on"]["us_per_step"]
     row = {"name": "ll_roundtrip_graph", "processes": args.processes, "steps": args.steps,
            "shape": {"T": T, "K": K, "E": E, "H": H}, "platform": platform,

@@ -102,10 +102,49 @@ def check(data: int) -> str:
 
     compare(run(low_latency, ll_x, ll_idx, ll_w), ll_want, "low-latency round trip")
     state = jax_ep.runtime.state()
+    refused_in = check_refusal(run, x, idx, w)
+    # The group works again after a new initialization.
+    jax_ep.initialize(jax_ep.BufferConfig(num_tokens=T, hidden=H, top_k=K, num_experts=E,
+                                          num_ranks=R, low_latency_tokens=TL))
+    compare(run(low_latency, ll_x, ll_idx, ll_w), ll_want,
+            "low-latency round trip after a refused send")
     jax_ep.finalize()
     groups = f", {D} EP groups" if D > 1 else ""
     nodes = f", nodes of {state['ranks_per_node']}" if state["ranks_per_node"] else ""
-    return f"{state['platform']}, {state['peer_access']}{nodes}{groups}"
+    return (f"{state['platform']}, {state['peer_access']}{nodes}{groups}; a refused send "
+            f"reported in {refused_in:.2f} s")
+
+
+def check_refusal(run, x, idx, w) -> float:
+    """Two low-latency dispatches sent on buffer 0 before a receive, then a dispatch and
+    combine: the second send's first launch refuses it on every rank (status 5), the kernels
+    after it give up at once, and a later call reports it, naming the fix, well within the op
+    timeout (no rank waits for another). Finalizes; returns the seconds to the report."""
+    import time
+
+    import jax
+
+    import jax_ep
+
+    def sends_then_normal(x, idx, w):
+        for _ in range(2):
+            jax_ep.low_latency_dispatch_send(x[0][:TL], idx[0][:TL], num_experts=E,
+                                             backend="cuda", buffer=0)
+        recv, handle = jax_ep.dispatch(x[0], idx[0], w[0], num_experts=E, backend="cuda")
+        return jax_ep.combine(recv.x, handle, backend="cuda")[None]
+
+    start = time.monotonic()
+    error = ""
+    for _ in range(2):  # a GPU reports it in the first call whose handler runs after it
+        try:
+            jax.block_until_ready(run(sends_then_normal, x, idx, w))
+        except Exception as e:  # noqa: BLE001 (the refusal, whatever XLA wraps it in)
+            error = str(e)
+            break
+    took = time.monotonic() - start
+    assert "low-latency buffer 0 still holds" in error, f"the refusal is reported: {error!r}"
+    jax_ep.finalize()
+    return took
 
 
 def worker(rank: int, num_processes: int, port: int, data: int) -> None:

@@ -662,16 +662,22 @@ void check_two_at_once() {
              errors[0].message + "', '" + errors[1].message + "', '" + at_peer.message + "'");
 }
 
-// A low-latency dispatch sent twice on one region before its receive, replayed: the second
-// send is refused by its own launches (they record what is in flight), naming the fix; the
-// region is free again, and the next send and receive on it run.
-void check_in_flight_refused(uint32_t seed) {
-  const Shape s{2, 5, 2, 4, 128, 10, false, false};
+// A low-latency dispatch sent twice on one region before its receive, replayed, then a
+// phased or streamed dispatch and combine (`streamed`): the second send is refused by its own
+// launches, as on a GPU (the rank's status word records it; the send returns), and every
+// rank's next call reports it, naming the fix, without running (its results untouched);
+// every later call too, until jax_ep.finalize() and jax_ep.initialize(), after which the
+// group works again.
+void check_in_flight_refused(uint32_t seed, bool streamed) {
+  Shape s{2, 5, 2, 4, 128, 10, false, false};
+  if (streamed) s.channels = 2, s.chunk_tokens = 1, s.ring_chunks = 2;
   RoundData d(s, seed, std::mt19937(seed));
   struct Outcome {
-    PeerError first, refused, after;
+    PeerError first, second, dispatch, combine;
   };
   std::vector<Outcome> out(s.R);
+  const std::vector<char> untouched(d.dp.recv_x.size(), '\x5a');
+  d.dp.recv_x = untouched;
   std::vector<std::thread> ranks;
   for (int r = 0; r < s.R; ++r) {
     ranks.emplace_back([&, r] {
@@ -680,19 +686,98 @@ void check_in_flight_refused(uint32_t seed) {
       out[r].first = host::record(kPeerLlDispatchSend, a, r, HostGrid{}, {}, &send);
       if (!out[r].first.ok()) return;
       out[r].first = host::replay(*send);
-      out[r].refused = host::replay(*send);
-      out[r].after = host::run(kPeerLlDispatchSend, a, r, HostGrid{});
-      if (out[r].after.ok()) out[r].after = host::run(kPeerLlDispatchRecv, a, r, HostGrid{});
+      out[r].second = host::replay(*send);
+      out[r].dispatch = host::run(kPeerDispatch, d.dp.args(s, r), r, HostGrid{});
+      out[r].combine = d.cp.with_args(s, d.dp, r, [&](const auto& c) {
+        return host::run(kPeerCombine, c, r, HostGrid{});
+      });
     });
   }
   for (std::thread& t : ranks) t.join();
-  for (const Outcome& o : out) {
-    expect(o.first.ok(), "the first send runs: got '" + o.first.message + "'");
-    expect(o.refused.message.find("jax_ep_ll_dispatch_send: low-latency buffer 0 still holds "
-                                  "an exchange") == 0,
-           "a second send on a region in flight is refused: got '" + o.refused.message + "'");
-    expect(o.after.ok(), "then the region is free: got '" + o.after.message + "'");
+  const std::string refusal =
+      "an earlier call of jax_ep_ll_dispatch_send: low-latency buffer 0 still holds an "
+      "exchange that was sent and not yet received";
+  for (int r = 0; r < s.R; ++r) {
+    const Outcome& o = out[r];
+    const std::string at = " (rank " + std::to_string(r) + (streamed ? ", streamed)" : ")");
+    expect(o.first.ok(), "the first send runs" + at + ": got '" + o.first.message + "'");
+    expect(o.second.ok(), "the second send returns, as on a GPU" + at + ": got '" +
+                              o.second.message + "'");
+    expect(o.dispatch.message.find("jax_ep_dispatch: " + refusal) == 0,
+           "the next call reports the refusal" + at + ": got '" + o.dispatch.message + "'");
+    expect(o.combine.message.find("jax_ep_combine: " + refusal) == 0,
+           "and every later one" + at + ": got '" + o.combine.message + "'");
   }
+  expect(d.dp.recv_x == untouched, "a refused call delivers nothing");
+  // A new initialization: the group works again.
+  host::finalize();
+  if (!host::initialize(16 << 20, 4 << 20).empty()) {
+    expect(false, "initialize again");
+    return;
+  }
+  check_round(s, seed + 1, HostGrid{}, ", after a refusal");
+}
+
+// A call recorded before jax_ep.finalize() holds the freed buffers' addresses: after a new
+// initialization its replay is refused, naming the fix, and touches nothing.
+void check_stale_replay(uint32_t seed) {
+  const Shape s{2, 5, 2, 4, 128, 10, false, false};
+  RoundData d(s, seed, std::mt19937(seed));
+  std::vector<std::shared_ptr<const host::Recording>> recorded(s.R);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < s.R; ++r) {
+    ranks.emplace_back([&, r] {
+      host::record(kPeerDispatch, d.dp.args(s, r), r, HostGrid{}, {}, &recorded[r]);
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  host::finalize();
+  if (!host::initialize(16 << 20, 4 << 20).empty()) {
+    expect(false, "initialize again");
+    return;
+  }
+  for (int r = 0; r < s.R; ++r) {
+    expect(recorded[r] != nullptr, "rank " + std::to_string(r) + " recorded its dispatch");
+    if (recorded[r] == nullptr) continue;
+    const PeerError e = host::replay(*recorded[r]);
+    expect(e.message.find("jax_ep_dispatch: this call was recorded before jax_ep.finalize()") == 0,
+           "a replay after a new initialization is refused: got '" + e.message + "'");
+  }
+}
+
+// A failure on one rank reaches its peers through its arrival signals (kRankFailed) within a
+// poll, not after their timeouts: rank 0 sends twice on region 0 (refused) while rank 1 sends
+// on region 1, so only rank 0 fails; then both dispatch. Rank 0 reports its refusal; rank
+// 1's dispatch, which waits for rank 0 to start it (a start timeout of 2 s here), stops at
+// once naming peer 0.
+void check_failure_reaches_peers(uint32_t seed) {
+  const Shape s{2, 5, 2, 4, 128, 10, false, false};
+  RoundData d(s, seed, std::mt19937(seed));
+  PeerError dispatched[2];
+  double seconds[2] = {0, 0};
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < s.R; ++r) {
+    ranks.emplace_back([&, r] {
+      LowLatencyArgs a = d.lp.dispatch_args(s, r);
+      host::run(kPeerLlDispatchSend, a, r, HostGrid{});
+      a.buffer = r;  // rank 0: region 0 again (refused); rank 1: region 1
+      host::run(kPeerLlDispatchSend, a, r, HostGrid{});
+      const auto start = std::chrono::steady_clock::now();
+      dispatched[r] = host::run(kPeerDispatch, d.dp.args(s, r), r, HostGrid{});
+      seconds[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  expect(dispatched[0].message.find("low-latency buffer 0 still holds") != std::string::npos,
+         "rank 0 reports its refusal: got '" + dispatched[0].message + "'");
+  expect(dispatched[1].message.find("jax_ep_dispatch: stopped because EP peer 0 failed") == 0,
+         "rank 1 stops, naming peer 0: got '" + dispatched[1].message + "'");
+  expect(seconds[1] < 1.0, "rank 1 stops within a poll, not its 2 s timeout: took " +
+                               std::to_string(seconds[1]) + " s");
+  const PeerError again = host::run(kPeerDispatch, d.dp.args(s, 1), 1, HostGrid{});
+  expect(again.message.find("an earlier call of jax_ep_dispatch on this rank stopped because "
+                            "EP peer 0 failed") != std::string::npos,
+         "and remembers it: got '" + again.message + "'");
 }
 
 }  // namespace
@@ -730,7 +815,6 @@ int main() {
   for (const Shape& s : {shapes[0], shapes[3], shapes[8]}) {
     check_replays(s, seed + 10 * round++, warps);
   }
-  check_in_flight_refused(seed + 10 * round++);
   host::finalize();
   // Dispatch and combine streamed through rings a few slots deep, over stores and over puts,
   // so that every ring wraps around many times (T not a multiple of a chunk, capacity cuts).
@@ -786,6 +870,12 @@ int main() {
   check_group_rules();
   for (const bool ep_first : {false, true}) check_two_groups_at_once(ep_first, seed + 1000);
   host::finalize();
+  // A refused low-latency send: every rank reports it, then a new initialization.
+  for (const bool streamed : {false, true}) {
+    if (!host::initialize(16 << 20, 4 << 20).empty()) return 2;
+    check_in_flight_refused(seed + 10 * round++, streamed);
+    host::finalize();
+  }
   setenv("JAX_EP_START_TIMEOUT_S", "2", 1);
   setenv("JAX_EP_TIMEOUT_S", "0.2", 1);
   if (!host::initialize(1 << 20, 0).empty()) return 2;
@@ -795,6 +885,12 @@ int main() {
   host::finalize();
   if (!host::initialize(1 << 20, 0).empty()) return 2;
   check_ring_timeout();
+  host::finalize();
+  if (!host::initialize(16 << 20, 4 << 20).empty()) return 2;
+  check_failure_reaches_peers(seed + 10 * round++);
+  host::finalize();
+  if (!host::initialize(16 << 20, 4 << 20).empty()) return 2;
+  check_stale_replay(seed + 10 * round++);
   host::finalize();
   std::printf("host peers test: %s\n", failures ? "FAILED" : "passed");
   return failures ? 1 : 0;
