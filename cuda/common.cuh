@@ -8,12 +8,10 @@
 
 namespace jax_ep::cuda {
 
-// Launches kernel<<<blocks, threads, 0, stream>>>(args...) and returns the status of this
-// launch alone (cudaGetLastError after a <<<>>> launch would also report, and clear, an
-// earlier unrelated error of the thread). Errors that poison the context are still reported.
-template <typename... Params, typename... Args>
-cudaError_t launch(void (*kernel)(Params...), unsigned blocks, unsigned threads,
-                   cudaStream_t stream, Args... args) {
+// Calls launch(pointers) with an array of pointers to `args`, converted to the kernel's
+// parameter types, as the launch APIs take them.
+template <typename... Params, typename... Args, typename Launch>
+cudaError_t with_kernel_args(void (*)(Params...), const Launch& launch, Args... args) {
   static_assert(sizeof...(Params) > 0 && sizeof...(Params) == sizeof...(Args),
                 "one argument per kernel parameter");
   std::tuple<Params...> values(args...);
@@ -24,8 +22,46 @@ cudaError_t launch(void (*kernel)(Params...), unsigned blocks, unsigned threads,
         ((pointers[i++] = &value), ...);
       },
       values);
-  return cudaLaunchKernel(reinterpret_cast<const void*>(kernel), dim3(blocks), dim3(threads),
-                          pointers, 0, stream);
+  return launch(pointers);
+}
+
+// Launches kernel<<<blocks, threads, 0, stream>>>(args...) and returns the status of this
+// launch alone (cudaGetLastError after a <<<>>> launch would also report, and clear, an
+// earlier unrelated error of the thread). Errors that poison the context are still reported.
+template <typename... Params, typename... Args>
+cudaError_t launch(void (*kernel)(Params...), unsigned blocks, unsigned threads,
+                   cudaStream_t stream, Args... args) {
+  return with_kernel_args(
+      kernel,
+      [&](void** pointers) {
+        return cudaLaunchKernel(reinterpret_cast<const void*>(kernel), dim3(blocks),
+                                dim3(threads), pointers, 0, stream);
+      },
+      args...);
+}
+
+// launch() as a cooperative launch: every block of the grid is resident at once, or the launch
+// fails (cudaErrorCooperativeLaunchTooLarge), whatever else runs on the GPU (other kernels,
+// an MPS client's share of the SMs): for kernels whose blocks wait on each other. A stream
+// capture records it as a cooperative kernel node.
+template <typename... Params, typename... Args>
+cudaError_t launch_cooperative(void (*kernel)(Params...), unsigned blocks, unsigned threads,
+                               cudaStream_t stream, Args... args) {
+  return with_kernel_args(
+      kernel,
+      [&](void** pointers) {
+        cudaLaunchAttribute cooperative{};
+        cooperative.id = cudaLaunchAttributeCooperative;
+        cooperative.val.cooperative = 1;
+        cudaLaunchConfig_t config{};
+        config.gridDim = dim3(blocks);
+        config.blockDim = dim3(threads);
+        config.stream = stream;
+        config.attrs = &cooperative;
+        config.numAttrs = 1;
+        return cudaLaunchKernelExC(&config, reinterpret_cast<const void*>(kernel), pointers);
+      },
+      args...);
 }
 
 constexpr int kWarpSize = 32;

@@ -689,6 +689,14 @@ JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peer
       zero_row(scales.to + i * S, S * 4, lane, lanes);
     }
   }
+  // Where each token of the group landed on d (src_row): a search among its source's rows,
+  // each lane its own token (tokens i * lanes + lane), so that a warp runs 32 at once.
+  const int64_t tokens = int64_t{R} * a.num_tokens, t = int64_t{i} * lanes + lane;
+  if (t < tokens) {
+    int32_t* src_row = o.src_row ? o.src_row + ld * tokens : a.src_row + ld * tokens;
+    src_row[t] = dispatch_src_row(a, peers, d, static_cast<int>(t / a.num_tokens),
+                                  static_cast<int>(t % a.num_tokens));
+  }
   if (lane != 0) return;
   if (i < cap && packed) dispatch_unpack(a, peers, d, i, kept);
   if (i < cap && !packed) {
@@ -714,12 +722,6 @@ JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peer
       land(landing(peers, a.row_entries, o.row_entries, int64_t{rows} * K, d, ld), i, K,
            i < num_rows, -1);
     }
-  }
-  if (i < int64_t{R} * a.num_tokens) {
-    const int64_t tokens = int64_t{R} * a.num_tokens;
-    int32_t* src_row = o.src_row ? o.src_row + ld * tokens : a.src_row + ld * tokens;
-    src_row[i] = dispatch_src_row(a, peers, d, static_cast<int>(i / a.num_tokens),
-                                  static_cast<int>(i % a.num_tokens));
   }
   if (i < El) {
     int32_t count = 0;

@@ -131,8 +131,10 @@ __global__ void __launch_bounds__(kPhaseThreads)
 }
 
 // One streaming launch: its units wait for each other, so every block must be resident at
-// once; a launch with more blocks than the GPU holds is refused
-// (cudaErrorCooperativeLaunchTooLarge) rather than left to hang.
+// once: a cooperative launch, which the GPU schedules whole or refuses
+// (cudaErrorCooperativeLaunchTooLarge), so that other work on the GPU or an MPS client's
+// share of its SMs cannot leave a partner unscheduled; a launch with more blocks than the
+// GPU holds is refused before it is tried.
 template <typename Body, typename Meeting, typename Watch>
 cudaError_t per_unit(const Body& body, int first_rank, int ranks, int64_t units,
                      cudaStream_t stream, const Meeting& meet, const Watch& watch) {
@@ -154,8 +156,8 @@ cudaError_t per_unit(const Body& body, int first_rank, int ranks, int64_t units,
   if (blocks > static_cast<int64_t>(sms) * per_sm) {
     return cudaErrorCooperativeLaunchTooLarge;
   }
-  return launch(kernel, static_cast<unsigned>(blocks), kPhaseThreads, stream, body, meet, watch,
-                ticket, first_rank, ranks, units);
+  return launch_cooperative(kernel, static_cast<unsigned>(blocks), kPhaseThreads, stream, body,
+                            meet, watch, ticket, first_rank, ranks, units);
 }
 
 }  // namespace jax_ep::cuda
