@@ -123,7 +123,9 @@ def test_backends_give_the_same_training_trajectory():
 @pytest.mark.parametrize("fp8_dispatch", [False, True])
 def test_expert_alignment_leaves_results_unchanged(fp8_dispatch):
     """Aligned groups (with padding between them) give the packed layer's output and
-    gradients bit for bit."""
+    gradients, within float32 rounding: jax.lax.ragged_dot over differently padded groups may
+    sum in another order on some CPUs (neither XLA nor the contract promises its order); the
+    exchange itself is bit for bit (tests/test_alignment.py)."""
     x = np.asarray(jax.random.normal(jax.random.key(3), (2, 8, 128)))
     results = []
     for alignment in (None, 8):
@@ -136,7 +138,7 @@ def test_expert_alignment_leaves_results_unchanged(fp8_dispatch):
             g = nnx.jit(nnx.grad(lambda m, x: jnp.sum(jnp.sin(m(x)[0]))))(model, x)
         results.append((y, g["w_up"][...], g["router"][...]))
     for a, b in zip(*results, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def test_masked_tokens_go_nowhere():
