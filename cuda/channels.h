@@ -115,6 +115,12 @@ JAX_EP_HOST_DEVICE void set_counter(const Peers& peers, uint64_t* slot, int rank
   }
 }
 
+// Sender warps per channel of a streaming launch on a GPU, and as many receivers (dispatch):
+// one sender reads a token's row once for up to kFanOut of its rings (warps that split a
+// token's destinations would each read it). The CPU's grid runs its warps per channel instead,
+// so that the split of a channel's rings between warps runs too.
+constexpr int kGpuChannelWarps = 1;
+
 // The tail's bit that says the sender wrote its last slot.
 constexpr uint64_t kRingClosed = uint64_t{1} << 63;
 
@@ -146,9 +152,10 @@ struct Rings {
   JAX_EP_HOST_DEVICE char* slot(char* area, int c, int link, int64_t n) const {
     return area + (ring(c, link) * ring_slots() + n % ring_slots()) * slot_bytes;
   }
-  // Per send ring (c, l): slots sent and published, and where the sender's scan is (a token,
-  // the combine's); per receive ring (c, l): slots consumed, and the tail last read.
-  enum RingState { kSent, kPublished, kCursor, kConsumed, kSeen, kStateWords };
+  // Per send ring (c, l): slots sent and published, where the sender's scan is (a token, the
+  // combine's), and the head last read; per receive ring (c, l): slots consumed, and the tail
+  // last read.
+  enum RingState { kSent, kPublished, kCursor, kHead, kConsumed, kSeen, kStateWords };
   JAX_EP_HOST_DEVICE int64_t& at(int c, int link, RingState word) const {
     return state[kStateWords * ring(c, link) + word];
   }
@@ -244,7 +251,14 @@ JAX_EP_HOST_DEVICE void ring_publish(const Rings& g, const Peers& peers, int c, 
       sent = true;
     }
   }
-  w.fence();
+  // Over stores the warp's slot stores come before the leader's release of the tail (its
+  // release store makes what the warp barrier ordered before it visible with it); over puts
+  // the slots were written into this rank's send ring for the NIC to read: a full fence.
+  if constexpr (Peers::kPuts) {
+    w.fence();
+  } else {
+    w.sync();
+  }
   if (w.leader()) {
     if (!sent) set_counter(peers, tail, l.rank, value);
     g.published(c, l.here) = upto;
@@ -272,9 +286,27 @@ JAX_EP_HOST_DEVICE int64_t ring_head(const Rings& g, int c, int l, const Warp& w
   return static_cast<int64_t>(head);
 }
 
-// Whether send ring (c, l) has a free slot for its next one.
+// Opens send ring (c, l) for an op (its sender's leader): nothing sent, published or consumed.
+JAX_EP_HOST_DEVICE void ring_open(const Rings& g, int c, int l) {
+  g.sent(c, l) = g.published(c, l) = g.at(c, l, Rings::kHead) = 0;
+}
+
+// Reads send ring (c, l)'s head again and keeps it (kHead); returns it, in every lane.
+JAX_EP_HOST_DEVICE int64_t ring_refresh_head(const Rings& g, int c, int l, const Warp& w) {
+  const int64_t head = ring_head(g, c, l, w);
+  if (w.leader()) g.at(c, l, Rings::kHead) = head;
+  w.sync();
+  return head;
+}
+
+// Whether send ring (c, l) has a free slot for its next one: by the head last read, which is
+// read again (an acquire over the link) only when the ring looks full by it. The slots below
+// the head last read were free when it was read, so the cached head never lets a slot be
+// overwritten before its receiver read it.
 JAX_EP_HOST_DEVICE bool ring_has_space(const Rings& g, int c, int l, const Warp& w) {
-  return g.sent(c, l) - ring_head(g, c, l, w) < g.ring_slots();
+  const int64_t sent = g.sent(c, l);
+  if (sent - g.at(c, l, Rings::kHead) < g.ring_slots()) return true;
+  return sent - ring_refresh_head(g, c, l, w) < g.ring_slots();
 }
 
 // Waits until send ring (c, l) has a free slot, publishing what it holds first so that the
@@ -288,7 +320,7 @@ JAX_EP_HOST_DEVICE bool ring_reserve(const Rings& g, const Peers& peers, int c, 
   Patience<Watch> patience(watch, w);
   int64_t consumed = 0;
   do {
-    consumed = ring_head(g, c, l.here, w);
+    consumed = ring_refresh_head(g, c, l.here, w);
     if (sent - consumed < g.ring_slots()) return true;
   } while (patience.again(false));
   if (patience.expired() && w.leader()) {
@@ -317,11 +349,12 @@ JAX_EP_HOST_DEVICE uint64_t ring_tail(const Rings& g, int c, int l, const Warp& 
 }
 
 // Returns the slots of receive ring (c, l) consumed so far to its sender (its head), after
-// the lanes' reads of them.
+// the lanes' reads of them: the warp barrier orders the lanes' loads (their values already
+// stored elsewhere) before the leader's release of the head, or its signal over puts.
 template <typename Peers>
 JAX_EP_HOST_DEVICE void ring_release(const Rings& g, const Peers& peers, int c, RingLink l,
                                      const Warp& w) {
-  w.fence();
+  w.sync();
   if (w.leader()) {
     set_counter(peers, g.head + g.ring(c, l.there), l.rank,
                 static_cast<uint64_t>(g.consumed(c, l.here)));

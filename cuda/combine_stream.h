@@ -55,7 +55,7 @@ JAX_EP_HOST_DEVICE void combine_stream_send(const CombineArgs<T>& a, const Peers
   const int first = g.first_token(c, Tn), end = g.first_token(c + 1, Tn);
   if (w.leader()) {
     for (int s = j; s < R; s += senders) {
-      g.sent(c, s) = g.published(c, s) = 0;
+      ring_open(g, c, s);
       g.at(c, s, Rings::kCursor) = first;
     }
   }

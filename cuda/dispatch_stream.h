@@ -210,10 +210,7 @@ JAX_EP_HOST_DEVICE void dispatch_stream_send(const DispatchArgs& a, const NodePe
                     : RingLink{i - size, relay_end(a, me, i - size), a.relay_of(me, i - size)};
   };
   if (w.leader()) {
-    for (int i = j; i < dests; i += senders) {
-      const Rings& r = i < size ? g : q;
-      r.sent(c, link(i).here) = r.published(c, link(i).here) = 0;
-    }
+    for (int i = j; i < dests; i += senders) ring_open(i < size ? g : q, c, link(i).here);
   }
   w.sync();
   const int end = g.first_token(c + 1, T);
@@ -360,10 +357,7 @@ JAX_EP_HOST_DEVICE void dispatch_stream_forward(const DispatchArgs& a, const Nod
   const int me = a.first_rank, P = a.node_ranks();
   const int first = a.node_of(me) * P, size = a.node_size(a.node_of(me));
   if (w.leader()) {
-    for (int d = first; d < first + size; ++d) {
-      const int here = node_link(a, me, d, f).here;
-      g.sent(c, here) = g.published(c, here) = 0;
-    }
+    for (int d = first; d < first + size; ++d) ring_open(g, c, node_link(a, me, d, f).here);
   }
   w.sync();
   auto publish = [&](bool closed) {

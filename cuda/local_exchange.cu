@@ -140,9 +140,7 @@ class LocalPlatform {
     status_ = launch_units(body, meet, LocalNet{peers()}, false, reinterpret_cast<uint64_t*>(symmetric()),
                            op_, axis_index_, stream_, state());
   }
-  // One sender warp per channel: it reads a token's row once for up to kFanOut of its rings
-  // (warps that split a token's destinations would each read it).
-  int senders_per_channel() const { return 1; }
+  int senders_per_channel() const { return kGpuChannelWarps; }
   PeerError result(int op) const { return launch_error(op, status_); }
 
  private:

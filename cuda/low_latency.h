@@ -604,54 +604,78 @@ JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int
                      lane, lanes);
 }
 
+// Warps per (local expert, source) pair of the low-latency receive (ll_finish): each moves
+// every W-th of the pair's messages, so that the receive's copying items, E/R x R x W per
+// receiver, are about twice the messages a receiver gets on average (T*K over its E/R x R
+// pairs); a pair holds at most T messages (a source's tokens, each once).
+JAX_EP_HOST_DEVICE int ll_finish_pair_warps(int num_tokens, int top_k, int num_experts) {
+  const int64_t w = (2 * int64_t{num_tokens} * top_k + num_experts - 1) / num_experts;
+  return w < 1 ? 1 : w > num_tokens ? num_tokens : static_cast<int>(w);
+}
+// The receive's items per receiver: the pairs' warps, then one per 32 tokens of the group
+// (their src_row, a token per lane).
+JAX_EP_HOST_DEVICE int64_t ll_finish_copies(const LowLatencyArgs& a) {
+  return int64_t{a.num_experts} * ll_finish_pair_warps(a.num_tokens, a.top_k, a.num_experts);
+}
+JAX_EP_HOST_DEVICE int64_t ll_finish_items(const LowLatencyArgs& a) {
+  return ll_finish_copies(a) + (a.slots() + 31) / 32;
+}
+
 // Phase 3 (the receive, between devices; with every rank here the send delivers), items
-// (d, r) for r in [0, E/R * R*T): compact slot r of receiver d. Rows past their expert's count
-// are left as they are (docs/contract.md, "Padding"); counted rows (and src_row, items
-// r < R*T) move from their per-source slots in the symmetric buffer to XLA's results, src_row
-// made compact. The first slot of each expert writes the count.
+// (d, p) of receiver d. p < ll_finish_copies: warp w of the pair (local expert j, source q),
+// p = (j * R + q) * W + w, moves the pair's messages w, w + W, ... from their per-source
+// slots in the symmetric buffer to their compact slots in XLA's results (after the messages
+// of lower sources): the items follow the messages, not the slots (most of which are empty at
+// decode sizes). Rows past an expert's count are left as they are (docs/contract.md,
+// "Padding"); warp 0 of source 0's pair writes the expert's count. The other items compact
+// src_row, a token per lane.
 template <typename Peers>
-JAX_EP_HOST_DEVICE void ll_finish(const LowLatencyArgs& a, const Peers& peers, int d, int64_t r,
+JAX_EP_HOST_DEVICE void ll_finish(const LowLatencyArgs& a, const Peers& peers, int d, int64_t p,
                                   int lane, int lanes) {
-  const int R = a.num_ranks, T = a.num_tokens, El = a.experts_per_rank();
-  const int64_t S = a.scale_words(), slots = a.slots();
-  const int j = static_cast<int>(r / slots), e = d * El + j;
-  const int64_t i = r % slots;
-  int32_t count = 0;
-  for (int q = 0; q < R; ++q) count += a.counts[static_cast<int64_t>(q) * a.num_experts + e];
-  if (i < count) {
-    int32_t before = 0;  // the source q whose messages hold compact slot i
-    int q = 0;
-    for (; q < R - 1; ++q) {
-      const int32_t c = a.counts[static_cast<int64_t>(q) * a.num_experts + e];
-      if (i < before + c) break;
-      before += c;
-    }
-    const int64_t from = j * slots + static_cast<int64_t>(q) * T + (i - before);
-    const int64_t bytes = a.row_bytes();
-    copy_row(static_cast<char*>(a.out_x) + (a.local(d) * El * slots + r) * bytes,
-             own_copy(peers, static_cast<char*>(a.recv_x), El * slots * bytes, d) + from * bytes,
-             bytes, lane, lanes);
-    if (S > 0) {
-      copy_row(a.out_scales + (a.local(d) * El * slots + r) * S,
-               own_copy(peers, a.recv_scales, El * slots * S, d) + from * S, S * 4, lane, lanes);
-    }
-  }
-  if (lane != 0) return;
-  if (i == 0) a.count[a.local(d) * El + j] = count;
-  if (r < slots) {  // the choices of token r of the group
+  const int R = a.num_ranks, T = a.num_tokens, E = a.num_experts, El = a.experts_per_rank();
+  const int64_t slots = a.slots(), copies = ll_finish_copies(a);
+  if (p >= copies) {  // the choices of tokens (p - copies) * lanes + lane, ...
     const int K = a.top_k;
-    const int32_t* sent = own_copy(peers, a.src_row, slots * K, d) + r * K;
-    int32_t* to = a.out_src_row + (a.local(d) * slots + r) * K;
-    for (int k = 0; k < K; ++k) {
-      int32_t row = sent[k];
-      if (row >= 0) {
-        const int32_t jk = static_cast<int32_t>(row / slots);
-        const int32_t slot = static_cast<int32_t>(row % slots);
-        row = static_cast<int32_t>(jk * slots) +
-              ll_compact_slot(a, slot / T, d * El + jk, slot % T);
+    const int32_t* sent = own_copy(peers, a.src_row, slots * K, d);
+    const int64_t step = (ll_finish_items(a) - copies) * lanes;
+    for (int64_t r = (p - copies) * lanes + lane; r < slots; r += step) {
+      int32_t* out = a.out_src_row + (a.local(d) * slots + r) * K;
+      for (int k = 0; k < K; ++k) {
+        int32_t row = sent[r * K + k];
+        if (row >= 0) {
+          const int32_t jk = static_cast<int32_t>(row / slots);
+          const int32_t slot = static_cast<int32_t>(row % slots);
+          row = static_cast<int32_t>(jk * slots) +
+                ll_compact_slot(a, slot / T, d * El + jk, slot % T);
+        }
+        out[k] = row;
       }
-      to[k] = row;
     }
+    return;
+  }
+  const int W = ll_finish_pair_warps(T, a.top_k, E);
+  const int w = static_cast<int>(p % W), q = static_cast<int>(p / W % R);
+  const int j = static_cast<int>(p / W / R), e = d * El + j;
+  int32_t before = 0, total = 0;  // the expert's messages from sources below q, and from all
+  for (int r = 0; r < R; ++r) {
+    const int32_t c = a.counts[static_cast<int64_t>(r) * E + e];
+    before += r < q ? c : 0;
+    total += c;
+  }
+  if (lane == 0 && q == 0 && w == 0) a.count[a.local(d) * El + j] = total;
+  const int32_t mine = a.counts[static_cast<int64_t>(q) * E + e];
+  const int64_t from = j * slots + static_cast<int64_t>(q) * T;  // the pair's first slot
+  const int64_t to = a.local(d) * El * slots + j * slots + before;
+  const int64_t bytes = a.row_bytes(), S = a.scale_words();
+  const char* x = own_copy(peers, static_cast<const char*>(a.recv_x), El * slots * bytes, d);
+  for (int32_t n = w; n < mine; n += W) {
+    copy_row(static_cast<char*>(a.out_x) + (to + n) * bytes, x + (from + n) * bytes, bytes,
+             lane, lanes);
+  }
+  if (S == 0) return;
+  const float* scales = own_copy(peers, static_cast<const float*>(a.recv_scales), El * slots * S, d);
+  for (int32_t n = w; n < mine; n += W) {
+    copy_row(a.out_scales + (to + n) * S, scales + (from + n) * S, S * 4, lane, lanes);
   }
 }
 

@@ -706,7 +706,7 @@ PeerError run_op(Platform& p, int op, const LowLatencyArgs& out) {
       // Once every message has arrived (the peers sent it in their send).
       last.region_wait = false;
       last.flight = kFlightReceive;
-      p.per_warp(LowLatencyFinish<Peers>{a, peers}, a.experts_per_rank() * a.slots(), last);
+      p.per_warp(LowLatencyFinish<Peers>{a, peers}, ll_finish_items(a), last);
     }
     return p.result(op);
   });

@@ -2,7 +2,8 @@
 //
 // A launch covers ranks [first_rank, first_rank + ranks) x items [0, items): all R ranks with
 // virtual ranks, this rank alone between GPUs, one item per warp, its 32 lanes copying
-// 16-byte words. Grids are capped and grid-stride, so any problem size fits one launch.
+// 16-byte words. Grids are one wave (the blocks the SMs hold at once) and grid-stride, so any
+// problem size fits one launch and every block meets the peers once.
 //
 // A launch may also have a tail (NoTail): items that need every item of the launch done (the
 // count phase's totals and bases). The block that finishes last, found with a ticket, runs
@@ -46,6 +47,13 @@ __device__ __forceinline__ bool is_last_block(unsigned* ticket) {
   return last;
 }
 
+// The current device's SMs; false when CUDA cannot say.
+inline bool device_sms(int* sms) {
+  int device = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess;
+}
+
 // Blocks of kPhaseThreads threads that one SM holds at once (at least 1).
 template <typename Kernel>
 int blocks_per_sm(Kernel kernel) {
@@ -87,8 +95,8 @@ __global__ void __launch_bounds__(kPhaseThreads, MinBlocksPerSm<Phase>::value)
 }
 
 // One launch of `phase` over ranks x items, then `tail`, meeting as `meet` says, on at most
-// `num_sms` SMs' worth of blocks (0: kMaxPhaseBlocks blocks): num_sms times the blocks one SM
-// holds at once, so the launch takes no more warp slots than num_sms SMs have. A launch with
+// `num_sms` SMs' worth of blocks (0: every SM's): num_sms times the blocks one SM holds at
+// once, so the launch takes no more warp slots than num_sms SMs have. A launch with
 // no items still runs when it has a tail or meets its peers.
 template <typename Phase, typename Tail = NoTail, typename Meeting = NoMeet>
 cudaError_t per_warp(const Phase& phase, int first_rank, int ranks, int64_t items,
@@ -102,11 +110,12 @@ cudaError_t per_warp(const Phase& phase, int first_rank, int ranks, int64_t item
     const cudaError_t status = stream_ticket(stream, &ticket);
     if (status != cudaSuccess) return status;
   }
-  int64_t most = kMaxPhaseBlocks;
-  if (num_sms > 0) {
-    static const int per_sm = blocks_per_sm(per_warp_kernel<Phase, Tail, Meeting>);
-    most = std::min<int64_t>(static_cast<int64_t>(num_sms) * per_sm, kMaxPhaseBlocks);
-  }
+  // One wave: at most the blocks the SMs (num_sms of them, or every one) hold at once, so that
+  // every block is resident from the start and meets the peers once; the grid strides.
+  static const int per_sm = blocks_per_sm(per_warp_kernel<Phase, Tail, Meeting>);
+  int sms = num_sms;
+  if (sms <= 0 && !device_sms(&sms)) sms = static_cast<int>(kMaxPhaseBlocks / per_sm);
+  const int64_t most = std::min<int64_t>(static_cast<int64_t>(sms) * per_sm, kMaxPhaseBlocks);
   const int64_t blocks = std::clamp<int64_t>((total + kPhaseWarps - 1) / kPhaseWarps, 1, most);
   return launch(per_warp_kernel<Phase, Tail, Meeting>, static_cast<unsigned>(blocks),
                 kPhaseThreads, stream, phase, tail, meet, ticket, first_rank, ranks, items);
@@ -146,11 +155,8 @@ cudaError_t per_unit(const Body& body, int first_rank, int ranks, int64_t units,
     if (status != cudaSuccess) return status;
   }
   const auto kernel = per_unit_kernel<Body, Meeting, Watch>;
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    return cudaGetLastError();
-  }
+  int sms = 0;
+  if (!device_sms(&sms)) return cudaGetLastError();
   static const int per_sm = blocks_per_sm(kernel);  // once per kernel, as per_warp does
   const int64_t blocks = std::max<int64_t>((total + kPhaseWarps - 1) / kPhaseWarps, 1);
   if (blocks > static_cast<int64_t>(sms) * per_sm) {

@@ -128,6 +128,20 @@ nb::dict Meter(bool reset) {
   return out;
 }
 
+// The kernels' launch parameters that bound how many bytes their copies keep in flight (the
+// account's, jax_ep.tools.account, checked against these by its tests).
+nb::dict KernelParameters() {
+  nb::dict out;
+  out["words_in_flight"] = jax_ep::kWordsInFlight;
+  out["word_bytes"] = static_cast<int>(sizeof(jax_ep::Word));
+  out["phase_warps"] = jax_ep::kBlockWarps;
+  out["copy_blocks_per_sm"] = jax_ep::kCopyBlocksPerSm;  // Hopper's (the host's value)
+  out["channel_warps"] = jax_ep::kGpuChannelWarps;
+  out["forwarders"] = jax_ep::kForwarders;
+  out["fan_out"] = jax_ep::kFanOut;
+  return out;
+}
+
 // Length of the int32 workspace of FFI target `target` for V stacked ranks (cuda/exchange.h).
 int64_t Workspace(const std::string& target, int num_ranks, int num_tokens, int top_k,
                   int num_experts, int64_t V) {
@@ -166,6 +180,10 @@ NB_MODULE(_ext, m) {
         "{'ffi_api_version', 'cuda', 'cuda_arch', 'nvshmem_version'} of this build; cuda_arch "
         "lists the GPU architectures built ('sm_80,sm_90,...': machine code; 'compute_XX': "
         "PTX). The last two are None without CUDA.");
+  m.def("kernel_parameters", &KernelParameters,
+        "The kernels' launch parameters behind the account's bytes in flight: loads in flight "
+        "per lane, bytes per load, warps per block, copy blocks per SM (Hopper), sender warps "
+        "per channel on a GPU, forwarders, destinations per read.");
   m.def("meter",
         &Meter,
         nb::arg("reset") = true,

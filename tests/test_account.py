@@ -410,3 +410,62 @@ def test_low_latency_rows_fill_the_gpu_at_decode_sizes():
                 continue
             assert send.row_warps >= account.WARPS_TARGET, send
             assert (send.warps >= account.WARPS_TARGET) == between, send
+
+
+@pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
+def test_bytes_in_flight_follow_the_kernels_launch_parameters():
+    """The account's bytes in flight rest on the kernels' own numbers (jax_ep._ext.
+    kernel_parameters(): loads in flight per lane and their bytes, warps per block, the copy
+    kernels' blocks per SM, sender warps per channel on a GPU, forwarders, destinations per
+    read), so they cannot drift from the code."""
+    p = _ffi.EXT.kernel_parameters()
+    assert (account.WORDS_IN_FLIGHT, account.WORD_BYTES) == (p["words_in_flight"],
+                                                             p["word_bytes"])
+    assert (account.PHASE_WARPS, account.COPY_BLOCKS_PER_SM) == (p["phase_warps"],
+                                                                 p["copy_blocks_per_sm"])
+    assert (account.CHANNEL_SENDERS, account.FORWARDERS, account.FAN_OUT) == (
+        p["channel_warps"], p["forwarders"], p["fan_out"])
+
+
+def test_bytes_in_flight_bound_each_op_s_copy_rate():
+    """Little's law per op: its least parallel row-moving launch's warps (at most what its SM
+    budget holds at once) x 32 lanes x the loads in flight, over a load's latency (NVLink
+    between GPUs, HBM with virtual ranks). The streaming launch keeps 2 warps per channel
+    moving rows (a sender and a receiver); a phased send is capped by num_sms."""
+    rng = np.random.default_rng()
+    R, T, K, E = 8, int(rng.integers(600, 900)), 8, 64
+    idx = account.uniform_routing(rng, R, T, K, E)
+    per_warp = account.LANES * account.WORDS_IN_FLIGHT * account.WORD_BYTES
+    channels = runtime.Channels()
+    streamed = account.dispatch(idx, num_experts=E, row_bytes=1024, between=True,
+                                channels=channels)
+    f = account.flight(streamed, between=True)
+    assert f.warps == channels.channels * 2 * account.CHANNEL_SENDERS
+    assert f.bytes == f.warps * per_warp and f.latency_s == account.NVLINK_LATENCY_S
+    assert f.bound_bps == pytest.approx(f.bytes / 2e-6)
+    phased = account.dispatch(idx, num_experts=E, row_bytes=1024, between=True)
+    f = account.flight(phased, between=True, num_sms=5)
+    assert f.warps == 5 * account.COPY_BLOCKS_PER_SM * account.PHASE_WARPS  # T warps, capped
+    assert account.flight(phased, between=True, num_sms=200).warps == min(
+        phased.row_warps, 200 * account.COPY_BLOCKS_PER_SM * account.PHASE_WARPS)
+    virtual = account.flight(account.dispatch(idx, num_experts=E, row_bytes=1024),
+                             between=False)
+    assert virtual.latency_s == account.HBM_LATENCY_S
+    assert virtual.link_bps == account.H100_COPY_BPS
+    # Meeting the target: a bound of 1.2 x the link's rate.
+    assert virtual.meets == (virtual.bytes / 1e-6 >= 1.2 * 3.35e12)
+
+
+def test_the_low_latency_receive_follows_the_messages():
+    """Between GPUs the low-latency receive's items follow the messages, not the slots: W
+    warps per (local expert, source) pair, about twice the messages a receiver gets, and one
+    per 32 tokens for src_row (at DeepSeek's decode shapes 2,080 items for 1,024 messages per
+    rank, where one per slot was 32,768); at least one warp per pair and at most T."""
+    R, T, K, E = 8, 128, 8, 256
+    idx = account.uniform_routing(np.random.default_rng(), R, T, K, E)
+    _, recv = account.low_latency_dispatch(idx, num_experts=E, hidden=7168, between=True)
+    per_receiver = int(account.messages(idx, E).sum()) // R
+    assert recv.warps == recv.row_warps == account.ll_finish_items(R, T, K, E) == 2080
+    assert recv.warps <= 2 * per_receiver + R * T // 32
+    assert account.ll_finish_items(2, 1, 1, 256) == 256 + 1  # a warp per pair at least
+    assert account.ll_finish_items(2, 4, 8, 8) == 8 * 4 + 1  # at most T per pair

@@ -146,12 +146,12 @@ def messages(topk_idx: np.ndarray, num_experts: int) -> np.ndarray:
     return (ids >= 0) & first
 
 
-# Destinations a source row is written to per read of it (cuda/exchange.h, kFanOut).
+# Destinations a source row is written to per read of it (cuda/primitives.h, kFanOut).
 FAN_OUT = 8
-# Sender warps per channel of a streaming launch on a GPU (cuda/peer_exchange.cu,
-# senders_per_channel; on the CPU the grid's warps), and as many receivers (dispatch; the
-# combine has one).
+# Sender warps per channel of a streaming launch on a GPU (cuda/channels.h, kGpuChannelWarps;
+# on the CPU the grid's warps), and as many receivers (dispatch; the combine has one).
 CHANNEL_SENDERS = 1
+FORWARDERS = 2  # node-aware forwarder warps per channel (cuda/dispatch_stream.h)
 
 
 def _fan_out_reads(destinations: np.ndarray) -> int:
@@ -184,6 +184,14 @@ def _smallest(ranks: int, *items: int, always: int = 0) -> int | None:
 
 
 LL_WARPS = 1024  # cuda/exchange.h kLlWarps
+
+
+def ll_finish_items(num_ranks: int, num_tokens: int, top_k: int, num_experts: int) -> int:
+    """Items of the low-latency receive per receiver (cuda/low_latency.h, ll_finish_items):
+    W warps per (local expert, source) pair, W about twice the messages a pair gets on average
+    (T*K / E), at least 1, at most T; then one per 32 tokens of the group (src_row)."""
+    pair_warps = min(num_tokens, max(1, -(-2 * num_tokens * top_k // num_experts)))
+    return num_experts * pair_warps + -(-num_ranks * num_tokens // 32)
 
 
 def ll_segments(num_tokens: int, hidden: int, wire: str = "bf16") -> int:
@@ -454,7 +462,7 @@ def _streamed_dispatch(kept, topk_idx, num_experts, row_bytes, scale_bytes, chan
     slot = _round16(_round16(row_bytes) + 4 * (S + 2 + 2 * K))  # the row padded to 16
     delivered = int(kept.sum())
     aware = 0 < ranks_per_node < R
-    forwarders = 2 if aware else 0  # cuda/dispatch_stream.h, kForwarders
+    forwarders = FORWARDERS if aware else 0
     units = channels.channels * (2 * senders + forwarders)
     # The slots of each token in the rings of its sender's destinations i (the ranks of its
     # node, then, node-aware, the other nodes); sender warp i % senders writes ring i.
@@ -632,10 +640,11 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     send = Account("ll_dispatch_send", len(items), 1, read, written, minimum,
                    _smallest(1, *items, always=len(items)), _smallest(1, rows), puts_sent)
     landing = m * message  # the receive copies the counted rows out of the symmetric buffer
+    finish = ll_finish_items(R, T, K, E)
     recv = Account("ll_dispatch_recv", 1, 1, landing, landing, 2 * landing,
-                   _smallest(1, E // R * R * T, always=1), _smallest(1, E // R * R * T),
-                   0 if puts else None)
+                   _smallest(1, finish, always=1), _smallest(1, finish), 0 if puts else None)
     return send, recv
+
 
 
 def low_latency_combine(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
@@ -680,6 +689,59 @@ LAUNCH_TARGETS = {"dispatch": 3, "dispatch_rows": 1, "combine": 2, "ll_dispatch_
                   "ll_dispatch_recv": 2, "ll_combine_send": 2, "ll_combine_recv": 2}
 H100_SMS = 132
 WARPS_TARGET = 4 * H100_SMS
+
+# Bytes in flight (docs/cuda.md, "The account"): a launch copies rows at most at the bytes its
+# loads keep in flight over a load's latency (Little's law). Each lane of a warp that moves
+# rows keeps WORDS_IN_FLIGHT loads of WORD_BYTES in flight (cuda/primitives.h), and a launch
+# holds at most num_sms x COPY_BLOCKS_PER_SM blocks of PHASE_WARPS warps at once (cuda/phases.cuh;
+# the copy kernels' occupancy on Hopper, cuda/phase_functors.h). tests/test_account.py checks
+# these against the kernels' (jax_ep._ext.kernel_parameters()).
+WORDS_IN_FLIGHT, WORD_BYTES, LANES = 4, 16, 32
+PHASE_WARPS, COPY_BLOCKS_PER_SM = 8, 4
+# A load's latency and the rate a copy must reach: from HBM on the GPU itself (virtual ranks),
+# from a peer over NVLink (between GPUs), on an H100; a launch's bound should exceed the rate
+# by FLIGHT_TARGET, so that bytes in flight never limit it.
+HBM_LATENCY_S, NVLINK_LATENCY_S = 1e-6, 2e-6
+H100_COPY_BPS, NVLINK_BPS = 3.35e12, 450e9
+FLIGHT_TARGET = 1.2
+
+
+@dataclasses.dataclass(frozen=True)
+class Flight:
+    """The bytes in flight of an op's least parallel launch that moves rows, and the copy
+    rate they bound."""
+
+    warps: int         # warps of that launch moving rows at once
+    bytes: int         # their loads in flight
+    latency_s: float   # a load's latency on the op's link
+    link_bps: float    # the rate the op must reach there
+
+    @property
+    def bound_bps(self) -> float:
+        """Little's law: bytes in flight / latency."""
+        return self.bytes / self.latency_s
+
+    @property
+    def meets(self) -> bool:
+        return self.bound_bps >= FLIGHT_TARGET * self.link_bps
+
+
+def flight(a: Account, between: bool, num_sms: int | None = None) -> Flight | None:
+    """The bytes in flight of account `a`'s least parallel row-moving launch (its row_warps,
+    at most what num_sms SMs hold at once) and the link its rows cross: between GPUs NVLink
+    (the sends write peers; the conservative one for the local copies too), else HBM.
+    num_sms: the op's SM budget; None, its default (jax_ep.DEFAULT_NUM_SMS for the normal ops
+    between GPUs, every SM for the low-latency ops and virtual ranks)."""
+    if a.row_warps is None:
+        return None
+    if num_sms is None:
+        from jax_ep.dispatch import DEFAULT_NUM_SMS
+
+        num_sms = DEFAULT_NUM_SMS if between and not a.op.startswith("ll_") else H100_SMS
+    warps = min(a.row_warps, num_sms * COPY_BLOCKS_PER_SM * PHASE_WARPS)
+    latency, link = (NVLINK_LATENCY_S, NVLINK_BPS) if between else (HBM_LATENCY_S, H100_COPY_BPS)
+    return Flight(warps, warps * LANES * WORDS_IN_FLIGHT * WORD_BYTES, latency, link)
+
 
 # Why the rows that miss a target at DeepSeek's shapes do (see "The account" in docs/cuda.md).
 EXPECTED = {
@@ -785,21 +847,28 @@ def meets(account: Account) -> tuple[bool, bool, bool]:
             account.warps is None or account.warps >= WARPS_TARGET)
 
 
-def table(accounts: Sequence[Account], ranks: int = 1) -> str:
+def table(accounts: Sequence[Account], ranks: int = 1, between: bool = False) -> str:
     """The accounts as a Markdown table; (over) and (under) mark a missed target; over puts,
-    the messages per rank (of `ranks`)."""
+    the messages per rank (of `ranks`); `between`: the ops run between GPUs (their bytes in
+    flight bound NVLink copies, else HBM copies)."""
     lines = ["| op | launches | barriers | GB moved | GB minimum | moved / minimum | "
-             "warps of the smallest launch | puts per rank |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "warps of the smallest launch | KB in flight | bound GB/s (x link) | "
+             "puts per rank |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for a in accounts:
         bytes_ok, launches_ok, warps_ok = meets(a)
         over = {True: "", False: " (over)"}
         warps = "-" if a.warps is None else f"{a.warps}{'' if warps_ok else ' (under)'}"
+        f = flight(a, between)
+        kb = "-" if f is None else f"{f.bytes / 1024:,.0f}"
+        bound = "-" if f is None else (f"{f.bound_bps / 1e9:,.0f} "
+                                       f"({f.bound_bps / f.link_bps:.2f})"
+                                       + ("" if f.meets else " (under)"))
         puts = "-" if a.messages is None else f"{a.messages // ranks:,}"
         lines.append(
             f"| {a.op} | {a.launches}{over[launches_ok]} | {a.barriers} | "
             f"{a.bytes / 1e9:.3f} | {a.minimum / 1e9:.3f} | {a.ratio:.2f}{over[bytes_ok]} | "
-            f"{warps} | {puts} |"
+            f"{warps} | {kb} | {bound} | {puts} |"
         )
     return "\n".join(lines)
 
@@ -889,7 +958,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         accounts = deepseek_accounts(args.ranks, between, args.seed, tokens=args.tokens,
                                      ll_tokens=args.ll_tokens, puts=puts,
                                      ranks_per_node=args.ranks_per_node, channels=rings)
-        print(table(accounts, args.ranks))
+        print(table(accounts, args.ranks, between))
         nodes = args.ranks_per_node if puts else 0
         regions = symmetric_bytes(args.ranks, args.tokens, args.ll_tokens, puts,
                                   nodes) if between else None
