@@ -182,7 +182,8 @@ def test_a_dispatch_sent_on_a_buffer_in_flight_fails_every_rank(monkeypatch, str
     of every rank (here a dispatch and combine, phased or streamed, over stores or puts, run
     or replayed) reports it, naming the fix: the program returns nothing. The group stays
     unusable, and later programs fail with the same error, until jax_ep is initialized again;
-    then the same step on the two buffers runs and matches the portable backend."""
+    then the same step on the two buffers (each exchange received at the end) runs and
+    matches the portable backend."""
     if replayed:
         monkeypatch.setenv("JAX_EP_CPU_REPLAY", "1")
     R, T, K, E, H = 4, 6, 2, 8, 128
@@ -192,11 +193,12 @@ def test_a_dispatch_sent_on_a_buffer_in_flight_fails_every_rank(monkeypatch, str
 
     def program(buffers, backend="cuda"):
         def per_shard(x, idx, w):
-            for b in buffers:  # both sends before any receive
-                jax_ep.low_latency_dispatch_send(x, idx, num_experts=E, backend=backend,
-                                                 buffer=b)
+            # Both sends, then a dispatch and combine, then the receives.
+            sent = [jax_ep.low_latency_dispatch_send(x, idx, num_experts=E, backend=backend,
+                                                     buffer=b) for b in buffers]
             recv, handle = jax_ep.dispatch(x, idx, w, num_experts=E, backend=backend)
-            return jax_ep.combine(recv.x, handle, backend=backend)
+            out = jax_ep.combine(recv.x, handle, backend=backend)
+            return out, [jax_ep.low_latency_dispatch_recv(p)[0].count for p in sent]
 
         return per_shard
 
@@ -214,9 +216,9 @@ def test_a_dispatch_sent_on_a_buffer_in_flight_fails_every_rank(monkeypatch, str
         jax_ep.finalize()
         jax_ep.initialize(buffer_bytes=state["buffer_bytes"],
                           low_latency_bytes=state["low_latency_bytes"])
-        got = np.asarray(sharded(program((0, 1)), R)(x, idx, w))
-    want = np.asarray(sharded(program((0, 1), "xla"), R)(x, idx, w))
-    assert_bitwise(got, want, "the combine after a new initialization")
+        got = to_numpy(sharded(program((0, 1)), R)(x, idx, w))
+    want = to_numpy(sharded(program((0, 1), "xla"), R)(x, idx, w))
+    assert_trees_bitwise(got, want)
 
 
 @pytest.mark.parametrize("R", [3, 8])
