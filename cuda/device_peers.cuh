@@ -330,26 +330,26 @@ struct DeviceMeet {
 
   // Every thread of the block: this rank's writes (every block's, is_last_block) are visible,
   // then each thread p < n sets this rank's signal in EP rank p. A low-latency op's arrival
-  // also records its region's use. Once this rank failed, its signals keep the count and the
-  // bit report() set (every other block is done when the last one arrives: no failure is
-  // reported while this runs).
+  // also records its region's use. Once this rank failed, its signal is its arrivals from
+  // before the failure with kRankFailed (record_failure's failed_at): report() set it already,
+  // but a failure a streaming body's Watch recorded (it has no way to the peers) reaches them
+  // here. Every other block is done when the last one arrives: no failure is recorded while
+  // this runs.
   __device__ void tell_peers() const {
-    __shared__ uint64_t arrivals;
-    __shared__ bool failed;
+    __shared__ uint64_t value;
     if (threadIdx.x == 0) {
-      arrivals = counters->epoch + 1;
+      const uint64_t arrivals = counters->epoch + 1;
       if (region >= 0 &&
           !record_arrival(&counters->regions, region, flight, flight_kind, arrivals)) {
         report(5, region);
       }
       counters->epoch = arrivals;
-      failed = failure() != 0;
+      value = failure() != 0 ? counters->failed_at | kRankFailed : arrivals;
     }
     if (threadIdx.x == 0) net.quiet();  // the tail's puts (done() quieted the items')
     __threadfence_system();
     __syncthreads();
-    if (failed) return;
-    for (int p = threadIdx.x; p < n; p += blockDim.x) net.signal(signals + me, arrivals, p);
+    for (int p = threadIdx.x; p < n; p += blockDim.x) net.signal(signals + me, value, p);
   }
 
   // Every thread of the block: until each peer arrived as often as this rank (`at_region`:
