@@ -22,7 +22,7 @@ namespace jax_ep {
 // weight and token are aligned, and the row moves in 16-byte words whatever H is).
 template <typename T>
 JAX_EP_HOST_DEVICE int64_t combine_slot_row_bytes(const CombineArgs<T>& a) {
-  return (a.hidden * static_cast<int64_t>(sizeof(T)) + 15) / 16 * 16;
+  return word_padded(a.hidden * static_cast<int64_t>(sizeof(T)));
 }
 // Bytes of a combine ring slot: the row part, its weight and its token, to 16.
 template <typename T>

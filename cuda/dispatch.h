@@ -154,21 +154,21 @@ struct DispatchArgs {
   // Bytes of the row part of a slot (packed, ring and relay slots): the row, padded to 16, so
   // that the scales and metadata after it are aligned for their loads and stores, and the
   // row copies move 16-byte words, whatever the row's size (bfloat16 with odd H).
-  JAX_EP_HOST_DEVICE int64_t slot_row_bytes() const { return (row_bytes + 15) / 16 * 16; }
+  JAX_EP_HOST_DEVICE int64_t slot_row_bytes() const { return word_padded(row_bytes); }
   // Bytes of a packed slot: the row part, its scales, its metadata, rounded up to 16.
   JAX_EP_HOST_DEVICE int64_t packed_slot() const {
-    return (slot_row_bytes() + 4 * (scale_cols + 1 + 2 * int64_t{top_k}) + 15) / 16 * 16;
+    return word_padded(slot_row_bytes() + 4 * (scale_cols + 1 + 2 * int64_t{top_k}));
   }
   // Bytes of a ring slot: the row part, its scales, its source, its row on the receiver, the
   // token's K ids and K weights, rounded up to 16 (dispatch_stream.h).
   JAX_EP_HOST_DEVICE int64_t ring_slot() const {
-    return (slot_row_bytes() + 4 * (scale_cols + 2 + 2 * int64_t{top_k}) + 15) / 16 * 16;
+    return word_padded(slot_row_bytes() + 4 * (scale_cols + 2 + 2 * int64_t{top_k}));
   }
   // Bytes of a relay ring's slot: a ring slot's and the targets() (receiver, row) pairs in
   // the relay's node, rounded up to 16.
   JAX_EP_HOST_DEVICE int64_t relay_slot() const {
-    return (slot_row_bytes() + 4 * (scale_cols + 2 + 2 * int64_t{top_k} + 2 * targets()) + 15) /
-           16 * 16;
+    return word_padded(slot_row_bytes() +
+                       4 * (scale_cols + 2 + 2 * int64_t{top_k} + 2 * targets()));
   }
   // Bytes from one row to the next in the receive, send and relay areas.
   JAX_EP_HOST_DEVICE int64_t row_stride() const { return packed ? packed_slot() : row_bytes; }

@@ -421,12 +421,13 @@ class HostPlatform {
       group_->signal(p, me_).store(own.epoch | kRankFailed, std::memory_order_release);
     }
   }
-  // A peer's arrival signal carries kRankFailed: this rank stops too.
-  void fail_by_peer(int peer) {
-    const std::string why = peer_failed(peer);
-    fail(std::string(kPeerOpNames[op_]) + ": " + why,
-         std::string(kPeerOpNames[op_]) + " on this rank " + why);
+  // fail() for a wait of this op that stopped (`why`), `fix` told to the later calls.
+  void stop(const std::string& why, const char* fix = "") {
+    const std::string name = kPeerOpNames[op_];
+    fail(name + ": " + why, name + " on this rank " + why + fix);
   }
+  // A peer's arrival signal carries kRankFailed: this rank stops too.
+  void fail_by_peer(int peer) { stop(peer_failed(peer)); }
   // fail_by_peer for the first peer whose arrival signal carries kRankFailed, if any.
   void check_peers() {
     for (int p = 0; p < group_->num_ranks(); ++p) {
@@ -438,9 +439,7 @@ class HostPlatform {
   }
   // A wait that gave up: `why` says how (a timeout).
   void give_up(const std::string& why) {
-    fail(std::string(kPeerOpNames[op_]) + ": " + why,
-         std::string(kPeerOpNames[op_]) + " on this rank " + why + "; the EP group is unusable, "
-         "call jax_ep.finalize() and jax_ep.initialize() again");
+    stop(why, "; the EP group is unusable, call jax_ep.finalize() and jax_ep.initialize() again");
   }
 
   // A send on a region in flight, refused as on a GPU (Meet::opens_send): the rank's status

@@ -141,9 +141,9 @@ __global__ void __launch_bounds__(kPhaseThreads)
 
 // One streaming launch: its units wait for each other, so every block must be resident at
 // once: a cooperative launch, which the GPU schedules whole or refuses
-// (cudaErrorCooperativeLaunchTooLarge), so that other work on the GPU or an MPS client's
-// share of its SMs cannot leave a partner unscheduled; a launch with more blocks than the
-// GPU holds is refused before it is tried.
+// (cudaErrorCooperativeLaunchTooLarge, also for more blocks than it holds at once), so that
+// other work on the GPU or an MPS client's share of its SMs cannot leave a partner
+// unscheduled.
 template <typename Body, typename Meeting, typename Watch>
 cudaError_t per_unit(const Body& body, int first_rank, int ranks, int64_t units,
                      cudaStream_t stream, const Meeting& meet, const Watch& watch) {
@@ -154,16 +154,10 @@ cudaError_t per_unit(const Body& body, int first_rank, int ranks, int64_t units,
     const cudaError_t status = stream_ticket(stream, &ticket);
     if (status != cudaSuccess) return status;
   }
-  const auto kernel = per_unit_kernel<Body, Meeting, Watch>;
-  int sms = 0;
-  if (!device_sms(&sms)) return cudaGetLastError();
-  static const int per_sm = blocks_per_sm(kernel);  // once per kernel, as per_warp does
   const int64_t blocks = std::max<int64_t>((total + kPhaseWarps - 1) / kPhaseWarps, 1);
-  if (blocks > static_cast<int64_t>(sms) * per_sm) {
-    return cudaErrorCooperativeLaunchTooLarge;
-  }
-  return launch_cooperative(kernel, static_cast<unsigned>(blocks), kPhaseThreads, stream, body,
-                            meet, watch, ticket, first_rank, ranks, units);
+  return launch_cooperative(per_unit_kernel<Body, Meeting, Watch>,
+                            static_cast<unsigned>(blocks), kPhaseThreads, stream, body, meet,
+                            watch, ticket, first_rank, ranks, units);
 }
 
 }  // namespace jax_ep::cuda

@@ -71,6 +71,10 @@ struct alignas(16) Word {
   uint32_t v[4];
 };
 
+// `bytes` rounded up to whole Words: the size slots give a row and themselves, so that what
+// follows stays aligned for any access.
+JAX_EP_HOST_DEVICE int64_t word_padded(int64_t bytes) { return (bytes + 15) / 16 * 16; }
+
 // Words each lane loads before it stores any: the loads of a copy that are in flight at once.
 constexpr int kWordsInFlight = 4;
 
