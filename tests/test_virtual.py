@@ -72,11 +72,13 @@ CASES = [
 
 @needs_extension
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("expert_major", [False, True])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"R{c[0]}-{c[5]}")
-def test_dispatch_combine(backend, expert_major, case):
+def test_dispatch_combine(backend, case):
+    """Each case in a layout drawn by the run's seed (both, over runs; the suite's cost
+    halves), every dtype likewise."""
     R, T, K, E, H, kind = case
     rng = np.random.default_rng()
+    expert_major = bool(rng.integers(2))
     dtype = DTYPES[rng.choice(list(DTYPES))]
     idx, w = routing(rng, R, T, K, E, kind, invalid=bool(rng.integers(2)))
     x = rng.standard_normal((R, T, H)).astype(dtype)
@@ -189,12 +191,13 @@ LL_CASES = [
 
 @needs_extension
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("use_fp8", [False, True])
-@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("case", LL_CASES, ids=lambda c: f"R{c[0]}-{c[5]}")
-def test_low_latency(backend, use_fp8, split, case):
+def test_low_latency(backend, case):
+    """Each case with FP8 or not and in one call or split into send and receive, drawn by the
+    run's seed (all four, over runs)."""
     R, T, K, E, H, kind = case
     rng = np.random.default_rng()
+    use_fp8, split = bool(rng.integers(2)), bool(rng.integers(2))
     idx, w = routing(rng, R, T, K, E, kind, invalid=bool(rng.integers(2)))
     # Varied magnitudes per block, so that FP8 scales differ between blocks and rows.
     x = (rng.standard_normal((R, T, H)) * rng.choice([1e-3, 1.0, 300.0], size=(R, T, 1)))
@@ -225,11 +228,11 @@ def test_low_latency(backend, use_fp8, split, case):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("format", ["e4m3", "e4m3_ue8m0", "mxfp8", "nvfp4"])
-@pytest.mark.parametrize("split", [False, True])
-def test_low_latency_wire_format(backend, format, split):
+def test_low_latency_wire_format(backend, format):
     """The send's cast to each wire format (in the kernel, cuda backend) against
     jax_ep.quant.quantize of the same rows on the CPU, bit for bit; rows of every kind
-    (zeros, subnormals, ties, a format's largest values, NaN and infinity)."""
+    (zeros, subnormals, ties, a format's largest values, NaN and infinity); in one call or
+    split, drawn by the run's seed."""
     from test_fuzz import draw_routing
     from test_quant import _assert_quantized_slots, _low_latency_rows
 
@@ -238,6 +241,7 @@ def test_low_latency_wire_format(backend, format, split):
     rng = np.random.default_rng()
     R, T, K = 3, 9, 3
     E, H = 2 * R, 128 * int(rng.integers(1, 4))
+    split = bool(rng.integers(2))
     idx, _ = draw_routing(rng, R, T, K, E)
     x = _low_latency_rows(rng, R, T, H)
     if split:

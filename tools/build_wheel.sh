@@ -6,7 +6,9 @@
 #   tools/build_wheel.sh [OUT_DIR]        (default: dist/)
 #
 # Environment: ARCHS, the CUDA architectures (default: pyproject.toml's); PYTHON, the
-# interpreter whose version the wheel is for (default: python3). auditwheel tags the wheel
+# interpreter whose version the wheel is for (default: python3); BUILD_LOG, a file that gets
+# the build's output with ptxas's report of every kernel (tools/check_ptxas.py --build-log
+# reads it; without it the build is quiet). auditwheel tags the wheel
 # manylinux and leaves out the CUDA and NVSHMEM libraries that pip provides at run time
 # (NVSHMEM's host library; the CUDA runtime is linked statically, the driver is the system's).
 set -euo pipefail
@@ -28,16 +30,27 @@ python -m pip install --quiet "${requires[@]}" "nvidia-cuda-nvcc==13.0.*" \
 toolkit="$(python -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13"))')"
 
 defines=(-C cmake.define.JAX_EP_CUDA=ON -C "cmake.define.CMAKE_CUDA_COMPILER=$toolkit/bin/nvcc"
-         -C "cmake.define.CUDA_CUDART=$toolkit/lib/libcudart.so.13"
-         -C cmake.define.JAX_EP_PTXAS_VERBOSE=OFF)
+         -C "cmake.define.CUDA_CUDART=$toolkit/lib/libcudart.so.13")
 if [[ -n "${ARCHS:-}" ]]; then
   defines+=(-C "cmake.define.CMAKE_CUDA_ARCHITECTURES=$ARCHS")
 fi
+if [[ -n "${BUILD_LOG:-}" ]]; then
+  defines+=(-C cmake.define.JAX_EP_PTXAS_VERBOSE=ON -v)
+else
+  defines+=(-C cmake.define.JAX_EP_PTXAS_VERBOSE=OFF --quiet)
+fi
 # The pip toolkit keeps its libraries in lib/, where nvcc's own link step does not look
 # (lib64/): LIBRARY_PATH points the linker there. PATH holds no other nvcc.
-env PATH="$toolkit/bin:$work/venv/bin:/usr/bin:/bin" LIBRARY_PATH="$toolkit/lib" \
-  python -m pip wheel --quiet --no-build-isolation --no-deps -w "$work/raw" \
-  -C "build-dir=$work/build" "${defines[@]}" .
+build() {
+  env PATH="$toolkit/bin:$work/venv/bin:/usr/bin:/bin" LIBRARY_PATH="$toolkit/lib" \
+    python -m pip wheel --no-build-isolation --no-deps -w "$work/raw" \
+    -C "build-dir=$work/build" "${defines[@]}" .
+}
+if [[ -n "${BUILD_LOG:-}" ]]; then
+  build > "$BUILD_LOG" 2>&1 || { tail -n 200 "$BUILD_LOG"; echo "build_wheel: failed"; exit 1; }
+else
+  build
+fi
 mkdir -p "$out"
 auditwheel repair --exclude libnvshmem_host.so.3 -w "$out" "$work"/raw/jax_ep-*.whl
 ls -l "$out"/jax_ep-*.whl

@@ -10,6 +10,12 @@ for 4 blocks per SM on Hopper, 2 elsewhere) holds more registers than that allow
 (COPY_REGISTERS). Other kernels are reported but do not fail the check.
 
 Run: python tools/check_ptxas.py [cuda/file.cu ...]
+     python tools/check_ptxas.py --build-log LOG
+
+With --build-log it compiles nothing: it reads the ptxas reports of a build that printed them
+(JAX_EP_PTXAS_VERBOSE=ON, the default, and `pip install -v`, whose log holds Ninja's line
+"Building CUDA object .../cuda/X.cu.o" before each file's report), so that CI checks the very
+kernels it built, every architecture, without compiling them a second time.
 """
 
 from __future__ import annotations
@@ -55,11 +61,14 @@ OTHER_COPY_REGISTERS = 128  # (cuda/phase_functors.h, kCopyBlocksPerSm)
 # ll_segment_cols).
 NOT_COPIES = (re.compile(r"^per_warp_kernel<LowLatencySend<[^<>]*(<[^<>]*>)?, 4>"),)
 
-ENTRY = re.compile(r"Compiling entry function '(\S+)' for")
+ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(sm_\w+)'")
 OWNER = re.compile(r"Function properties for (\S+)")
 WARNING = re.compile(r"warning #\d+")
 PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 REGS = re.compile(r"Used (\d+) registers")
+# Ninja's line before each step's output in a build log.
+BUILD_STEP = re.compile(r"^\[\d+/\d+\] ")
+CUDA_OBJECT = re.compile(r"Building CUDA object \S*?\bcuda/(\w+\.cu)\.o")
 
 
 def architectures() -> list[str]:
@@ -156,17 +165,20 @@ def compile_report(nvcc: str, path: str, arch: str, include: str) -> tuple[int, 
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def parse_kernels(file: str, arch: str, report: str) -> list[Kernel]:
-    """Our entry functions (namespace jax_ep) with their resource use. Device functions of
-    NVSHMEM that ptxas also reports are not ours and are skipped."""
-    kernels: dict[str, Kernel] = {}
+def parse_kernels(file: str, report: str) -> list[Kernel]:
+    """Our entry functions (namespace jax_ep) with their resource use, per architecture (one
+    report may hold several). Device functions of NVSHMEM that ptxas also reports are not ours
+    and are skipped."""
+    kernels: dict[tuple[str, str], Kernel] = {}
+    arch = ""
     current = None
     for line in report.splitlines():
         if match := ENTRY.search(line):
+            arch = match.group(2)
             if "jax_ep" in match.group(1):
-                kernels[match.group(1)] = Kernel(file, match.group(1), f"sm_{arch}")
+                kernels[match.group(1), arch] = Kernel(file, match.group(1), arch)
         elif match := OWNER.search(line):  # the lines below belong to this function
-            current = kernels.get(match.group(1))
+            current = kernels.get((match.group(1), arch))
         elif current and (match := PROPS.search(line)):
             current.stack, current.spill_stores, current.spill_loads = map(int, match.groups())
         elif current and (match := REGS.search(line)):
@@ -174,7 +186,22 @@ def parse_kernels(file: str, arch: str, report: str) -> list[Kernel]:
     return list(kernels.values())
 
 
-def main(argv: list[str]) -> int:
+def split_build_log(log: str) -> dict[str, str]:
+    """The output of each CUDA file's compile step in a build log, by file name."""
+    reports: dict[str, list[str]] = {}
+    lines = None
+    for line in log.splitlines():
+        if BUILD_STEP.match(line):
+            match = CUDA_OBJECT.search(line)
+            lines = reports.setdefault(match.group(1), []) if match else None
+        elif lines is not None:
+            lines.append(line)
+    return {file: "\n".join(lines) for file, lines in reports.items()}
+
+
+def compiled_reports(argv: list[str]) -> tuple[list[tuple[str, str | None, str]], bool]:
+    """(where, what went wrong or None, ptxas's report) for each file and architecture it
+    compiles, and whether every file of cuda/ is among them."""
     nvcc = find_nvcc()
     include = nvshmem_include()
     cuda_dir = os.path.join(ROOT, "cuda")
@@ -183,14 +210,38 @@ def main(argv: list[str]) -> int:
     )
     jobs = [(path, arch) for arch in architectures() for path in paths]
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        reports = list(pool.map(lambda job: compile_report(nvcc, *job, include), jobs))
+        outputs = list(pool.map(lambda job: compile_report(nvcc, *job, include), jobs))
+    return [
+        (f"{os.path.relpath(path, ROOT)} (sm_{arch})", "does not compile" if status else None,
+         report)
+        for (path, arch), (status, report) in zip(jobs, outputs, strict=True)
+    ], not argv
+
+
+def logged_reports(path: str) -> list[tuple[str, str | None, str]]:
+    """The same from a build log; a file of cuda/ that the log does not show compiled (an
+    incremental build that skipped it) is reported as missing."""
+    with open(path, errors="replace") as f:
+        reports = split_build_log(f.read())
+    cuda_dir = os.path.join(ROOT, "cuda")
+    out = []
+    for file in sorted(f for f in os.listdir(cuda_dir) if f.endswith(".cu")):
+        missing = f"is not compiled in {path} (build from a clean build directory with -v)"
+        out.append((f"cuda/{file}", None if file in reports else missing, reports.get(file, "")))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--build-log"] and len(argv) == 2:
+        reports, whole = logged_reports(argv[1]), True
+    else:
+        reports, whole = compiled_reports(argv)
 
     failed = False
     rows: list[Kernel] = []
-    for (path, arch), (status, report) in zip(jobs, reports, strict=True):
-        where = f"{os.path.relpath(path, ROOT)} (sm_{arch})"
-        if status != 0:
-            print(f"check_ptxas: {where} does not compile:\n{report}")
+    for where, error, report in reports:
+        if error:
+            print(f"check_ptxas: {where} {error}" + (f":\n{report}" if report else ""))
             failed = True
             continue
         # nvcc only warns when device code calls a host function, and the kernel then does
@@ -199,7 +250,7 @@ def main(argv: list[str]) -> int:
         if warnings:
             print(f"check_ptxas: {where} compiles with warnings:\n" + "\n".join(warnings))
             failed = True
-        rows += parse_kernels(os.path.basename(path), arch, report)
+        rows += parse_kernels(os.path.basename(where.split()[0]), report)
 
     width = max([len("kernel"), *(len(k.name) for k in rows)])
     fw = max([len("file"), *(len(k.file) for k in rows)])
@@ -222,8 +273,12 @@ def main(argv: list[str]) -> int:
             f"{k.spill_stores:>9} {k.spill_loads:>9} {k.stack:>6}{flag}"
         )
     missing = [h for h in sorted(HOT_KERNELS) if not any(h in k.name for k in rows)]
-    if missing and not argv:
+    if missing and whole:
         print(f"check_ptxas: hot kernels not found in the report: {', '.join(missing)}")
+        failed = True
+    unbuilt = sorted({f"sm_{a}" for a in architectures()} - {k.arch for k in rows})
+    if unbuilt and whole:
+        print(f"check_ptxas: no kernel reported for {', '.join(unbuilt)}")
         failed = True
     print("check_ptxas:", "FAILED" if failed else "ok")
     return 1 if failed else 0
