@@ -81,6 +81,7 @@ def _check_x(op: str, x, num_tokens: int, tokens_of: str = "topk_idx has"
     """x is [T, H] floating, the FP8 pair or a Quantized; returns (x or its data, scales or
     the Quantized's other bytes (quant.to_rows), or None)."""
     if isinstance(x, quant.Quantized):
+        quant.check(op, "x", x)
         _checks.check_array(op, "x.data", x.data, ndim=2, expect="[T, ...] (one row a token)")
         data, scales = quant.to_rows(x)
     elif isinstance(x, (tuple, list)):

@@ -66,6 +66,63 @@ class Quantized:
     packed: bool = static(False)
 
 
+def expected_fields(format: str, lead: tuple[int, ...], hidden: int, packed: bool = False
+                    ) -> dict[str, tuple[Any, tuple[int, ...]] | None]:
+    """{field: (dtype, shape) or None} of a Quantized of `format` holding rows [*lead, H]."""
+    blocks = hidden // BLOCKS[format]
+    return {
+        "e4m3": {"data": (fp8.FP8_DTYPE, (*lead, hidden)), "scales": (jnp.float32, (*lead, blocks)),
+                 "global_scale": None},
+        "e4m3_ue8m0": {"data": (fp8.FP8_DTYPE, (*lead, hidden)),
+                       "scales": (jnp.int32, (*lead, -(-blocks // 4))) if packed
+                       else (jnp.uint8, (*lead, blocks)), "global_scale": None},
+        "mxfp8": {"data": (fp8.FP8_DTYPE, (*lead, hidden)), "scales": (jnp.uint8, (*lead, blocks)),
+                  "global_scale": None},
+        "nvfp4": {"data": (jnp.uint8, (*lead, hidden // 2)),
+                  "scales": (fp8.FP8_DTYPE, (*lead, blocks)), "global_scale": (jnp.float32, lead)},
+    }[format]
+
+
+def check(op: str, name: str, q: Any) -> None:
+    """Raises, naming the field and what it must be, unless `q` is a Quantized as `quantize`
+    makes them: a known format, and data, scales and global_scale of that format's dtypes and
+    shapes for the rows its data holds (H a multiple of the format's block)."""
+    if not isinstance(q, Quantized):
+        raise TypeError(f"{op}: {name} must be a jax_ep.quant.Quantized; got "
+                        f"{type(q).__name__}.")
+    if q.format not in FORMATS:
+        raise ValueError(f"{op}: {name}.format must be one of {', '.join(FORMATS)}; got "
+                         f"{q.format!r}. Make it with jax_ep.quant.quantize(x, format).")
+    if q.packed and q.format != "e4m3_ue8m0":
+        raise ValueError(f"{op}: {name}.packed goes with format 'e4m3_ue8m0'; got format "
+                         f"{q.format!r} packed.")
+    fix = f"Make it with jax_ep.quant.quantize(x, {q.format!r}), which gives these fields."
+    data = q.data
+    if not hasattr(data, "shape") or not hasattr(data, "dtype") or len(data.shape) < 1:
+        raise TypeError(f"{op}: {name}.data must be an array [..., H]; got "
+                        f"{_checks.describe(data)}. {fix}")
+    hidden = data.shape[-1] * (2 if q.format == "nvfp4" else 1)
+    block = BLOCKS[q.format]
+    if hidden % block:
+        raise ValueError(f"{op}: {name}.data holds rows of {hidden} channels; format "
+                         f"{q.format!r} needs a multiple of {block}. {fix}")
+    expected = expected_fields(q.format, tuple(data.shape[:-1]), hidden, q.packed)
+    for field, want in expected.items():
+        got = getattr(q, field)
+        if want is None:
+            if got is not None:
+                raise ValueError(f"{op}: {name}.{field} must be None for format "
+                                 f"{q.format!r}; got {_checks.describe(got)}. {fix}")
+            continue
+        dtype, shape = want
+        if (got is None or not hasattr(got, "dtype") or jnp.dtype(got.dtype) != jnp.dtype(dtype)
+                or tuple(got.shape) != shape):
+            raise ValueError(f"{op}: {name}.{field} must be {jnp.dtype(dtype).name} "
+                             f"{list(shape)} for format {q.format!r}"
+                             f"{' packed' if q.packed else ''} rows of {hidden} channels; got "
+                             f"{'None' if got is None else _checks.describe(got)}. {fix}")
+
+
 def quantize(x: jax.Array, format: str, *, packed: bool = False) -> Quantized:
     """Quantizes `x` [..., H] (any float dtype, H a multiple of the format's block) to
     `format` (FORMATS; the rules in the module's docstring)."""
@@ -89,7 +146,7 @@ def quantize(x: jax.Array, format: str, *, packed: bool = False) -> Quantized:
     x = jnp.where(jnp.abs(x) < SMALLEST_NORMAL, jnp.float32(0), x)
     if format == "nvfp4":
         return _nvfp4(x)
-    blocks = x.reshape(*x.shape[:-1], -1, block)
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
     amax = _amax(blocks)
     if format == "e4m3_ue8m0":
         s = jnp.maximum(amax, jnp.float32(fp8.AMAX_FLOOR)) * jnp.float32(fp8.INV_FP8_MAX)
@@ -116,20 +173,18 @@ def quantize(x: jax.Array, format: str, *, packed: bool = False) -> Quantized:
 def dequantize(q: Quantized, dtype: Any = jnp.float32) -> jax.Array:
     """`q` back to floats [..., H] in `dtype`: each element times its block's scale (and, for
     nvfp4, the row's global scale), in float32."""
-    op = "jax_ep.quant.dequantize"
-    if not isinstance(q, Quantized):
-        raise TypeError(f"{op}: q must be a jax_ep.quant.Quantized; got {type(q).__name__}.")
+    check("jax_ep.quant.dequantize", "q", q)
     block = BLOCKS[q.format]
     if q.format == "e4m3":
         return fp8.dequantize(q.data, q.scales, dtype)
+    values = _unpack_e2m1(q.data) if q.format == "nvfp4" else q.data.astype(jnp.float32)
+    blocks = values.reshape(*values.shape[:-1], values.shape[-1] // block, block)
     if q.format == "nvfp4":
-        values = _unpack_e2m1(q.data)
         scale = q.scales.astype(jnp.float32) * q.global_scale[..., None]
+        blocks = blocks * scale[..., None]
     else:
-        values = q.data.astype(jnp.float32)
-        biased = _unpack(q.scales, q.data.shape[-1] // block) if q.packed else q.scales
-        scale = _power_of_two(biased.astype(jnp.int32))
-    blocks = values.reshape(*values.shape[:-1], -1, block) * scale[..., None]
+        biased = _unpack(q.scales, blocks.shape[-2]) if q.packed else q.scales
+        blocks = _times_power_of_two(blocks, biased.astype(jnp.int32))
     return blocks.reshape(values.shape).astype(dtype)
 
 
@@ -158,18 +213,25 @@ def _mantissa(v: jax.Array) -> jax.Array:
 
 
 def _power_of_two(biased: jax.Array) -> jax.Array:
-    """2^(biased - 127) in float32; NaN for 0xFF. 2^-127 (biased 0) is a subnormal, built as
-    0.5 * 2^-126."""
+    """2^(biased - 127) in float32 for biased 1..254, NaN for 0xFF; 2^-126 for 0 (2^-127 is a
+    subnormal: _times_power_of_two applies it)."""
     normal = jax.lax.bitcast_convert_type(jnp.maximum(biased, 1) << 23, jnp.float32)
-    value = jnp.where(biased == 0, normal * jnp.float32(0.5), normal)
-    return jnp.where(biased == NAN_EXPONENT, jnp.float32(jnp.nan), value)
+    return jnp.where(biased == NAN_EXPONENT, jnp.float32(jnp.nan), normal)
+
+
+def _times_power_of_two(blocks: jax.Array, biased: jax.Array) -> jax.Array:
+    """blocks [..., n, block] times their scales 2^(biased - 127), exact wherever the product
+    is a normal float32: 2^-127 (biased 0) is a subnormal, which XLA:CPU flushes to 0, so it
+    is applied as 2^-126 and then 0.5."""
+    out = blocks * _power_of_two(biased)[..., None]
+    return jnp.where((biased == 0)[..., None], out * jnp.float32(0.5), out)
 
 
 def _pack(biased: jax.Array) -> jax.Array:
     """uint8 [..., n] -> int32 [..., ceil(n / 4)]: byte j in byte j % 4 of word j // 4."""
     n = biased.shape[-1]
     padded = jnp.pad(biased, [(0, 0)] * (biased.ndim - 1) + [(0, -n % 4)])
-    quads = padded.reshape(*biased.shape[:-1], -1, 4).astype(jnp.uint32)
+    quads = padded.reshape(*biased.shape[:-1], padded.shape[-1] // 4, 4).astype(jnp.uint32)
     words = quads[..., 0] | quads[..., 1] << 8 | quads[..., 2] << 16 | quads[..., 3] << 24
     return jax.lax.bitcast_convert_type(words, jnp.int32)
 
@@ -178,7 +240,7 @@ def _unpack(words: jax.Array, n: int) -> jax.Array:
     """The inverse of _pack: uint8 [..., n]."""
     u = jax.lax.bitcast_convert_type(words, jnp.uint32)
     quads = jnp.stack([(u >> (8 * j)) & 0xFF for j in range(4)], axis=-1)
-    return quads.reshape(*words.shape[:-1], -1)[..., :n].astype(jnp.uint8)
+    return quads.reshape(*words.shape[:-1], words.shape[-1] * 4)[..., :n].astype(jnp.uint8)
 
 
 def _nvfp4(x: jax.Array) -> Quantized:
@@ -187,7 +249,7 @@ def _nvfp4(x: jax.Array) -> Quantized:
     zero_row = (rows == 0) | (g < SMALLEST_NORMAL)
     finite_row = jnp.isfinite(rows)
     g = jnp.where(zero_row | ~finite_row, jnp.float32(1), g)
-    blocks = x.reshape(*x.shape[:-1], -1, BLOCKS["nvfp4"])
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // BLOCKS["nvfp4"], BLOCKS["nvfp4"])
     r = jnp.float32(1) / (jnp.float32(6) * g)
     s = jnp.minimum(_amax(blocks) * r[..., None], jnp.float32(E4M3_MAX))
     s_b = s.astype(fp8.FP8_DTYPE)
@@ -197,7 +259,7 @@ def _nvfp4(x: jax.Array) -> Quantized:
     e = jnp.clip(blocks * inverse[..., None], -E2M1_MAX, E2M1_MAX)
     e = jnp.where(finite_row[..., None, None], e, jnp.float32(0))
     codes = jax.lax.bitcast_convert_type(e.astype(jnp.float4_e2m1fn), jnp.uint4)
-    codes = codes.astype(jnp.uint8).reshape(*x.shape[:-1], -1, 2)
+    codes = codes.astype(jnp.uint8).reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
     data = codes[..., 0] | codes[..., 1] << 4
     nan = jnp.float32(jnp.nan)
     scales = jnp.where(finite_row[..., None], s_b.astype(jnp.float32), nan)
@@ -207,7 +269,8 @@ def _nvfp4(x: jax.Array) -> Quantized:
 
 def _unpack_e2m1(data: jax.Array) -> jax.Array:
     """uint8 [..., H/2] -> float32 [..., H]: the low nibble first."""
-    codes = jnp.stack([data & 0xF, data >> 4], axis=-1).reshape(*data.shape[:-1], -1)
+    codes = jnp.stack([data & 0xF, data >> 4], axis=-1)
+    codes = codes.reshape(*data.shape[:-1], data.shape[-1] * 2)
     magnitude = jnp.asarray(np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32))[codes & 7]
     return jnp.where(codes & 8, -magnitude, magnitude)
 
@@ -236,7 +299,7 @@ def to_rows(q: Quantized) -> tuple[jax.Array, jax.Array]:
     parts = [q.scales] + ([q.global_scale[..., None]] if q.global_scale is not None else [])
     row = jnp.concatenate([_as_bytes(p) for p in parts], axis=-1)
     row = jnp.pad(row, [(0, 0)] * (row.ndim - 1) + [(0, -row.shape[-1] % 4)])
-    words = row.reshape(*row.shape[:-1], -1, 4)
+    words = row.reshape(*row.shape[:-1], row.shape[-1] // 4, 4)
     return q.data, jax.lax.bitcast_convert_type(words, jnp.float32)
 
 
@@ -244,7 +307,8 @@ def from_rows(data: jax.Array, words: jax.Array, like: Quantized) -> Quantized:
     """The inverse of `to_rows` for rows of `like`'s format and sizes (any number of rows)."""
     if like.format == "e4m3":
         return Quantized(data, words, None, like.format)
-    row = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(*words.shape[:-1], -1)
+    row = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(*words.shape[:-1],
+                                                                words.shape[-1] * 4)
     n = like.scales.shape[-1] * like.scales.dtype.itemsize
     scales = _from_bytes(row[..., :n], like.scales.dtype)
     global_scale = None
@@ -256,11 +320,12 @@ def from_rows(data: jax.Array, words: jax.Array, like: Quantized) -> Quantized:
 def _as_bytes(a: jax.Array) -> jax.Array:
     """[..., n] of any dtype -> uint8 [..., n * itemsize] (little-endian bytes)."""
     b = jax.lax.bitcast_convert_type(a, jnp.uint8)
-    return b.reshape(*a.shape[:-1], -1)
+    return b.reshape(*a.shape[:-1], a.shape[-1] * a.dtype.itemsize)
 
 
 def _from_bytes(b: jax.Array, dtype: Any) -> jax.Array:
     size = jnp.dtype(dtype).itemsize
     if size == 1:
         return jax.lax.bitcast_convert_type(b, dtype)
-    return jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], -1, size), dtype)
+    return jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], b.shape[-1] // size, size),
+                                        dtype)

@@ -25,6 +25,24 @@ def test_quantize_matches_reference_bitwise(dtype, shape):
     )
 
 
+def test_reference_follows_the_nan_rule():
+    """Blocks holding +-inf or a NaN of either sign: the reference writes what the contract
+    says and fp8.quantize writes (scale the quiet NaN or inf, NaN elements the byte 0x7F,
+    an infinity's finite neighbours 0), byte for byte."""
+    rng = np.random.default_rng()
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    negative_nan = np.array(0xFFC00000, np.uint32).view(np.float32)
+    x[0, 3], x[1, 200], x[2, 5], x[3, 130] = np.inf, -np.inf, negative_nan, np.nan
+    want_q, want_s = reference.quantize(x)
+    q, s = fp8.quantize(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(s).view(np.uint32), want_s.view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), want_q.view(np.uint8))
+    nan_bytes = want_q.view(np.uint8) == 0x7F
+    assert nan_bytes[0, 3] and nan_bytes[1, 200] and nan_bytes[2, :128].all()
+    beside_inf = want_q.view(np.uint8)[0, :128][np.arange(128) != 3]
+    assert not (beside_inf & 0x7F).any()  # +-0
+
+
 def test_round_trip_error_bound():
     """e4m3 keeps 3 mantissa bits: relative error <= 2^-4 for normals, and an absolute
     error <= half the smallest subnormal step (2^-10 * scale) near zero."""

@@ -222,7 +222,8 @@ def test_dispatch_carries_every_format_bit_for_bit(format, expert_major):
     capacity = int(rng.integers(1, R * T * (K if expert_major else 1) + 1))
 
     def per_shard(data, scales, global_scale, idx, w):
-        q_local = quant.Quantized(data, scales, global_scale, q.format, q.packed)
+        q_local = quant.Quantized(data, scales, None if q.global_scale is None else global_scale,
+                                  q.format, q.packed)
         recv, _ = jax_ep.dispatch(q_local, idx, w, num_experts=E, capacity=capacity,
                                   expert_major=expert_major, on_overflow="drop",
                                   on_invalid="mask")
@@ -326,3 +327,94 @@ def test_low_latency_wire_format_errors():
                                      backend="xla")
     with pytest.raises(ValueError, match="wire_format"):
         virtual.low_latency_dispatch(x, idx, num_experts=2, wire_format="fp4", backend="xla")
+
+
+@pytest.mark.parametrize("format", ["e4m3_ue8m0", "mxfp8"])
+def test_the_smallest_and_largest_scales_dequantize_exactly(format):
+    """Each element times its power-of-two scale in float32, at both ends of the scale's
+    range: 2^-127 (biased exponent 0, a subnormal scale whose products are normal) and
+    2^127 (products overflow to infinity), against float64."""
+    rng = np.random.default_rng()
+    block = quant.BLOCKS[format]
+    values = rng.choice([448.0, -448.0, 1.0, -0.5, 2.0**-6, 0.0], (4, 2 * block))
+    data = values.astype(E4M3)
+    biased = np.array([[0, 254], [1, 127], [0, 0], [254, 253]], np.uint8)
+    for packed in (False, True) if format == "e4m3_ue8m0" else (False,):
+        scales = np.asarray(quant._pack(jnp.asarray(biased))) if packed else biased
+        got = np.asarray(quant.dequantize(quant.Quantized(jnp.asarray(data), jnp.asarray(scales),
+                                                          None, format, packed)))
+        scale = np.repeat(2.0 ** (biased.astype(np.float64) - 127), block, axis=-1)
+        with np.errstate(over="ignore"):
+            want = (data.astype(np.float64) * scale).astype(F32)
+        # XLA:CPU flushes subnormal results: a product below 2^-126 may read 0.
+        tiny = np.abs(want) < NORMAL
+        np.testing.assert_array_equal(got[~tiny], want[~tiny], err_msg=f"packed {packed}")
+        assert (got[tiny] == 0).all() | (got[tiny] == want[tiny]).all()
+
+
+@pytest.mark.parametrize("format", quant.FORMATS)
+def test_zero_tokens_in_every_format(format):
+    """T = 0 on every op that moves a Quantized: dispatch (and along its handle) and the
+    low-latency send in each wire format return their empty results."""
+    from harness import sharded, to_numpy
+
+    import jax_ep
+
+    R = 2 if jax_ep.backends.resolve("auto") == "xla" or jax_ep.runtime.is_initialized() else 1
+    E, H, K = 2 * R, 256, 2
+    x = np.zeros((R, 0, H), ml_dtypes.bfloat16)
+    idx = np.zeros((R, 0, K), np.int32)
+    w = np.zeros((R, 0, K), F32)
+
+    def per_shard(x, idx, w):
+        q = quant.quantize(x, format, packed=format == "e4m3_ue8m0")
+        recv, handle = jax_ep.dispatch(q, idx, w, num_experts=E, capacity=4)
+        along = jax_ep.dispatch(q, handle=handle)
+        low, _ = jax_ep.low_latency_dispatch(x, idx, num_experts=E, wire_format=format)
+        return (recv.with_zero_padding().x, recv.num_tokens, along,
+                low.count)
+
+    recv, received, along, count = to_numpy(sharded(per_shard, R)(x, idx, w))
+    assert isinstance(recv, quant.Quantized) and recv.format == format
+    assert (np.asarray(received) == 0).all() and (np.asarray(count) == 0).all()
+    for got in (recv, along):
+        for name in ("data", "scales"):
+            assert not np.asarray(getattr(got, name)).any(), name
+
+
+def test_a_malformed_quantized_is_refused_naming_the_field():
+    """dispatch (and dequantize) check a Quantized's format, dtypes and shapes at entry, on
+    every backend, naming the field and the shape it must have."""
+    from harness import sharded
+
+    import jax_ep
+
+    R = 2 if jax_ep.backends.resolve("auto") == "xla" or jax_ep.runtime.is_initialized() else 1
+    T, H, K, E = 5, 256, 2, 2 * R
+    x = jnp.ones((T, H), jnp.float32)
+    good = {f: quant.quantize(x, f) for f in quant.FORMATS}
+    bad = [
+        (quant.Quantized(good["mxfp8"].data, good["mxfp8"].scales, None, "fp6"),
+         r"x.format must be one of"),
+        (quant.Quantized(good["mxfp8"].data, good["mxfp8"].scales[:, :4], None, "mxfp8"),
+         r"x.scales must be uint8 \[5, 8\] for format 'mxfp8' rows of 256 channels; got "
+         r"uint8 \[5, 4\]"),
+        (quant.Quantized(good["nvfp4"].data, good["nvfp4"].scales, None, "nvfp4"),
+         r"x.global_scale must be float32 \[5\] .*got None"),
+        (quant.Quantized(x, good["e4m3"].scales, None, "e4m3"),
+         r"x.data must be float8_e4m3fn \[5, 256\] .*got float32 \[5, 256\]"),
+        (quant.Quantized(good["mxfp8"].data, good["mxfp8"].scales[:-1], None, "mxfp8"),
+         r"x.scales must be uint8 \[5, 8\] .*got uint8 \[4, 8\]"),
+        (quant.Quantized(good["e4m3"].data, good["e4m3"].scales, None, "e4m3", True),
+         r"x.packed goes with format 'e4m3_ue8m0'"),
+    ]
+    idx = np.zeros((R, T, K), np.int32)
+    w = np.ones((R, T, K), F32)
+    for q, message in bad:
+        def per_shard(idx, w, q=q):
+            return jax_ep.dispatch(q, idx, w, num_experts=E)[0].num_tokens
+
+        with pytest.raises((TypeError, ValueError), match=message):
+            sharded(per_shard, R)(idx, w)
+        with pytest.raises((TypeError, ValueError), match=message.replace("x.", "q.")):
+            quant.dequantize(q)

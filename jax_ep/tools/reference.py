@@ -665,11 +665,17 @@ def quantize(x) -> tuple[np.ndarray, np.ndarray]:
         )
     H = x.shape[-1]
     blocks = x.astype(np.float32).reshape(*x.shape[:-1], H // FP8_BLOCK, FP8_BLOCK)
-    amax = np.maximum(np.max(np.abs(blocks), axis=-1), _F32(FP8_AMAX_FLOOR))
-    inv_fp8_max = _F32(1.0) / _F32(FP8_MAX)  # float32(1/448), correctly rounded
-    scale = (amax * inv_fp8_max).astype(np.float32)
-    inv_scale = (_F32(1.0) / scale).astype(np.float32)
-    q = (blocks * inv_scale[..., None]).astype(np.float32).astype(_FP8)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        amax = np.maximum(np.max(np.abs(blocks), axis=-1), _F32(FP8_AMAX_FLOOR))
+        inv_fp8_max = _F32(1.0) / _F32(FP8_MAX)  # float32(1/448), correctly rounded
+        scale = (amax * inv_fp8_max).astype(np.float32)
+        # NaN is the quiet NaN 0x7FC00000: a NaN block's scale, and (the byte 0x7F) every
+        # NaN element, whatever the sign of the NaN the arithmetic made (an infinity times
+        # its block's inverse scale 0 is a negative NaN on x86).
+        scale = np.where(np.isnan(scale), _F32(np.nan), scale)
+        inv_scale = (_F32(1.0) / scale).astype(np.float32)
+        scaled = (blocks * inv_scale[..., None]).astype(np.float32)
+    q = np.where(np.isnan(scaled), _F32(np.nan), scaled).astype(_FP8)
     return q.reshape(x.shape), scale
 
 
