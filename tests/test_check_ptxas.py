@@ -31,7 +31,7 @@ NVSHMEM = "_Z22nvshmemi_transfer_thingv"
 def build_log(spills_at=None):
     """Two files over sm_80 and sm_90 (an arch list per file, like one nvcc call), NVSHMEM's own
     function among them, and a C++ step between."""
-    lines = ["[1/4] Building CUDA object CMakeFiles/_ext.dir/cuda/layout.cu.o"]
+    lines = ["  [1/4] Building CUDA object CMakeFiles/_ext.dir/cuda/layout.cu.o"]  # as pip -v
     for arch in ("sm_80", "sm_90"):
         lines += ptxas(LAYOUT, arch, 38, 16 if arch == spills_at else 0)
         lines += ptxas(NVSHMEM, arch, 200, 64)

@@ -66,8 +66,8 @@ OWNER = re.compile(r"Function properties for (\S+)")
 WARNING = re.compile(r"warning #\d+")
 PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 REGS = re.compile(r"Used (\d+) registers")
-# Ninja's line before each step's output in a build log.
-BUILD_STEP = re.compile(r"^\[\d+/\d+\] ")
+# Ninja's line before each step's output in a build log (pip -v indents it).
+BUILD_STEP = re.compile(r"^\s*\[\d+/\d+\] ")
 CUDA_OBJECT = re.compile(r"Building CUDA object \S*?\bcuda/(\w+\.cu)\.o")
 
 
