@@ -66,8 +66,8 @@ class Quantized:
     packed: bool = static(False)
 
 
-def expected_fields(format: str, lead: tuple[int, ...], hidden: int, packed: bool = False
-                    ) -> dict[str, tuple[Any, tuple[int, ...]] | None]:
+def _expected_fields(format: str, lead: tuple[int, ...], hidden: int, packed: bool = False
+                     ) -> dict[str, tuple[Any, tuple[int, ...]] | None]:
     """{field: (dtype, shape) or None} of a Quantized of `format` holding rows [*lead, H]."""
     blocks = hidden // BLOCKS[format]
     return {
@@ -106,7 +106,7 @@ def check(op: str, name: str, q: Any) -> None:
     if hidden % block:
         raise ValueError(f"{op}: {name}.data holds rows of {hidden} channels; format "
                          f"{q.format!r} needs a multiple of {block}. {fix}")
-    expected = expected_fields(q.format, tuple(data.shape[:-1]), hidden, q.packed)
+    expected = _expected_fields(q.format, tuple(data.shape[:-1]), hidden, q.packed)
     for field, want in expected.items():
         got = getattr(q, field)
         if want is None:
@@ -115,12 +115,11 @@ def check(op: str, name: str, q: Any) -> None:
                                  f"{q.format!r}; got {_checks.describe(got)}. {fix}")
             continue
         dtype, shape = want
-        if (got is None or not hasattr(got, "dtype") or jnp.dtype(got.dtype) != jnp.dtype(dtype)
-                or tuple(got.shape) != shape):
-            raise ValueError(f"{op}: {name}.{field} must be {jnp.dtype(dtype).name} "
-                             f"{list(shape)} for format {q.format!r}"
-                             f"{' packed' if q.packed else ''} rows of {hidden} channels; got "
-                             f"{'None' if got is None else _checks.describe(got)}. {fix}")
+        _checks.check_array(op, f"{name}.{field}", got, ndim=len(shape), dtypes=(dtype,),
+                            shape=shape, fix=fix,
+                            expect=f"{jnp.dtype(dtype).name} {list(shape)} for format "
+                                   f"{q.format!r}{' packed' if q.packed else ''} rows of "
+                                   f"{hidden} channels")
 
 
 def quantize(x: jax.Array, format: str, *, packed: bool = False) -> Quantized:

@@ -42,8 +42,8 @@ def build_log(spills_at=None):
 
 def test_reports_per_file_and_architecture():
     reports = check_ptxas.split_build_log(build_log())
-    assert sorted(reports) == ["layout.cu"]
-    kernels = check_ptxas.parse_kernels("layout.cu", reports["layout.cu"])
+    assert sorted(reports) == ["cuda/layout.cu"]
+    kernels = check_ptxas.parse_kernels("layout.cu", reports["cuda/layout.cu"])
     assert [(k.arch, k.registers, k.spill_stores) for k in kernels] == [
         ("sm_80", 38, 0), ("sm_90", 38, 0)]
     assert all(k.hot for k in kernels)
@@ -51,7 +51,7 @@ def test_reports_per_file_and_architecture():
 
 def test_a_spill_on_one_architecture_is_that_architecture_s():
     reports = check_ptxas.split_build_log(build_log(spills_at="sm_90"))
-    kernels = check_ptxas.parse_kernels("layout.cu", reports["layout.cu"])
+    kernels = check_ptxas.parse_kernels("layout.cu", reports["cuda/layout.cu"])
     assert [(k.arch, k.uses_local_memory) for k in kernels] == [
         ("sm_80", False), ("sm_90", True)]
 

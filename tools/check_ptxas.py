@@ -68,7 +68,7 @@ PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) by
 REGS = re.compile(r"Used (\d+) registers")
 # Ninja's line before each step's output in a build log (pip -v indents it).
 BUILD_STEP = re.compile(r"^\s*\[\d+/\d+\] ")
-CUDA_OBJECT = re.compile(r"Building CUDA object \S*?\bcuda/(\w+\.cu)\.o")
+CUDA_OBJECT = re.compile(r"Building CUDA object \S*?\b(cuda/\w+\.cu)\.o")
 
 
 def architectures() -> list[str]:
@@ -186,8 +186,13 @@ def parse_kernels(file: str, report: str) -> list[Kernel]:
     return list(kernels.values())
 
 
+def cuda_files() -> list[str]:
+    """Every cuda/*.cu, relative to the repository."""
+    return sorted(f"cuda/{f}" for f in os.listdir(os.path.join(ROOT, "cuda")) if f.endswith(".cu"))
+
+
 def split_build_log(log: str) -> dict[str, str]:
-    """The output of each CUDA file's compile step in a build log, by file name."""
+    """The output of each CUDA file's compile step in a build log, by its path (cuda/X.cu)."""
     reports: dict[str, list[str]] = {}
     lines = None
     for line in log.splitlines():
@@ -204,10 +209,7 @@ def compiled_reports(argv: list[str]) -> tuple[list[tuple[str, str | None, str]]
     compiles, and whether every file of cuda/ is among them."""
     nvcc = find_nvcc()
     include = nvshmem_include()
-    cuda_dir = os.path.join(ROOT, "cuda")
-    paths = [os.path.abspath(p) for p in argv] or sorted(
-        os.path.join(cuda_dir, f) for f in os.listdir(cuda_dir) if f.endswith(".cu")
-    )
+    paths = [os.path.abspath(p) for p in argv] or [os.path.join(ROOT, f) for f in cuda_files()]
     jobs = [(path, arch) for arch in architectures() for path in paths]
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         outputs = list(pool.map(lambda job: compile_report(nvcc, *job, include), jobs))
@@ -223,12 +225,9 @@ def logged_reports(path: str) -> list[tuple[str, str | None, str]]:
     incremental build that skipped it) is reported as missing."""
     with open(path, errors="replace") as f:
         reports = split_build_log(f.read())
-    cuda_dir = os.path.join(ROOT, "cuda")
-    out = []
-    for file in sorted(f for f in os.listdir(cuda_dir) if f.endswith(".cu")):
-        missing = f"is not compiled in {path} (build from a clean build directory with -v)"
-        out.append((f"cuda/{file}", None if file in reports else missing, reports.get(file, "")))
-    return out
+    missing = f"is not compiled in {path} (build from a clean build directory with -v)"
+    return [(file, None if file in reports else missing, reports.get(file, ""))
+            for file in cuda_files()]
 
 
 def main(argv: list[str]) -> int:
