@@ -357,8 +357,10 @@ class MoE(nnx.Module):
                 tuple(self._place(w, P()) for w in weights), phy2log)
             maps = (log2phy, logcnt)
         specs = (P(axes), P(axes), P(), P(), P(ep), P(ep), P(ep)) + (P(),) * len(maps)
-        run = jax.shard_map(per_device, mesh=self.mesh, in_specs=specs,
-                            out_specs=(P(axes),) * 7)
+        # Under jit: called eagerly (a Linen init, a first try in a notebook), the layer
+        # compiles one program instead of running its body primitive by primitive.
+        run = jax.jit(jax.shard_map(per_device, mesh=self.mesh, in_specs=specs,
+                                    out_specs=(P(axes),) * 7))
         # Each operand placed as the program expects (a no-op when it already is).
         operands = [self._place(a, spec) for a, spec in zip(
             (tokens, valid, router_w, bias, *weights, *maps), specs, strict=True)]
