@@ -106,13 +106,15 @@ std::string local_finalize();
 // What the doctor reports (jax_ep/tools/doctor.py): the CUDA driver's version and the version of the
 // CUDA runtime built in (1000 x major + 10 x minor; 0 where the call fails, as without a
 // driver), and whether each GPU this process sees can access each other's memory
-// (cudaDeviceCanAccessPeer; row a, column b; empty without a driver).
+// (cudaDeviceCanAccessPeer; row a, column b; empty without a driver). And the memory of the
+// GPU of CUDA ordinal `ordinal` (0 where the query fails), which bounds the symmetric buffer.
 struct CudaVersions {
   int driver = 0;
   int runtime = 0;
 };
 CudaVersions cuda_versions();
 std::vector<std::vector<bool>> peer_access_matrix();
+size_t device_memory_bytes(int ordinal);
 
 // Version of the NVSHMEM headers and device library compiled in.
 int nvshmem_version_major();

@@ -144,7 +144,9 @@ struct Rings {
   int64_t* state = nullptr;  // [channels, links, kStateWords]: this rank's own counters, never
                              // reached by peers (RingState)
 
-  JAX_EP_HOST_DEVICE int ring_slots() const { return chunk_tokens * ring_chunks; }
+  JAX_EP_HOST_DEVICE int64_t ring_slots() const {
+    return static_cast<int64_t>(chunk_tokens) * ring_chunks;
+  }
   JAX_EP_HOST_DEVICE int64_t ring(int c, int link) const {
     return static_cast<int64_t>(c) * links + link;
   }

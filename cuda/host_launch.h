@@ -105,6 +105,11 @@ void host_per_warp(const Phase& phase, int first_rank, int ranks, int64_t items,
   });
 }
 
+// The most units one streaming launch of one rank runs on the CPU: its units wait for each
+// other, so each needs a thread of its own (as a GPU refuses a cooperative launch larger than
+// it holds at once), and more would exhaust the machine's threads.
+constexpr int64_t kMaxHostUnits = 1024;
+
 // A streaming launch (cuda/channels.h): body(rank, unit, warp, meet) for every unit of ranks
 // [first_rank, first_rank + ranks) x [0, units), each on a thread of its own, since units wait
 // for each other as the co-resident blocks of a GPU do; one call per unit runs all

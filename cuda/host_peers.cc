@@ -342,6 +342,13 @@ class HostPlatform {
       return;
     }
     if (!error_.ok()) return;
+    if (body.units() > kMaxHostUnits) {  // every rank refuses the same launch
+      stop("a streaming launch of " + std::to_string(body.units()) + " warps at once, more "
+           "than the " + std::to_string(kMaxHostUnits) + " threads the host peers give one "
+           "launch (channels x warps per channel)", "; initialize with fewer channels "
+           "(Channels.channels, $JAX_EP_CHANNELS) or give the op a smaller num_sms");
+      return;
+    }
     for (int i = 0; i < meet.waits(); ++i) meter_barrier();
     host_per_unit(body, me_, 1, body.units(), grid_, Flags{this, meet});
   }

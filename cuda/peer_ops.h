@@ -37,6 +37,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <initializer_list>
+#include <limits>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -234,7 +236,23 @@ inline std::string check_layout(size_t bytes, size_t low_latency_bytes) {
          std::to_string(low_latency_bytes) + " bytes of low-latency regions";
 }
 
-// Consecutive, aligned pieces of a region. A null base sizes the pieces without a buffer.
+// Sizes from user settings saturate at kTooLarge instead of wrapping: a configuration too
+// large for any buffer sizes as too large (jax_ep.runtime refuses it by name), never as a
+// small wrapped one. 2^60 bytes is past any machine's memory, and a few of them still add up
+// within an int64.
+constexpr int64_t kTooLarge = int64_t{1} << 60;
+
+// The product of `factors` (each >= 0), or kTooLarge where it would pass kTooLarge.
+inline int64_t size_product(std::initializer_list<int64_t> factors) {
+  int64_t out = 1;
+  for (const int64_t n : factors) {
+    if (n < 0 || __builtin_mul_overflow(out, n, &out) || out > kTooLarge) return kTooLarge;
+  }
+  return out;
+}
+
+// Consecutive, aligned pieces of a region. A null base sizes the pieces without a buffer; a
+// piece of kTooLarge bytes or more makes used() kTooLarge (fits() then refuses the carving).
 class Carver {
  public:
   explicit Carver(char* base) : base_(reinterpret_cast<uintptr_t>(base)) {}
@@ -242,7 +260,7 @@ class Carver {
   T* take(int64_t count) {
     used_ = align_up(used_);
     T* out = reinterpret_cast<T*>(base_ + used_);
-    used_ += static_cast<size_t>(count) * sizeof(T);
+    used_ = std::min<size_t>(used_ + size_product({count, sizeof(T)}), kTooLarge);
     return out;
   }
   size_t used() const { return align_up(used_); }
@@ -269,8 +287,9 @@ inline void carve_rings(Carver& c, bool puts, Rings* g) {
   g->tail = c.take<uint64_t>(rings);
   g->head = c.take<uint64_t>(rings);
   g->state = c.take<int64_t>(Rings::kStateWords * rings);
-  g->recv = c.take<char>(rings * g->ring_slots() * g->slot_bytes);
-  g->send = c.take<char>(puts ? rings * g->ring_slots() * g->slot_bytes : 0);
+  const int64_t ring_bytes = size_product({rings, g->ring_slots(), g->slot_bytes});
+  g->recv = c.take<char>(ring_bytes);
+  g->send = c.take<char>(puts ? ring_bytes : 0);
 }
 
 // Dispatch: what peers write into this rank. Streamed (a->rings.channels > 0, rank-major):
@@ -304,7 +323,7 @@ inline size_t carve_dispatch(char* base, bool puts, DispatchArgs* a) {
   const int64_t stride = a->row_stride(), S = a->packed ? 0 : a->scale_cols;
   const int cols = a->packed ? 0 : a->idx_cols();
   a->counts = c.take<int32_t>(static_cast<int64_t>(R) * a->num_counters());
-  a->recv_x = c.take<char>(cap * stride);
+  a->recv_x = c.take<char>(size_product({cap, stride}));
   a->recv_scales = c.take<float>(cap * S);
   a->recv_idx = c.take<int32_t>(static_cast<int64_t>(cap) * cols);
   a->recv_weights = c.take<float>(static_cast<int64_t>(cap) * cols);
@@ -313,15 +332,15 @@ inline size_t carve_dispatch(char* base, bool puts, DispatchArgs* a) {
   a->entry_choice = c.take<int32_t>(em ? cap : 0);
   a->row_entries = c.take<int32_t>(em ? static_cast<int64_t>(rows) * K : 0);
   if (puts) {
-    a->send_x = c.take<char>(a->num_tokens * stride);
+    a->send_x = c.take<char>(size_product({a->num_tokens, stride}));
     a->send_scales = c.take<float>(a->num_tokens * S);
   }
   if (puts && a->nodes() > 1) {  // node-aware: the relay's slots and the staged targets
     const int64_t slots = static_cast<int64_t>(R) * a->num_tokens, pairs = 2 * a->targets();
-    a->relay_x = c.take<char>(slots * stride);
-    a->relay_scales = c.take<float>(slots * S);
-    a->relay_targets = c.take<int32_t>(slots * pairs);
-    a->send_targets = c.take<int32_t>(static_cast<int64_t>(a->nodes()) * a->num_tokens * pairs);
+    a->relay_x = c.take<char>(size_product({slots, stride}));
+    a->relay_scales = c.take<float>(size_product({slots, S}));
+    a->relay_targets = c.take<int32_t>(size_product({slots, pairs}));
+    a->send_targets = c.take<int32_t>(size_product({a->nodes(), a->num_tokens, pairs}));
   }
   return c.used();
 }
@@ -349,14 +368,14 @@ size_t carve_combine(char* base, CombineArgs<T>* a, bool puts, CombineRegions<T>
     carve_rings(c, puts, &g);
     return c.used();
   }
-  r->staged.y = c.take<T>(em ? 0 : a->capacity * H);
+  r->staged.y = c.take<T>(em ? 0 : size_product({a->capacity, H}));
   r->staged.weights = c.take<float>(!em && a->weights ? a->capacity : 0);
   r->staged.src_row = c.take<int32_t>(rows);
-  r->partial = c.take<T>(em ? rows * H : 0);
+  r->partial = c.take<T>(em ? size_product({rows, H}) : 0);
   if (puts) {
     r->returned.row = c.take<int32_t>(rows);
     r->returned.weights = c.take<float>(!em && a->weights ? rows : 0);
-    r->returned.rows = c.take<T>(rows * H);
+    r->returned.rows = c.take<T>(size_product({rows, H}));
   }
   return c.used();
 }
@@ -381,14 +400,14 @@ inline size_t carve_low_latency(char* base, int R, int T, int K, int E, int H, i
   const int64_t row_bytes = wire_data_bytes(wire, H), words = wire_scale_words(wire, H);
   Carver c(base);
   r->counts = c.take<int32_t>(static_cast<int64_t>(R) * E);
-  r->recv_x = c.take<char>(slots * row_bytes);
-  r->recv_scales = c.take<float>(slots * words);
-  r->src_row = c.take<int32_t>(static_cast<int64_t>(R) * T * K);
-  r->staging = c.take<Bf16>(static_cast<int64_t>(T) * K * H);
+  r->recv_x = c.take<char>(size_product({slots, row_bytes}));
+  r->recv_scales = c.take<float>(size_product({slots, words}));
+  r->src_row = c.take<int32_t>(size_product({R, T, K}));
+  r->staging = c.take<Bf16>(size_product({T, K, H}));
   if (puts) {
-    r->send_x = c.take<char>(static_cast<int64_t>(T) * row_bytes);
-    r->send_scales = c.take<float>(static_cast<int64_t>(T) * words);
-    r->send_rows = c.take<Bf16>(static_cast<int64_t>(R) * T * K * H);
+    r->send_x = c.take<char>(size_product({T, row_bytes}));
+    r->send_scales = c.take<float>(size_product({T, words}));
+    r->send_rows = c.take<Bf16>(size_product({R, T, K, H}));
   }
   return c.used();
 }
@@ -413,6 +432,13 @@ inline RegionBytes buffer_region_bytes(int R, int T, int K, int E, int H, int dt
                                        int64_t capacity, bool expert_major, int ll_tokens,
                                        bool puts, int ranks_per_node = 0,
                                        const Rings& rings = {}) {
+  // The ops count rows, entries and slots in int: a configuration past that cannot run.
+  constexpr int64_t kMaxCount = std::numeric_limits<int>::max();
+  if (size_product({R, T, K}) > kMaxCount || capacity > kMaxCount ||
+      size_product({E, ll_tokens}) > kMaxCount || size_product({R, ll_tokens, K}) > kMaxCount) {
+    const size_t too = kTooLarge;
+    return RegionBytes{kSignalBytes, too, ll_tokens > 0 ? too : 0, too, too};
+  }
   size_t dispatch = 0, combine = 0;
   for (const bool em : {false, true}) {
     if (em && !expert_major) continue;

@@ -154,6 +154,15 @@ CudaVersions cuda_versions() {
   return v;
 }
 
+size_t device_memory_bytes(int ordinal) {
+  cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, ordinal) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return prop.totalGlobalMem;
+}
+
 std::vector<std::vector<bool>> peer_access_matrix() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/host_launch.h"
 #include "cuda/host_peers.h"
 #ifdef JAX_EP_WITH_CUDA
 #include "cuda/api.h"
@@ -145,6 +146,15 @@ nb::object PeerAccessMatrix() {
 #endif
 }
 
+nb::object DeviceMemoryBytes(int ordinal) {
+#ifdef JAX_EP_WITH_CUDA
+  return nb::int_(cuda::device_memory_bytes(ordinal));
+#else
+  static_cast<void>(ordinal);
+  return nb::none();
+#endif
+}
+
 nb::dict BufferRegions(int num_ranks, int num_tokens, int top_k, int num_experts, int hidden,
                        int dtype_bytes, int64_t capacity, bool expert_major,
                        int low_latency_tokens, bool puts, int ranks_per_node, int channels,
@@ -207,6 +217,7 @@ void BindRuntime(nb::module_& m) {
         "Whether jax_ep_dispatch_rows' stage of num_tokens rows of row_bytes fits the "
         "normal-mode region of a buffer of buffer_bytes with low_latency_bytes of "
         "low-latency regions (the check the op makes, cuda/peer_ops.h).");
+  m.attr("host_max_units") = kMaxHostUnits;
   m.def("host_peers_finalize", &host::finalize,
         "Frees the host peers' buffers (no exchange may be running).");
   m.def("host_peers_buffer_bytes", &host::buffer_bytes,
@@ -218,6 +229,9 @@ void BindRuntime(nb::module_& m) {
   m.def("peer_access_matrix", &PeerAccessMatrix,
         "[a][b]: whether CUDA device a can access device b's memory (cudaDeviceCanAccessPeer), "
         "over the devices this process sees ([] without a driver); None without CUDA.");
+  m.def("device_memory_bytes", &DeviceMemoryBytes, nb::arg("ordinal"),
+        "The memory of the GPU of CUDA ordinal `ordinal` in bytes (0 where the query fails); "
+        "None without CUDA.");
   m.def("runtime_state", &State,
         "{'rank', 'num_ranks', 'buffer_bytes'} while initialized, else None.");
 }

@@ -52,6 +52,10 @@ import numpy as np
 from jax_ep._checks import MAX_TOP_K
 
 SIGNAL_BYTES = 4096  # the peers' signals at the start of the buffer (cuda/peer_ops.h)
+MAX_SETTING = 2**31 - 1  # a BufferConfig's counts: the ops count rows and tokens in int32
+# A region that size stands for "too large for any machine": the extension's sizes saturate
+# there instead of wrapping (cuda/peer_ops.h, kTooLarge).
+TOO_LARGE = 2**60
 PEER_ACCESS = ("store", "put")
 KEY_TIMEOUT_MS = 10 * 60 * 1000
 
@@ -169,11 +173,12 @@ class BufferConfig:
             value = getattr(self, name)
             if value is None and name in ("num_ranks", "capacity"):
                 continue
-            if not is_int(value) or value < 1:
-                raise ValueError(f"BufferConfig.{name} must be a positive int; got {value!r}.")
-        if not is_int(self.low_latency_tokens) or self.low_latency_tokens < 0:
-            raise ValueError(f"BufferConfig.low_latency_tokens must be an int >= 0 (0: no "
-                             f"low-latency ops); got {self.low_latency_tokens!r}.")
+            if not is_int(value) or not 1 <= value <= MAX_SETTING:
+                raise ValueError(f"BufferConfig.{name} must be an int in [1, 2^31) (the ops "
+                                 f"count in int32); got {value!r}.")
+        if not is_int(self.low_latency_tokens) or not 0 <= self.low_latency_tokens <= MAX_SETTING:
+            raise ValueError(f"BufferConfig.low_latency_tokens must be an int in [0, 2^31) (0: "
+                             f"no low-latency ops); got {self.low_latency_tokens!r}.")
         if self.hidden % 128:
             raise ValueError(f"BufferConfig.hidden must be a multiple of 128; got {self.hidden}.")
         if self.num_experts % self.ranks():
@@ -337,7 +342,9 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
         without CUDA (GPUs) or without a build, already initialized, nodes without puts
         ($JAX_EP_RANKS_PER_NODE or several hosts, with $JAX_EP_PEER_ACCESS=store), hosts
         not in node order, or NVSHMEM failed (the message says which step).
-      ValueError: a bad config, both config and buffer_bytes, low_latency_bytes without
+      ValueError: a bad config, a buffer larger than a rank's memory (the message names the
+        largest value of each setting that alone makes it fit), on CPU devices more channels
+        than the host peers run, both config and buffer_bytes, low_latency_bytes without
         buffer_bytes, or a bad $JAX_EP_PEER_ACCESS, $JAX_EP_RANKS_PER_NODE or timeout
         ($JAX_EP_START_TIMEOUT_S, $JAX_EP_TIMEOUT_S, $JAX_EP_EXIT_TIMEOUT_S: positive seconds)
         or $JAX_EP_CHANNELS.
@@ -393,10 +400,18 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
             f"{op}: the ranks form nodes of {nodes} ($JAX_EP_RANKS_PER_NODE, or the processes' "
             f"hosts), which reach each other with puts: set $JAX_EP_PEER_ACCESS=put (it is "
             f"{access!r}).")
+    if not gpus and rings is not None:
+        _check_host_threads(op, rings)
+    memory, what = _memory_per_rank(gpus)
     if buffer_bytes is None:
         config = dataclasses.replace(config or BufferConfig(), channels=rings)
         regions = buffer_regions(config, access=access, nodes=nodes)
         buffer_bytes, low_latency_bytes = sum(regions.values()), regions["low_latency"]
+        if buffer_bytes > memory:
+            raise ValueError(_unfitting(op, config, access, nodes, regions, memory, what))
+    elif isinstance(buffer_bytes, int) and buffer_bytes > memory:
+        raise ValueError(f"{op}: buffer_bytes={buffer_bytes} is more than {what} "
+                         f"({memory} bytes); give at most that.")
     if not isinstance(buffer_bytes, int) or not isinstance(low_latency_bytes, int) or \
             low_latency_bytes < 0 or buffer_bytes - low_latency_bytes <= SIGNAL_BYTES:
         raise ValueError(f"{op}: buffer_bytes must be an int above {SIGNAL_BYTES} + "
@@ -422,6 +437,84 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
         _state.update(platform="cpu", rank=rank, num_ranks=jax.local_device_count())
     _state.update(buffer_bytes=buffer_bytes, low_latency_bytes=low_latency_bytes,
                   peer_access=access, ranks_per_node=nodes, channels=rings)
+
+
+def _check_host_threads(op: str, rings: Channels) -> None:
+    """On CPU devices the host peers run every warp of a streaming launch on a thread of its
+    own (its warps wait for each other): refuses channels whose launch would need more than
+    the extension allows (a sender, a receiver and, node-aware, the relay's forwarders per
+    channel, on the default one-warp grid; a GPU-shaped $JAX_EP_CPU_GRID has more per channel,
+    and its launch refuses what passes this)."""
+    from jax_ep import _exchange_ffi, _ffi
+
+    most = _ffi.EXT.host_max_units // (2 + _exchange_ffi.FORWARDERS)
+    if rings.channels > most:
+        raise ValueError(
+            f"{op}: {rings.channels} channels stream through {2 + _exchange_ffi.FORWARDERS} "
+            f"warps each, and the host peers of CPU devices run each warp of a launch on a "
+            f"thread of its own, at most {_ffi.EXT.host_max_units} per launch: give "
+            f"Channels.channels (or $JAX_EP_CHANNELS) at most {most}.")
+
+
+def _memory_per_rank(gpus: Sequence) -> tuple[int, str]:
+    """What one rank's symmetric buffer must fit in, in bytes, and its name: the GPU's
+    memory, or on CPU devices this host's share per rank (the host peers hold every rank's
+    buffer in this process); TOO_LARGE where unknown."""
+    from jax_ep import _ffi
+
+    if gpus:
+        total = _ffi.EXT.device_memory_bytes(gpus[0].local_hardware_id) or 0
+        if not total:
+            return TOO_LARGE, f"any buffer ({TOO_LARGE} bytes)"
+        return total, f"the {total / 2**30:.1f} GiB of GPU {gpus[0].local_hardware_id}"
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    ranks = jax.local_device_count()
+    return total // ranks, (f"1/{ranks} of this host's {total / 2**30:.1f} GiB (the host "
+                            f"peers hold the buffer of each of its {ranks} CPU devices)")
+
+
+# The settings `_unfitting` tries alone: (name, where it lives, smallest value, step).
+_SIZE_SETTINGS = (("num_tokens", "config", 1, 1), ("hidden", "config", 128, 128),
+                  ("top_k", "config", 1, 1), ("capacity", "config", 1, 1),
+                  ("low_latency_tokens", "config", 0, 1), ("channels", "rings", 1, 1),
+                  ("chunk_tokens", "rings", 1, 1), ("ring_chunks", "rings", 1, 1))
+
+
+def _unfitting(op: str, config: BufferConfig, access: str, nodes: int,
+               regions: dict[str, int], memory: int, what: str) -> str:
+    """The error of a config whose buffer is larger than `memory`: its regions, and the
+    largest value of each setting that alone would make it fit."""
+    def with_value(name: str, where: str, value: int) -> BufferConfig:
+        if where == "rings":
+            return dataclasses.replace(config, channels=dataclasses.replace(
+                config.channels, **{name: value}))
+        return dataclasses.replace(config, **{name: value})
+
+    def fits(name: str, where: str, value: int) -> bool:
+        changed = with_value(name, where, value)
+        return sum(buffer_regions(changed, access=access, nodes=nodes).values()) <= memory
+
+    fixes = []
+    for name, where, low, step in _SIZE_SETTINGS:
+        owner = config.channels if where == "rings" else config
+        value = getattr(owner, name) if owner is not None else None
+        if value is None or value <= low or not fits(name, where, low):
+            continue
+        good, bad = 0, (value - low) // step  # steps above low: good fits, bad does not
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            good, bad = (mid, bad) if fits(name, where, low + mid * step) else (good, mid)
+        label = f"Channels.{name}" if where == "rings" else f"BufferConfig.{name}"
+        fixes.append(f"{label} <= {low + good * step} (it is {value})")
+
+    def size(n: int) -> str:
+        return "more than 2^60 bytes" if n >= TOO_LARGE else f"{n} bytes"
+
+    parts = ", ".join(f"{name} {size(regions[name])}" for name in ("normal", "low_latency"))
+    fix = ("any one of these makes it fit: " + "; ".join(fixes)) if fixes else \
+        "no one setting alone makes it fit: lower several"
+    return (f"{op}: {config} needs {size(sum(regions.values()))} per rank ({parts}), more "
+            f"than {what} ({memory} bytes); {fix}.")
 
 
 def gpu_platform(num_gpus: int, num_processes: int, access: str, nodes: int) -> str:
@@ -522,7 +615,10 @@ def _finalize_at_exit(timeout_s: float | None = None) -> bool:
             errors.append(error)
 
     worker = threading.Thread(target=run, name="jax_ep.finalize", daemon=True)
-    worker.start()
+    try:
+        worker.start()
+    except RuntimeError:  # Python 3.12 starts no thread at exit
+        return _finalize_watched(timeout_s)
     worker.join(timeout_s)
     if worker.is_alive():
         print(f"jax_ep: finalize() did not finish within {timeout_s:g} s at exit (a peer "
@@ -531,6 +627,23 @@ def _finalize_at_exit(timeout_s: float | None = None) -> bool:
     if errors:
         print(f"jax_ep: finalize() at exit failed: {errors[0]}", file=sys.stderr)
     return not errors
+
+
+def _finalize_watched(timeout_s: float) -> bool:
+    """`finalize()` on this thread, watched by faulthandler's watchdog (a thread of C, which
+    Python 3.12 still starts at exit where it refuses Python's): past `timeout_s` it prints
+    where the process waits and ends it with status 1."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(timeout_s, exit=True)
+    try:
+        finalize()
+    except BaseException as error:  # reported, never raised at exit
+        print(f"jax_ep: finalize() at exit failed: {error}", file=sys.stderr)
+        return False
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    return True
 
 
 atexit.register(_finalize_at_exit)

@@ -8,6 +8,10 @@ check script (tools/gpu_check.sh) runs it.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -53,13 +57,106 @@ def test_expert_major_and_capacity_change_the_size(monkeypatch):
 @pytest.mark.parametrize("field, value, message", [
     ("hidden", 100, "multiple of 128"),
     ("num_experts", 6, "multiple of the number of ranks"),
-    ("top_k", 0, "positive int"),
-    ("capacity", 0, "capacity must be a positive int"),
+    ("top_k", 0, r"top_k must be an int in \[1, 2\^31\)"),
+    ("capacity", 0, r"capacity must be an int in \[1, 2\^31\)"),
+    ("num_tokens", 2**31, r"num_tokens must be an int in \[1, 2\^31\) \(the ops count"),
+    ("low_latency_tokens", -1, r"low_latency_tokens must be an int in \[0, 2\^31\)"),
 ])
 def test_bad_config_names_the_field(field, value, message):
     config = runtime.BufferConfig(num_ranks=4, **{field: value})
     with pytest.raises(ValueError, match=message):
         runtime.required_bytes(config)
+
+
+@pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
+@pytest.mark.parametrize("access, nodes", [("store", 0), ("put", 0), ("put", 3)])
+def test_sizes_at_the_settings_limits_grow_and_never_wrap(monkeypatch, access, nodes):
+    """Each setting swept up to its limit (Channels' 2^20, counts below 2^31): the regions
+    never shrink as it grows (a product that wrapped would), and a config past the ops'
+    int32 counts or any machine's memory sizes as TOO_LARGE or more."""
+    monkeypatch.delenv("JAX_EP_CHANNELS", raising=False)
+    base = runtime.BufferConfig(num_tokens=64, hidden=256, top_k=4, num_experts=16,
+                                num_ranks=8, channels=runtime.Channels(2, 2, 2))
+    sweeps = {"channels": [1, 2**10, 2**15, 2**20], "chunk_tokens": [1, 2**10, 2**15, 2**20],
+              "ring_chunks": [1, 2**10, 2**15, 2**20],
+              "num_tokens": [1, 2**10, 2**20, 2**28, 2**31 - 1],
+              "hidden": [128, 2**20, 2**27, 2**31 - 128],
+              "low_latency_tokens": [0, 2**10, 2**20, 2**31 - 1]}
+    for name, values in sweeps.items():
+        for channels in (base.channels, None):
+            if channels is None and name in runtime.Channels.__dataclass_fields__:
+                continue
+            sizes = []
+            for value in values:
+                if name in runtime.Channels.__dataclass_fields__:
+                    config = dataclasses.replace(
+                        base, channels=dataclasses.replace(channels, **{name: value}))
+                else:
+                    config = dataclasses.replace(base, channels=channels, **{name: value})
+                regions = runtime.buffer_regions(config, access=access, nodes=nodes)
+                sizes.append((regions["normal"], regions["low_latency"]))
+            for (n0, l0), (n1, l1) in zip(sizes, sizes[1:], strict=False):
+                assert n0 <= n1 and l0 <= l1, (name, channels, sizes)
+            if name in ("num_tokens", "low_latency_tokens"):  # past the ops' int32 counts
+                assert sum(sizes[-1]) >= runtime.TOO_LARGE, (name, channels, sizes)
+    huge = runtime.BufferConfig(num_ranks=8, channels=runtime.Channels(2**20, 2**20, 2**20))
+    assert runtime.required_bytes(huge) >= runtime.TOO_LARGE
+
+
+@pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
+def test_initialize_refuses_a_buffer_past_memory_and_says_what_fits(monkeypatch):
+    """A config whose buffer is larger than a rank's memory is refused before anything is
+    allocated, with the largest value of each setting that alone makes it fit."""
+    if runtime.is_initialized():
+        pytest.skip("jax_ep.initialize() has run for the whole session (JAX_EP_BACKEND=cuda)")
+    monkeypatch.delenv("JAX_EP_CHANNELS", raising=False)
+    memory = 64 << 20
+    monkeypatch.setattr(runtime, "_memory_per_rank", lambda gpus: (memory, "a test's 64 MiB"))
+    config = runtime.BufferConfig(num_tokens=64, hidden=1024, top_k=2, num_experts=8,
+                                  low_latency_tokens=8, channels=runtime.Channels(4, 4, 2**16))
+    with pytest.raises(ValueError, match=r"more than a test's 64 MiB") as error:
+        jax_ep.initialize(config)
+    assert not runtime.is_initialized()
+    ring_chunks = int(re.search(r"Channels.ring_chunks <= (\d+) \(it is 65536\)",
+                                str(error.value)).group(1))
+    size = lambda n: runtime.required_bytes(dataclasses.replace(  # noqa: E731
+        config, channels=runtime.Channels(4, 4, n)))
+    assert size(ring_chunks) <= memory < size(ring_chunks + 1)
+    assert "BufferConfig.low_latency_tokens" not in str(error.value)  # not alone enough
+    with pytest.raises(ValueError, match=r"buffer_bytes=134217728 is more than a test's"):
+        jax_ep.initialize(buffer_bytes=2 * memory)
+    # Channels at their limits: sized past any machine, refused without allocating.
+    monkeypatch.undo()
+    monkeypatch.delenv("JAX_EP_CHANNELS", raising=False)
+    for rings, pattern in ((runtime.Channels(4, 2**20, 2**20), r"needs \d+ bytes per rank"),
+                           (runtime.Channels(256, 2**20, 2**20), r"needs more than 2\^60 bytes")):
+        with pytest.raises(ValueError, match=pattern + r".*no one setting alone makes it fit"):
+            jax_ep.initialize(runtime.BufferConfig(channels=rings))
+        assert not runtime.is_initialized()
+
+
+@pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
+def test_more_channels_than_the_host_peers_run_are_refused(monkeypatch):
+    """On CPU devices every warp of a streaming launch is a thread: channels past the host
+    peers' threads per launch are refused at initialize, naming the largest that runs."""
+    if runtime.is_initialized():
+        pytest.skip("jax_ep.initialize() has run for the whole session (JAX_EP_BACKEND=cuda)")
+    most = _ffi.EXT.host_max_units // 4
+    config = runtime.BufferConfig(num_tokens=16, hidden=128, top_k=2, num_experts=8,
+                                  low_latency_tokens=0)
+    for channels in (runtime.Channels(2**20, 1, 1), runtime.Channels(most + 1, 1, 1)):
+        with pytest.raises(ValueError, match=rf"at most {most}\."):
+            jax_ep.initialize(dataclasses.replace(config, channels=channels))
+    monkeypatch.setenv("JAX_EP_CHANNELS", "1048576,1,1")
+    with pytest.raises(ValueError, match=r"Channels.channels \(or \$JAX_EP_CHANNELS\)"):
+        jax_ep.initialize(config)
+    assert not runtime.is_initialized()
+    monkeypatch.setenv("JAX_EP_CHANNELS", f"{most},1,1")  # the largest runs
+    jax_ep.initialize(config)
+    try:
+        assert runtime.channels() == runtime.Channels(most, 1, 1)
+    finally:
+        jax_ep.finalize()
 
 
 @pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
@@ -139,6 +236,33 @@ def test_exit_never_waits_long_for_a_finalize_that_hangs(monkeypatch, capsys):
     assert "did not finish within 0.2 s at exit" in capsys.readouterr().err
     monkeypatch.setattr(runtime, "finalize", lambda: None)
     assert runtime._finalize_at_exit(5) is True
+
+
+def _refuse_threads(self):
+    raise RuntimeError("can't create new thread at interpreter shutdown")
+
+
+def test_exit_finalizes_where_python_starts_no_thread_at_exit(monkeypatch):
+    """Python 3.12 refuses a thread at exit: finalize() runs on the exiting thread, watched
+    (a finalize that hangs ends the process with status 1, in a subprocess below)."""
+    called = []
+    monkeypatch.setattr(threading.Thread, "start", _refuse_threads)
+    monkeypatch.setattr(runtime, "_state", {"platform": "gpu"})
+    monkeypatch.setattr(runtime, "finalize", lambda: called.append(1))
+    assert runtime._finalize_at_exit(5) is True and called == [1]
+    monkeypatch.setattr(runtime, "finalize", lambda: 1 / 0)
+    assert runtime._finalize_at_exit(5) is False
+    script = ("import threading, time, test_runtime\n"
+              "from jax_ep import runtime\n"
+              "threading.Thread.start = test_runtime._refuse_threads\n"
+              "runtime._state.update(platform='gpu')\n"
+              "runtime.finalize = lambda: time.sleep(60)\n")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, cwd=os.path.dirname(__file__),
+                          env=dict(os.environ, JAX_EP_EXIT_TIMEOUT_S="0.5"))
+    assert proc.returncode == 1 and "Timeout" in proc.stderr, proc.stderr
+    assert time.monotonic() - start < 30
 
 
 @pytest.mark.parametrize("gpus, processes, access, nodes, platform", [
