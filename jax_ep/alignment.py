@@ -34,7 +34,7 @@ def with_padding(rows: int, experts_per_rank: int, alignment: int) -> int:
 def check(op: str, expert_alignment, expert_major: bool) -> int | None:
     """The alignment an op's `expert_alignment` asks for (None: none, as for 1)."""
     _checks.check_positive_int(op, "expert_alignment", expert_alignment, allow_none=True)
-    if expert_alignment is not None and not expert_major:
+    if expert_alignment not in (None, 1) and not expert_major:  # 1 aligns nothing anywhere
         raise ValueError(f"{op}: expert_alignment={expert_alignment} aligns the entries of "
                          f"the expert-major layout; pass expert_major=True with it.")
     return None if expert_alignment in (None, 1) else int(expert_alignment)

@@ -1,7 +1,9 @@
 """A differential fuzz of the ops against a NumPy model of docs/contract.md written here (not
 jax_ep.tools.reference): random shapes (T and H not powers of two), routings with masked, invalid
 and repeated choices, a hot expert and ranks nobody picks, capacities that cut, both layouts,
-row weights, the FP8 pair and the low-latency ops, through whatever path the run takes
+row weights, the FP8 pair, every wire format (a dispatched `Quantized`, the low-latency
+send's), expert alignment, rows dispatched along a handle, T = 0, rings at their extremes and
+the low-latency ops, through whatever path the run takes
 ($JAX_EP_BACKEND, $JAX_EP_XLA_TRANSPORT, $JAX_EP_TEST_MESH, host peers over stores, puts or
 nodes, $JAX_EP_CPU_GRID). Seeded by the suite's seed (tests/conftest.py); each test draws
 cases until its time budget is spent, so it stays within a minute on CI's machine.
@@ -18,9 +20,10 @@ import pytest
 from harness import sharded, to_numpy
 
 import jax_ep
-from jax_ep import _ffi, runtime
+from jax_ep import _ffi, quant, runtime
 
-BUDGET_S = 8.0  # per test
+BUDGET_S = 8.0  # per test; the newer features' 5 s (each runs on every CI path)
+FEATURE_BUDGET_S = 5.0
 MAX_CASES = 200
 F32 = np.float32
 DTYPES = (np.float32, ml_dtypes.bfloat16, np.float16)
@@ -95,6 +98,34 @@ def model_normal(x, idx, w, E: int, capacity: int, expert_major: bool):
     return out
 
 
+def model_aligned(received, A: int, capacity: int, El: int):
+    """`model_normal`'s expert-major receivers laid out with expert_alignment=A (docs/
+    contract.md): expert j's entries from P_j = sum over i < j of round_up(n_i, A), n_i its
+    entries in the unaligned layout; an entry is kept while its row is under the capacity.
+    "rows" maps each kept entry (in entry order) to its row."""
+    out = []
+    for r in received:
+        n_entries = r["num_tokens"]
+        experts = r["topk_idx"][:n_entries]
+        n = np.bincount(experts, minlength=El)
+        first = np.concatenate([[0], np.cumsum(-(-n // A) * A)])[:-1]
+        x, idx = np.zeros_like(r["x"]), np.full_like(r["topk_idx"], -1)
+        w, rows, source = np.zeros_like(r["topk_weights"]), [], []
+        for m in range(n_entries):
+            j = experts[m]
+            row = first[j] + m - np.searchsorted(experts, j)  # m-th entry, m counted in j
+            if row < capacity:
+                x[row], idx[row], w[row] = r["x"][m], j, r["topk_weights"][m]
+                rows.append(row)
+                source.append(r["source"][m])
+        kept = np.bincount(idx[idx >= 0], minlength=El).astype(np.int32)
+        groups = (-(-kept // A) * A).astype(np.int32)
+        out.append(dict(x=x, topk_idx=idx, topk_weights=w, num_tokens=int(groups.sum()),
+                        num_dropped=r["num_dropped"] + n_entries - len(rows),
+                        group_sizes=groups, tokens_per_expert=kept, rows=rows, source=source))
+    return out
+
+
 def model_combine(received, ys, weights, R: int, T: int, expert_major: bool):
     """The home sums of docs/contract.md ("combine"), [R, T, H] in y's dtype."""
     H, dtype = ys[0].shape[-1], ys[0].dtype
@@ -149,17 +180,17 @@ def model_low_latency(x, idx, w, E: int, y_scale: float):
 def assert_same(got, want, what: str):
     got, want = np.asarray(got), np.asarray(want)
     assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape)
-    g = got.view(np.uint8).reshape(got.shape + (-1,))
-    w = want.view(np.uint8).reshape(want.shape + (-1,))
+    g = got.view(np.uint8).reshape(got.shape + (got.dtype.itemsize,))  # T = 0 too
+    w = want.view(np.uint8).reshape(want.shape + (want.dtype.itemsize,))
     bad = np.argwhere((g != w).any(axis=-1))
     assert bad.size == 0, f"{what}: {len(bad)} elements differ, first at {bad[0].tolist()}"
 
 
-def cases(rng):
-    """Yields a fresh rng per case until the budget is spent."""
+def cases(rng, budget_s: float = BUDGET_S):
+    """Yields a fresh rng per case until the budget is spent (one case at least)."""
     start = time.monotonic()
     for n in range(MAX_CASES):
-        if n and time.monotonic() - start > BUDGET_S:
+        if n and time.monotonic() - start > budget_s:
             return
         yield np.random.default_rng(rng.integers(2**32))
 
@@ -167,43 +198,138 @@ def cases(rng):
 def test_normal_mode_against_the_model():
     rng = np.random.default_rng()
     for case in cases(rng):
+        check_normal_case(case, *draw_path(case))
+
+
+@pytest.mark.parametrize("rings", ["256,1,1", "1,1,1", "3,64,1"])
+def test_rings_at_their_extremes_against_the_model(monkeypatch, rings):
+    """Streamed through rings at the edges of what runs on host peers: the most channels
+    they run (all of them: num_sms=None), each ring one slot; one channel of one slot; chunks
+    larger than any call's tokens."""
+    from conftest import initialize_host_peers
+
+    if runtime.is_initialized() or _ffi.EXT is None:
+        pytest.skip("needs the extension, and host peers of its own rings (not the session's)")
+    monkeypatch.setenv("JAX_EP_CHANNELS", rings)
+    initialize_host_peers()
+    try:
+        for case in cases(np.random.default_rng(), budget_s=3.0):
+            check_normal_case(case, "cuda", int(case.integers(2, 5)), num_sms=None)
+    finally:
+        jax_ep.finalize()
+
+
+def check_normal_case(case, backend: str, R: int, num_sms="default"):
+    """One drawn dispatch and combine on `backend` between R ranks, against the model."""
+    kw = {} if num_sms == "default" else {"num_sms": num_sms}  # the ops' own default
+    E = R * int(case.integers(1, 4))
+    T, K, H = int(case.integers(1, 23)), int(case.integers(1, min(5, E) + 1)), \
+        int(case.choice([8, 13, 40, 128]))
+    expert_major, fp8 = bool(case.integers(2)), bool(case.integers(4) == 0) and H % 128 == 0
+    dtype = ml_dtypes.float8_e4m3fn if fp8 else DTYPES[int(case.integers(len(DTYPES)))]
+    idx, w = draw_routing(case, R, T, K, E)
+    full = R * T * (min(K, E // R) if expert_major else 1)
+    capacity = int(case.integers(1, full + 1)) if case.integers(2) else full
+    x = case.standard_normal((R, T, H)).astype(dtype)
+    scales = case.random((R, T, H // 128)).astype(F32) + 0.5 if fp8 else None
+    want = model_normal(x, idx, w, E, capacity, expert_major)
+    what = f"{backend} R {R} T {T} K {K} E {E} H {H} {np.dtype(dtype).name} capacity " \
+           f"{capacity} expert_major {expert_major}"
+
+    def per_shard(x, scales, idx, w):
+        recv, handle = jax_ep.dispatch((x, scales) if fp8 else x, idx, w, num_experts=E,
+                                       capacity=capacity, expert_major=expert_major,
+                                       on_overflow="drop", on_invalid="mask",
+                                       backend=backend, **kw)
+        rows = recv.x.astype(jnp.float32) if fp8 else recv.x
+        weights = recv.topk_weights if expert_major else recv.topk_weights.sum(axis=1)
+        out = jax_ep.combine(rows, handle, topk_weights=weights, backend=backend, **kw)
+        return recv.with_zero_padding(), out
+
+    scales_in = scales if fp8 else np.zeros((R, T, 1), F32)
+    recv, out = to_numpy(sharded(per_shard, R)(x, scales_in, idx, w))
+    for d in range(R):
+        for key in ("x", "topk_idx", "topk_weights"):
+            assert_same(recv.x[d] if key == "x" else getattr(recv, key)[d], want[d][key],
+                        f"{what}: rank {d} {key}")
+        for key in ("num_tokens", "num_dropped"):
+            assert int(getattr(recv, key)[d]) == want[d][key], (what, d, key)
+    ys = [want[d]["x"].astype(F32) if fp8 else want[d]["x"] for d in range(R)]
+    weights = [want[d]["topk_weights"] if expert_major else want[d]["topk_weights"].sum(1)
+               for d in range(R)]
+    assert_same(out, model_combine(want, ys, weights, R, T, expert_major), f"{what}: combine")
+
+
+def test_formats_alignment_and_rows_along_against_the_model():
+    """Normal mode with the newer features, each drawn per case: a `Quantized` of every wire
+    format (received bit for bit, combined from its dequantized rows), expert alignment,
+    another array dispatched along the handle, and T = 0."""
+    rng = np.random.default_rng()
+    for case in cases(rng, FEATURE_BUDGET_S):
         backend, R = draw_path(case)
         E = R * int(case.integers(1, 4))
-        T, K, H = int(case.integers(1, 23)), int(case.integers(1, min(5, E) + 1)), \
-            int(case.choice([8, 13, 40, 128]))
-        expert_major, fp8 = bool(case.integers(2)), bool(case.integers(4) == 0) and H % 128 == 0
-        dtype = ml_dtypes.float8_e4m3fn if fp8 else DTYPES[int(case.integers(len(DTYPES)))]
+        El = E // R
+        T = 0 if case.integers(5) == 0 else int(case.integers(1, 19))
+        K, H = int(case.integers(1, min(5, E) + 1)), int(case.choice([128, 256]))
+        fmt = str(case.choice(quant.FORMATS))
+        expert_major = bool(case.integers(2))
+        A = int(case.choice([2, 3, 8])) if expert_major and case.integers(2) else 1
         idx, w = draw_routing(case, R, T, K, E)
-        full = R * T * (min(K, E // R) if expert_major else 1)
-        capacity = int(case.integers(1, full + 1)) if case.integers(2) else full
-        x = case.standard_normal((R, T, H)).astype(dtype)
-        scales = case.random((R, T, H // 128)).astype(F32) + 0.5 if fp8 else None
-        want = model_normal(x, idx, w, E, capacity, expert_major)
-        what = f"{backend} R {R} T {T} K {K} E {E} H {H} {np.dtype(dtype).name} capacity " \
-               f"{capacity} expert_major {expert_major}"
+        full = R * T * (min(K, El) if expert_major else 1) + El * (A - 1)
+        capacity = -(-int(case.integers(1, max(full, 1) + 1)) // A) * A  # a multiple of A
+        q = quant.quantize(jnp.asarray(case.standard_normal((R, T, H)), jnp.float32), fmt)
+        leaves = (np.asarray(q.data), np.asarray(q.scales),
+                  np.zeros((R, T), F32) if q.global_scale is None else np.asarray(q.global_scale))
+        along = case.standard_normal((R, T, int(case.choice([3, 8, 13])))).astype(
+            DTYPES[int(case.integers(len(DTYPES)))])
+        what = f"{backend} R {R} T {T} K {K} E {E} H {H} {fmt} capacity {capacity} " \
+               f"expert_major {expert_major} alignment {A}"
 
-        def per_shard(x, scales, idx, w, expert_major=expert_major, capacity=capacity,
-                      fp8=fp8, E=E, backend=backend):
-            recv, handle = jax_ep.dispatch((x, scales) if fp8 else x, idx, w, num_experts=E,
-                                           capacity=capacity, expert_major=expert_major,
+        def per_shard(data, scales, global_scale, along, idx, w, fmt=fmt, E=E, A=A,
+                      expert_major=expert_major, capacity=capacity, backend=backend):
+            q = quant.Quantized(data, scales, global_scale if fmt == "nvfp4" else None, fmt)
+            recv, handle = jax_ep.dispatch(q, idx, w, num_experts=E, capacity=capacity,
+                                           expert_major=expert_major, expert_alignment=A,
                                            on_overflow="drop", on_invalid="mask",
                                            backend=backend)
-            rows = recv.x.astype(jnp.float32) if fp8 else recv.x
+            moved = jax_ep.dispatch(along, handle=handle)  # zeros past the count
             weights = recv.topk_weights if expert_major else recv.topk_weights.sum(axis=1)
-            out = jax_ep.combine(rows, handle, topk_weights=weights, backend=backend)
-            return recv.with_zero_padding(), out
+            out = jax_ep.combine(quant.dequantize(recv.x, jnp.float32), handle,
+                                 topk_weights=weights, backend=backend)
+            return recv.with_zero_padding(), moved, out
 
-        scales_in = scales if fp8 else np.zeros((R, T, 1), F32)
-        recv, out = to_numpy(sharded(per_shard, R)(x, scales_in, idx, w))
+        recv, moved, out = to_numpy(sharded(per_shard, R)(*leaves, along, idx, w))
+        fields = [("data", 0), ("scales", 1)] + ([("global_scale", 2)] if fmt == "nvfp4" else [])
+        models = {}
+        for name, i in fields:
+            rows = leaves[i] if leaves[i].ndim == 3 else leaves[i][..., None]
+            models[name] = model_normal(rows, idx, w, E, capacity, expert_major)
+            if A > 1:
+                models[name] = model_aligned(models[name], A, capacity, El)
+        want_along = model_normal(along, idx, w, E, capacity, expert_major)
+        if A > 1:
+            want_along = model_aligned(want_along, A, capacity, El)
+        want = models["data"]
         for d in range(R):
-            for key in ("x", "topk_idx", "topk_weights"):
-                assert_same(recv.x[d] if key == "x" else getattr(recv, key)[d], want[d][key],
-                            f"{what}: rank {d} {key}")
+            for name, _ in fields:
+                got = getattr(recv.x, name)[d]
+                assert_same(got, models[name][d]["x"].reshape(got.shape), f"{what}: {d} {name}")
+            assert_same(moved[d], want_along[d]["x"], f"{what}: rank {d} along the handle")
+            for key in ("topk_idx", "topk_weights") + (
+                    ("group_sizes", "tokens_per_expert") if A > 1 else ()):
+                got = getattr(recv, key)[d]
+                assert_same(got, np.asarray(want[d][key], got.dtype), f"{what}: rank {d} {key}")
             for key in ("num_tokens", "num_dropped"):
                 assert int(getattr(recv, key)[d]) == want[d][key], (what, d, key)
-        ys = [want[d]["x"].astype(F32) if fp8 else want[d]["x"] for d in range(R)]
+        # The model's received rows of each rank as a Quantized, dequantized.
+        ys = [np.asarray(quant.dequantize(quant.Quantized(
+            *(models[name][d]["x"].reshape(getattr(recv.x, name)[d].shape)
+              for name, _ in fields), format=fmt), jnp.float32)) for d in range(R)]
         weights = [want[d]["topk_weights"] if expert_major else want[d]["topk_weights"].sum(1)
                    for d in range(R)]
+        if A > 1:  # the kept entries' rows, in entry order
+            ys = [ys[d][want[d]["rows"]] for d in range(R)]
+            weights = [weights[d][want[d]["rows"]] for d in range(R)]
         assert_same(out, model_combine(want, ys, weights, R, T, expert_major), f"{what}: combine")
 
 
@@ -228,6 +354,45 @@ def test_low_latency_against_the_model():
         recv, out = to_numpy(sharded(per_shard, R)(x, idx, w))
         what = f"{backend} R {R} T {T} K {K} E {E} H {H}"
         assert_same(recv.x, want_x, f"{what}: x")
+        assert_same(recv.count, want_count, f"{what}: count")
+        assert_same(out, want_out, f"{what}: combine")
+
+
+def test_low_latency_wire_formats_against_the_model():
+    """The low-latency send in every wire format, T = 0 included: each slot holds its
+    token's row quantized (jax_ep.quant, bit for bit: data, scales, global scale), and the
+    combine of the dequantized rows sums as the model does."""
+    rng = np.random.default_rng()
+    for case in cases(rng, FEATURE_BUDGET_S):
+        backend, R = draw_path(case)
+        E = R * int(case.integers(1, 4))
+        T = 0 if case.integers(5) == 0 else int(case.integers(1, 17))
+        K, H = int(case.integers(1, min(5, E) + 1)), int(case.choice([128, 256]))
+        fmt = str(case.choice(quant.FORMATS))
+        idx, w = draw_routing(case, R, T, K, E)
+        x = case.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+        q = quant.quantize(jnp.asarray(x), fmt)
+        sent = {"data": np.asarray(q.data), "scales": np.asarray(q.scales)}
+        if fmt == "nvfp4":
+            sent["global_scale"] = np.asarray(q.global_scale)[..., None]
+        # The model moves each field's rows; the combine's rows are the dequantized ones.
+        dequantized = np.asarray(quant.dequantize(q, jnp.bfloat16))
+        _, want_count, want_out = model_low_latency(dequantized, idx, w, E, 0.5)
+
+        def per_shard(x, idx, w, E=E, fmt=fmt, backend=backend):
+            recv, handle = jax_ep.low_latency_dispatch(x, idx, num_experts=E, wire_format=fmt,
+                                                       on_invalid="mask", backend=backend)
+            y = (quant.dequantize(recv.x, jnp.bfloat16).astype(jnp.float32) * 0.5).astype(
+                jnp.bfloat16)
+            out = jax_ep.low_latency_combine(y, idx, w, handle, backend=backend)
+            return recv.with_zero_padding(), out
+
+        recv, out = to_numpy(sharded(per_shard, R)(x, idx, w))
+        what = f"{backend} R {R} T {T} K {K} E {E} H {H} {fmt}"
+        for name, rows in sent.items():
+            got = getattr(recv.x, name)
+            want = model_low_latency(rows, idx, w, E, 0.5)[0]
+            assert_same(got, want.reshape(got.shape), f"{what}: {name}")
         assert_same(recv.count, want_count, f"{what}: count")
         assert_same(out, want_out, f"{what}: combine")
 
