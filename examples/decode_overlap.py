@@ -118,6 +118,10 @@ def main():
     ):
         if wrong:
             parser.error(message + ".")
+    if args.backend == "cuda":  # its kernels exchange through a buffer sized for the calls
+        jax_ep.initialize(jax_ep.BufferConfig(num_tokens=T, hidden=H, top_k=K, num_experts=E,
+                                              num_ranks=R, expert_major=True,
+                                              low_latency_tokens=T))
     F = 2 * H
     mesh = jax.make_mesh((R,), ("ep",))
     keys = jax.random.split(jax.random.key(0), 5)

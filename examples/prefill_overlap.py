@@ -47,6 +47,11 @@ def main():
     if args.tokens < 1 or args.tokens % (2 * args.data * args.ep):
         parser.error(f"--tokens {args.tokens}: each of the {args.data * args.ep} devices splits "
                      f"its tokens in two; pass a multiple of {2 * args.data * args.ep}.")
+    if args.backend == "cuda":  # its kernels exchange through a buffer sized for the calls
+        jax_ep.initialize(jax_ep.BufferConfig(
+            num_tokens=args.tokens // (args.data * args.ep), hidden=-(-args.hidden // 128) * 128,
+            top_k=args.top_k, num_experts=args.experts, num_ranks=args.ep, expert_major=True,
+            low_latency_tokens=0))
     mesh = jax.make_mesh((args.data, args.ep), ("data", "ep"))
     try:
         config = RouterConfig(num_experts=args.experts, top_k=args.top_k, score="sigmoid",

@@ -27,6 +27,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import jax_ep  # noqa: E402
 from jax_ep.nn import MoE, RouterConfig  # noqa: E402
 
 
@@ -132,6 +133,11 @@ def parse_args(argv) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
 def main(argv) -> int:
     parser, args = parse_args(argv)
     devices = jax.devices()
+    if args.backend == "cuda":  # its kernels exchange through a buffer sized for the calls
+        jax_ep.initialize(jax_ep.BufferConfig(
+            num_tokens=args.batch * args.seq // len(devices), hidden=-(-args.width // 128) * 128,
+            top_k=args.top_k, num_experts=args.experts, num_ranks=args.ep, expert_major=True,
+            low_latency_tokens=0))
     mesh = jax.make_mesh((len(devices) // args.ep, args.ep), ("data", "ep"))
     data = corpus(int(args.corpus_mb * 2**20))
     entropy = unigram_entropy(data)
