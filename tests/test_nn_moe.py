@@ -70,6 +70,53 @@ def test_matches_dense_forward_and_gradients(ep, data):
                                    err_msg="shared")
 
 
+def test_topk_weights_renormalized_as_maxtext_routes():
+    """normalize_topk: each token's chosen weights divided by their sum, for softmax scores
+    the softmax over the top-k logits (MaxText's default), checked in float64."""
+    rng = np.random.default_rng()
+    logits = rng.standard_normal((37, 12)).astype(np.float32)
+    for score in ("softmax", "sigmoid"):
+        cfg = RouterConfig(num_experts=12, top_k=3, score=score, normalize_topk=True,
+                           routed_scaling=1.5)
+        idx, w, _ = router.select(jnp.asarray(logits), cfg)
+        idx = np.asarray(idx)
+        assert (np.sort(idx, 1) == np.sort(np.argsort(-logits, 1)[:, :3], 1)).all()
+        top = np.take_along_axis(logits.astype(np.float64), idx, 1)
+        e = np.exp(top) if score == "softmax" else 1 / (1 + np.exp(-top))
+        np.testing.assert_allclose(w, 1.5 * e / e.sum(1, keepdims=True), rtol=1e-6)
+    _, w, s = router.select(jnp.asarray(logits), RouterConfig(num_experts=12, top_k=3))
+    assert float(jnp.max(jnp.sum(w, 1))) < 1  # softmax, not renormalized: the scores
+    with pytest.raises(TypeError, match="normalize_topk must be True, False or None"):
+        RouterConfig(num_experts=4, top_k=2, normalize_topk=1)
+
+
+def test_any_router_plugs_in():
+    """router_fn chooses instead of the config's rule (here MaxText's renormalized softmax,
+    its weights in bfloat16, upcast): the layer equals the dense layer of that rule."""
+    maxtext = RouterConfig(num_experts=8, top_k=2, normalize_topk=True)
+
+    def router_fn(logits):
+        idx, weights, _ = router.select(logits, maxtext)
+        return idx, weights.astype(jnp.bfloat16)
+
+    model, mesh = make(2)
+    model.router_fn = router_fn
+    x = np.asarray(jax.random.normal(jax.random.key(1), (4, 8, 16)))
+    p = plain_params(model)
+    with jax.set_mesh(mesh):
+        got, stats = nnx.jit(lambda m, x: m(x))(model, x)
+    want = dense_moe(p, x, maxtext)
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)  # weights rounded to bf16
+    assert not np.allclose(want, dense_moe(p, x, model.config), rtol=1e-2, atol=1e-2)
+    assert float(stats.load.sum()) == 32 * 2
+    model.router_fn = lambda logits: (logits[:, :3].astype(jnp.int32), logits[:, :3])
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"router_fn must return "
+                                           r"\(topk_idx int \[16, 2\]"):
+        nnx.jit(lambda m, x: m(x))(model, x)
+    with pytest.raises(TypeError, match="router_fn must be a function"):
+        MoE(16, 12, maxtext, mesh=mesh, router_fn="top2", rngs=nnx.Rngs(0))
+
+
 def test_stats_and_bias_update_move_toward_balance():
     model, mesh = make(2)
     model.bias_rate = 0.05

@@ -17,6 +17,7 @@ for each call (the FSDP pattern).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from functools import partial
 from typing import Literal
 
@@ -136,6 +137,21 @@ def _dispatch_fp8_bwd(options, residuals, cotangents):
 _dispatch_fp8.defvjp(_dispatch_fp8_fwd, _dispatch_fp8_bwd)
 
 
+def _chosen(choice, tokens: int, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """A router_fn's (topk_idx, topk_weights), checked, as int32 and float32."""
+    ok = isinstance(choice, tuple) and len(choice) == 2
+    idx, weights = choice if ok else (None, None)
+    want = (tokens, top_k)
+    if not ok or getattr(idx, "shape", None) != want or getattr(weights, "shape", None) != want \
+            or not jnp.issubdtype(idx.dtype, jnp.integer) \
+            or not jnp.issubdtype(weights.dtype, jnp.floating):
+        got = choice if not ok else f"{jax.typeof(idx)}, {jax.typeof(weights)}"
+        raise ValueError(f"MoE: router_fn must return (topk_idx int [{tokens}, {top_k}], "
+                         f"topk_weights float [{tokens}, {top_k}]) for logits of {tokens} "
+                         f"tokens (top_k = router.top_k); got {got}.")
+    return idx.astype(jnp.int32), weights.astype(jnp.float32)
+
+
 def _swiglu(x, w_gate, w_up, w_down, group_sizes=None):
     if group_sizes is None:
         h = jax.nn.silu(x @ w_gate) * (x @ w_up)
@@ -185,6 +201,10 @@ class MoE(nnx.Module):
       param_dtype: the parameters' dtype (e.g. float32 master weights).
       dtype: the computation dtype (e.g. bfloat16); None: the inputs' and parameters'
         promoted dtype.
+      router_fn: any other router: `router_fn(logits [T, E]) -> (topk_idx int [T, K],
+        topk_weights float [T, K])` (K = router.top_k; -1 masks a choice) chooses instead of
+        `router`'s rule, which still gives the scores of the statistics (aux_loss); the
+        expert bias does not steer it.
       rngs: nnx.Rngs for the initial parameters.
     """
 
@@ -196,6 +216,7 @@ class MoE(nnx.Module):
                  backend: Literal["auto", "xla", "cuda"] = "auto",
                  num_sms: int | None = jax_ep.DEFAULT_NUM_SMS,
                  sharding_rules=None, param_dtype=jnp.float32, dtype=None,
+                 router_fn: Callable[[jax.Array], tuple[jax.Array, jax.Array]] | None = None,
                  rngs: nnx.Rngs):
         if not _checks.is_finite_number(bias_rate) or bias_rate < 0:
             raise ValueError(f"MoE: bias_rate must be a finite number >= 0 (0: no bias "
@@ -213,6 +234,11 @@ class MoE(nnx.Module):
         self.bias_rate, self.backend, self.fp8_dispatch = bias_rate, backend, fp8_dispatch
         self.overlap, self.num_sms = overlap, num_sms
         self.dtype, self.param_dtype = dtype, param_dtype
+        if router_fn is not None and not callable(router_fn):
+            raise TypeError(f"MoE: router_fn must be a function of the router's logits "
+                            f"[T, E] returning (topk_idx [T, K], topk_weights [T, K]); got "
+                            f"{router_fn!r}.")
+        self.router_fn = router_fn
         self.sharding_rules = rules = _merged_rules(sharding_rules, mesh, ep_axis)
         R = mesh.shape[ep_axis]
         if redundant_experts < 0 or (E + redundant_experts) % R:
@@ -304,7 +330,12 @@ class MoE(nnx.Module):
                 # gradient through it) NaN; its own output stays non-finite.
                 finite = jnp.all(jnp.isfinite(c["x"]), axis=1)
                 router_x = jnp.where(finite[:, None], c["x"], 0)
-                idx, weights, scores = routing.select(router_x @ router_w, cfg, bias)
+                if self.router_fn is None:
+                    idx, weights, scores = routing.select(router_x @ router_w, cfg, bias)
+                else:
+                    logits = router_x @ router_w
+                    idx, weights = _chosen(self.router_fn(logits), logits.shape[0], cfg.top_k)
+                    scores = routing.scores(logits, cfg)
                 idx = jnp.where(c["valid"][:, None], idx, -1)  # padding goes nowhere
                 physical = idx if log2phy is None else eplb.choose_replicas(
                     idx, log2phy, logcnt, offset=jax.lax.axis_index(ep))

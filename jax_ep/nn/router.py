@@ -3,7 +3,8 @@
 DeepSeek-V3's gate: scores (softmax or sigmoid of the logits); a per-expert bias that steers
 *which* experts are selected but not their weights (auxiliary-loss-free load balancing);
 group-limited selection (experts in groups; the best groups first, then the top-k experts
-inside them); sigmoid weights normalized over the chosen experts; a routed scaling factor.
+inside them); sigmoid weights normalized over the chosen experts (any score's, with
+`normalize_topk`); a routed scaling factor.
 Plus the load statistics the layer needs: each expert's share of the choices (to move the
 bias toward balance) and the optional auxiliary balance loss.
 """
@@ -33,6 +34,9 @@ class RouterConfig:
       top_groups: groups a token may choose from; a group's score is the sum of its two best
         (biased) expert scores.
       routed_scaling: factor on the routed weights.
+      normalize_topk: divide the chosen experts' weights by their sum (MaxText's and
+        Hugging Face's `norm_topk_prob`; with softmax scores it is the softmax over the top-k
+        logits, MaxText's default); None: for sigmoid scores only (DeepSeek-V3).
     """
 
     num_experts: int
@@ -41,6 +45,7 @@ class RouterConfig:
     num_groups: int = 1
     top_groups: int = 1
     routed_scaling: float = 1.0
+    normalize_topk: bool | None = None
 
     def __post_init__(self):
         E, K, G = self.num_experts, self.top_k, self.num_groups
@@ -51,6 +56,10 @@ class RouterConfig:
         if not _checks.is_finite_number(self.routed_scaling) or self.routed_scaling <= 0:
             raise ValueError(f"RouterConfig.routed_scaling must be a positive finite number; "
                              f"got {self.routed_scaling!r}.")
+        if self.normalize_topk is not None and not isinstance(self.normalize_topk,
+                                                              (bool, np.bool_)):
+            raise TypeError(f"RouterConfig.normalize_topk must be True, False or None (for "
+                            f"sigmoid scores only); got {self.normalize_topk!r}.")
         if self.score not in ("softmax", "sigmoid"):
             raise ValueError(f"score must be 'softmax' or 'sigmoid'; got {self.score!r}.")
         if not 1 <= K <= E:
@@ -96,7 +105,8 @@ def select(
         choice = jnp.where(jnp.repeat(allowed, E // G, axis=1), choice, -jnp.inf)
     _, idx = jax.lax.top_k(choice, config.top_k)
     weights = jnp.take_along_axis(s, idx, axis=1)
-    if config.score == "sigmoid":
+    normalize = config.normalize_topk
+    if normalize or (normalize is None and config.score == "sigmoid"):
         weights = weights / jnp.sum(weights, axis=1, keepdims=True)
     return idx.astype(jnp.int32), weights * config.routed_scaling, s
 
