@@ -162,17 +162,20 @@ def check_topk_idx(op: str, topk_idx: Any) -> tuple[int, int]:
     return topk_idx.shape
 
 
-def check_topk_weights(op: str, topk_weights: Any, num_tokens: int, top_k: int) -> None:
+def check_topk_weights(op: str, topk_weights: Any, num_tokens: int, top_k: int) -> jax.Array:
+    """topk_weights must be float [T, K] (float32; bfloat16 and float16 are upcast, as
+    routers in the model's dtype give them): returns them in float32."""
     check_array(
         op,
         "topk_weights",
         topk_weights,
         ndim=2,
-        dtypes=(jnp.float32,),
+        dtypes=(jnp.float32, jnp.bfloat16, jnp.float16),
         shape=(num_tokens, top_k),
         expect=f"float32 [T, K] = [{num_tokens}, {top_k}] like topk_idx",
         fix=_cast_hint("topk_weights", topk_weights, jnp.float32),
     )
+    return topk_weights.astype(jnp.float32)
 
 
 def check_top_k(op: str, top_k: int, num_experts: int) -> None:

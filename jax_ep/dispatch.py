@@ -131,7 +131,7 @@ def dispatch(
         `(x_fp8 float8_e4m3fn [T, H], scales float32 [T, H/128])` from `jax_ep.fp8.quantize`,
         or a `jax_ep.quant.Quantized` of any wire format (received as one, bit for bit).
       topk_idx: int32 [T, K] expert ids in [0, E); -1 masks a choice.
-      topk_weights: float32 [T, K].
+      topk_weights: float32 [T, K] (bfloat16 and float16 are upcast).
       num_experts: E, a multiple of the EP axis size R.
       handle: instead of topk_idx, topk_weights and num_experts, the DispatchHandle of an
         earlier dispatch: `x` (another [T, H2] array of the same tokens, any float dtype and
@@ -189,7 +189,7 @@ def dispatch(
     num_ranks = _checks.axis_size(op, axis_name)
     num_tokens, top_k = _checks.check_topk_idx(op, topk_idx)
     data, scales = _check_x(op, x, num_tokens)
-    _checks.check_topk_weights(op, topk_weights, num_tokens, top_k)
+    topk_weights = _checks.check_topk_weights(op, topk_weights, num_tokens, top_k)
     _checks.check_num_experts(op, num_experts, num_ranks, axis_name)
     _checks.check_top_k(op, top_k, num_experts)
     _checks.check_positive_int(op, "capacity", capacity, allow_none=True)

@@ -245,7 +245,7 @@ def low_latency_combine_send(
         op, "topk_idx", topk_idx, ndim=2, dtypes=(jnp.int32,), shape=(num_tokens, top_k),
         expect=f"int32 [T, K] = [{num_tokens}, {top_k}], the topk_idx given to dispatch",
     )
-    _checks.check_topk_weights(op, topk_weights, num_tokens, top_k)
+    topk_weights = _checks.check_topk_weights(op, topk_weights, num_tokens, top_k)
     checks.same_routing(op, topk_idx, handle.topk_idx, num_experts=handle.num_experts)
     placement = _checks.placement(op, num_sms, stream, handle.buffer)
     name = backends.resolve(backend)
@@ -290,7 +290,8 @@ def low_latency_combine(
       y: bfloat16 [E_local, R*T, H], expert outputs in the layout of low_latency_dispatch.
       topk_idx: int32 [T, K], the routing given to low_latency_dispatch (the handle holds
         it; this argument is checked for shape only).
-      topk_weights: float32 [T, K] weights of the choices.
+      topk_weights: float32 [T, K] weights of the choices (bfloat16 and float16 are
+        upcast).
       handle: the LowLatencyHandle of that dispatch.
       backend: "auto", "xla" or "cuda".
       num_sms, stream: where the kernels run, as in `low_latency_dispatch`.

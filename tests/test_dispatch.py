@@ -126,6 +126,31 @@ def test_random_shapes(
     )
 
 
+@pytest.mark.parametrize("expert_major", [False, True])
+def test_half_precision_weights_are_upcast(expert_major):
+    """topk_weights in bfloat16 or float16 (a router in the model's dtype) dispatch as their
+    float32 values, and their gradient comes back in their dtype."""
+    rng = np.random.default_rng()
+    R, T, K, E = 2, 7, 3, 6
+    idx, w = make_routing(rng, num_ranks=R, num_tokens=T, top_k=K, num_experts=E,
+                          kind="uniform")
+    x = rng.standard_normal((R, T, 8)).astype(np.float32)
+    for dtype in (ml_dtypes.bfloat16, np.float16):
+        half = w.astype(dtype)
+
+        def per_shard(x, idx, w):
+            recv, _ = jax_ep.dispatch(x, idx, w, num_experts=E, expert_major=expert_major)
+            grad = jax.grad(lambda w: jax_ep.dispatch(
+                x, idx, w, num_experts=E, expert_major=expert_major)[0].topk_weights.sum())(w)
+            return recv.with_zero_padding().topk_weights, grad
+
+        got, grad = to_numpy(sharded(per_shard, R)(x, idx.astype(np.int32), half))
+        want = reference.dispatch(x, idx, half.astype(np.float32), num_experts=E,
+                                  expert_major=expert_major)["topk_weights"]
+        _assert_bitwise(got, want, f"{np.dtype(dtype).name} weights")
+        assert grad.dtype == dtype and grad.shape == w.shape
+
+
 def test_drop_reports_exact_count():
     rng = np.random.default_rng()
     want = check_against_reference(

@@ -61,7 +61,7 @@ CASES = {
         _dispatch(), lambda x, i, w: (x, i, w[:, :, :1]), ValueError,
         r"topk_weights must be float32 \[T, K\] = \[6, 2\]"),
     "topk_weights dtype": (
-        _dispatch(), lambda x, i, w: (x, i, w.astype(np.float16)), TypeError,
+        _dispatch(), lambda x, i, w: (x, i, w.astype(np.int32)), TypeError,
         r"topk_weights must be float32"),
     "E % R != 0": (
         _dispatch(num_experts=5), None, ValueError,
