@@ -293,6 +293,31 @@ def test_redundant_experts_balance_ranks_and_leave_results_unchanged():
         plain.rebalance(stats.load)
 
 
+def test_logical_axis_names_are_settable():
+    """logical_axes renames the logical axes the parameters carry (MaxText's names here): the
+    metadata and the rules use them, sharding_rules names them so, and the placement is the
+    one their rules give."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 4), ("data", "ep"))
+    cfg = RouterConfig(num_experts=8, top_k=2)
+    names = {"expert": "exp", "embed": "embed_no_exp"}
+    model = MoE(16, 12, cfg, mesh=mesh, logical_axes=names, sharding_rules=(("mlp", "data"),),
+                num_shared_experts=1, rngs=nnx.Rngs(0))
+    assert model.w_gate.get_metadata()["out_sharding"] == ("exp", "embed_no_exp", "mlp")
+    assert dict(model.sharding_rules) == {"exp": "ep", "embed_no_exp": None, "mlp": "data"}
+    with jax.set_mesh(mesh):
+        spec = nnx.get_partition_spec(nnx.state(model, nnx.Param))["w_gate"].get_value()
+    assert spec == P("ep", None, "data") == model.w_gate[...].sharding.spec
+    for bad, match in (({"experts": "x"}, "logical_axes maps the layer's axes"),
+                       ({"embed": "mlp"}, "gives two of the layer's axes one name")):
+        with pytest.raises(ValueError, match=match):
+            MoE(16, 12, cfg, mesh=mesh, logical_axes=bad, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="names the logical axis 'embed'; the layer's axes"):
+        MoE(16, 12, cfg, mesh=mesh, logical_axes=names, sharding_rules=(("embed", "data"),),
+            rngs=nnx.Rngs(0))
+
+
 def test_parameters_carry_their_ep_sharding_for_flax():
     """nnx.get_partition_spec / get_named_sharding (Flax's sharding metadata, logical axes
     mapped by the layer's rules) give the experts' EP placement, the arrays are placed so, and

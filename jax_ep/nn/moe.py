@@ -46,28 +46,47 @@ LOGICAL_AXES = {
 }
 
 
-def default_sharding_rules(ep_axis: str = "ep") -> tuple[tuple[str, str | None], ...]:
-    """The layer's logical-to-mesh axis rules: experts over `ep_axis`, the rest replicated."""
-    return (("expert", ep_axis), ("embed", None), ("mlp", None))
+def default_sharding_rules(ep_axis: str = "ep", logical_axes: dict[str, str] | None = None
+                           ) -> tuple[tuple[str, str | None], ...]:
+    """The layer's logical-to-mesh axis rules: experts over `ep_axis`, the rest replicated
+    (in the names of `logical_axes`, as `MoE` takes it)."""
+    names = _axis_names(logical_axes)
+    return ((names["expert"], ep_axis), (names["embed"], None), (names["mlp"], None))
 
 
-def _merged_rules(rules, mesh: Mesh, ep_axis: str) -> tuple[tuple[str, str | None], ...]:
-    merged = dict(default_sharding_rules(ep_axis))
+def _axis_names(logical_axes) -> dict[str, str]:
+    """The names the parameters carry for the layer's logical axes."""
+    names = {name: name for name in ("expert", "embed", "mlp")}
+    for axis, name in dict(logical_axes or {}).items():
+        if axis not in names or not isinstance(name, str):
+            raise ValueError(f"MoE: logical_axes maps the layer's axes {sorted(names)} to the "
+                             f"names its parameters carry (e.g. MaxText's {{'expert': 'exp', "
+                             f"'embed': 'embed_no_exp'}}); got {axis!r}: {name!r}.")
+        names[axis] = name
+    if len(set(names.values())) != len(names):
+        raise ValueError(f"MoE: logical_axes gives two of the layer's axes one name: {names}.")
+    return names
+
+
+def _merged_rules(rules, mesh: Mesh, ep_axis: str, names: dict[str, str]
+                  ) -> tuple[tuple[str, str | None], ...]:
+    expert, embed, mlp = names["expert"], names["embed"], names["mlp"]
+    merged = dict(default_sharding_rules(ep_axis, names))
     for name, axis in rules or ():
         if name not in merged:
             raise ValueError(f"MoE: sharding_rules names the logical axis {name!r}; the layer's"
                              f" axes are {sorted(merged)}.")
-        if name == "expert" and axis != ep_axis:
-            raise ValueError(f"MoE: sharding_rules maps 'expert' to {axis!r}, but the experts "
+        if name == expert and axis != ep_axis:
+            raise ValueError(f"MoE: sharding_rules maps {expert!r} to {axis!r}, but the experts "
                              f"live on the EP axis {ep_axis!r}; pass ep_axis={axis!r} instead.")
         if axis is not None and (axis not in mesh.axis_names or axis == ep_axis):
             raise ValueError(f"MoE: sharding_rules maps {name!r} to {axis!r}, which is not a "
                              f"mesh axis other than the EP axis {ep_axis!r} (mesh axes: "
                              f"{mesh.axis_names}).")
         merged[name] = axis
-    if merged["embed"] is not None and merged["embed"] == merged["mlp"]:
-        raise ValueError(f"MoE: sharding_rules maps both 'embed' and 'mlp' to "
-                         f"{merged['embed']!r}; one mesh axis can shard only one of a "
+    if merged[embed] is not None and merged[embed] == merged[mlp]:
+        raise ValueError(f"MoE: sharding_rules maps both {embed!r} and {mlp!r} to "
+                         f"{merged[embed]!r}; one mesh axis can shard only one of a "
                          f"weight's dimensions.")
     return tuple(merged.items())
 
@@ -198,6 +217,9 @@ class MoE(nnx.Module):
         e.g. (("mlp", "tp"),) stores the experts' FFN dimension sharded over a "tp" axis
         (parameters and optimizer state take 1/size of the memory; each call gathers the
         local experts' weights). "expert" always maps to `ep_axis`.
+      logical_axes: other names for the logical axes "expert", "embed" and "mlp", which the
+        parameters' metadata and `sharding_rules` then use (e.g. MaxText's {"expert": "exp",
+        "embed": "embed_no_exp"}, so that MaxText's rules resolve them as its own MoE's).
       param_dtype: the parameters' dtype (e.g. float32 master weights).
       dtype: the computation dtype (e.g. bfloat16); None: the inputs' and parameters'
         promoted dtype.
@@ -217,7 +239,7 @@ class MoE(nnx.Module):
                  num_sms: int | None = jax_ep.DEFAULT_NUM_SMS,
                  sharding_rules=None, param_dtype=jnp.float32, dtype=None,
                  router_fn: Callable[[jax.Array], tuple[jax.Array, jax.Array]] | None = None,
-                 rngs: nnx.Rngs):
+                 logical_axes: dict[str, str] | None = None, rngs: nnx.Rngs):
         if not _checks.is_finite_number(bias_rate) or bias_rate < 0:
             raise ValueError(f"MoE: bias_rate must be a finite number >= 0 (0: no bias "
                              f"update); got {bias_rate!r}.")
@@ -239,7 +261,8 @@ class MoE(nnx.Module):
                             f"[T, E] returning (topk_idx [T, K], topk_weights [T, K]); got "
                             f"{router_fn!r}.")
         self.router_fn = router_fn
-        self.sharding_rules = rules = _merged_rules(sharding_rules, mesh, ep_axis)
+        names = _axis_names(logical_axes)
+        self.sharding_rules = rules = _merged_rules(sharding_rules, mesh, ep_axis, names)
         R = mesh.shape[ep_axis]
         if redundant_experts < 0 or (E + redundant_experts) % R:
             raise ValueError(f"MoE: num_experts + redundant_experts ({E} + {redundant_experts})"
@@ -253,18 +276,19 @@ class MoE(nnx.Module):
 
         mesh_axes = dict(rules)
 
-        def normal(key, shape, fan_in, names):
-            spec = P(*(mesh_axes.get(n) for n in names))
+        def normal(key, shape, fan_in, axes):
+            axes = tuple(names[a] if a else None for a in axes)  # as the parameters carry them
+            spec = P(*(mesh_axes.get(n) for n in axes))
             for size, axis in zip(shape, spec, strict=True):
                 if axis is not None and size % mesh.shape[axis]:
                     raise ValueError(f"MoE: a weight of shape {shape} cannot be sharded over "
                                      f"mesh axis {axis!r} of size {mesh.shape[axis]} (logical "
-                                     f"axes {names}); change sharding_rules or the widths.")
+                                     f"axes {axes}); change sharding_rules or the widths.")
             value = jax.random.normal(key, shape, jnp.float32) * fan_in**-0.5
             # Placed here, whatever Flax's eager-sharding setting; the metadata tells Flax
             # (get_partition_spec, a jitted init, Linen boxes) where it lives.
             return nnx.Param(jax.device_put(value.astype(param_dtype), NamedSharding(mesh, spec)),
-                             out_sharding=names, sharding_rules=rules, mesh=mesh,
+                             out_sharding=axes, sharding_rules=rules, mesh=mesh,
                              eager_sharding=False)
 
         axes = LOGICAL_AXES
