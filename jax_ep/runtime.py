@@ -445,13 +445,14 @@ def _check_host_threads(op: str, rings: Channels) -> None:
     the extension allows (a sender, a receiver and, node-aware, the relay's forwarders per
     channel, on the default one-warp grid; a GPU-shaped $JAX_EP_CPU_GRID has more per channel,
     and its launch refuses what passes this)."""
-    from jax_ep import _exchange_ffi, _ffi
+    from jax_ep import _ffi
 
-    most = _ffi.EXT.host_max_units // (2 + _exchange_ffi.FORWARDERS)
+    warps = 2 + _ffi.EXT.kernel_parameters()["forwarders"]
+    most = _ffi.EXT.host_max_units // warps
     if rings.channels > most:
         raise ValueError(
-            f"{op}: {rings.channels} channels stream through {2 + _exchange_ffi.FORWARDERS} "
-            f"warps each, and the host peers of CPU devices run each warp of a launch on a "
+            f"{op}: {rings.channels} channels stream through {warps} warps each, and the "
+            f"host peers of CPU devices run each warp of a launch on a "
             f"thread of its own, at most {_ffi.EXT.host_max_units} per launch: give "
             f"Channels.channels (or $JAX_EP_CHANNELS) at most {most}.")
 
