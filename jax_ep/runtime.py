@@ -57,6 +57,7 @@ MAX_SETTING = 2**31 - 1  # a BufferConfig's counts: the ops count rows and token
 # there instead of wrapping (cuda/peer_ops.h, kTooLarge).
 TOO_LARGE = 2**60
 PEER_ACCESS = ("store", "put")
+REGIONS = ("signals", "normal", "low_latency")  # the buffer's, in order (buffer_regions)
 KEY_TIMEOUT_MS = 10 * 60 * 1000
 
 _state: dict[str, object] = {}
@@ -270,7 +271,7 @@ def buffer_regions(config: BufferConfig, *, access: str | None = None,
     (and the dispatch its counts) only.
     """
     regions = _regions(config, access, nodes)
-    return {name: regions[name] for name in ("signals", "normal", "low_latency")}
+    return {name: regions[name] for name in REGIONS}
 
 
 def normal_region_bytes(config: BufferConfig, *, access: str | None = None,
@@ -287,10 +288,17 @@ def _regions(config: BufferConfig, access: str | None, nodes: int | None) -> dic
     nodes = ranks_per_node() if nodes is None else nodes
     if access not in PEER_ACCESS:
         raise ValueError(f"buffer_regions: access must be one of {PEER_ACCESS}; got {access!r}.")
+    return _carved(config, access, nodes, channels_from_env(config.channels))
+
+
+def _carved(config: BufferConfig, access: str, nodes: int,
+            rings: Channels | None) -> dict[str, int]:
+    """The extension's carving of `config` with `rings` as they are ($JAX_EP_CHANNELS
+    resolved by the caller)."""
     from jax_ep import _ffi
 
     _ffi.require_extension("jax_ep.runtime.buffer_regions")
-    rings = channels_from_env(config.channels) or Channels(0, 0, 0)
+    rings = rings or Channels(0, 0, 0)
     return dict(_ffi.EXT.buffer_regions(
         config.ranks(), config.num_tokens, config.top_k, config.num_experts, config.hidden,
         config.dtype_bytes, config.capacity or 0, config.expert_major,
@@ -484,7 +492,8 @@ _SIZE_SETTINGS = (("num_tokens", "config", 1, 1), ("hidden", "config", 128, 128)
 def _unfitting(op: str, config: BufferConfig, access: str, nodes: int,
                regions: dict[str, int], memory: int, what: str) -> str:
     """The error of a config whose buffer is larger than `memory`: its regions, and the
-    largest value of each setting that alone would make it fit."""
+    largest value of each setting that alone would make it fit (`config.channels`: the rings
+    in effect, $JAX_EP_CHANNELS resolved)."""
     def with_value(name: str, where: str, value: int) -> BufferConfig:
         if where == "rings":
             return dataclasses.replace(config, channels=dataclasses.replace(
@@ -492,8 +501,9 @@ def _unfitting(op: str, config: BufferConfig, access: str, nodes: int,
         return dataclasses.replace(config, **{name: value})
 
     def fits(name: str, where: str, value: int) -> bool:
-        changed = with_value(name, where, value)
-        return sum(buffer_regions(changed, access=access, nodes=nodes).values()) <= memory
+        changed = with_value(name, where, value)  # its channels, whatever $JAX_EP_CHANNELS says
+        carved = _carved(changed, access, nodes, changed.channels)
+        return sum(carved[region] for region in REGIONS) <= memory
 
     fixes = []
     for name, where, low, step in _SIZE_SETTINGS:

@@ -123,6 +123,12 @@ def test_initialize_refuses_a_buffer_past_memory_and_says_what_fits(monkeypatch)
         config, channels=runtime.Channels(4, 4, n)))
     assert size(ring_chunks) <= memory < size(ring_chunks + 1)
     assert "BufferConfig.low_latency_tokens" not in str(error.value)  # not alone enough
+    # The same rings from $JAX_EP_CHANNELS: the same largest value.
+    monkeypatch.setenv("JAX_EP_CHANNELS", "4,4,65536")
+    with pytest.raises(ValueError, match=rf"Channels.ring_chunks <= {ring_chunks} \(it is "
+                                         rf"65536\)"):
+        jax_ep.initialize(dataclasses.replace(config, channels=runtime.Channels()))
+    monkeypatch.delenv("JAX_EP_CHANNELS")
     with pytest.raises(ValueError, match=r"buffer_bytes=134217728 is more than a test's"):
         jax_ep.initialize(buffer_bytes=2 * memory)
     # Channels at their limits: sized past any machine, refused without allocating.
