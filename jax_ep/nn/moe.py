@@ -354,10 +354,10 @@ class MoE(nnx.Module):
                 # gradient through it) NaN; its own output stays non-finite.
                 finite = jnp.all(jnp.isfinite(c["x"]), axis=1)
                 router_x = jnp.where(finite[:, None], c["x"], 0)
+                logits = router_x @ router_w
                 if self.router_fn is None:
-                    idx, weights, scores = routing.select(router_x @ router_w, cfg, bias)
+                    idx, weights, scores = routing.select(logits, cfg, bias)
                 else:
-                    logits = router_x @ router_w
                     idx, weights = _chosen(self.router_fn(logits), logits.shape[0], cfg.top_k)
                     scores = routing.scores(logits, cfg)
                 idx = jnp.where(c["valid"][:, None], idx, -1)  # padding goes nowhere
