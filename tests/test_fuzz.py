@@ -222,9 +222,9 @@ def test_rings_at_their_extremes_against_the_model(monkeypatch, rings):
         jax_ep.finalize()
 
 
-def check_normal_case(case, backend: str, R: int, num_sms="default"):
-    """One drawn dispatch and combine on `backend` between R ranks, against the model."""
-    kw = {} if num_sms == "default" else {"num_sms": num_sms}  # the ops' own default
+def check_normal_case(case, backend: str, R: int, **placement):
+    """One drawn dispatch and combine on `backend` between R ranks, against the model;
+    `placement` (num_sms=) goes to both ops."""
     E = R * int(case.integers(1, 4))
     T, K, H = int(case.integers(1, 23)), int(case.integers(1, min(5, E) + 1)), \
         int(case.choice([8, 13, 40, 128]))
@@ -243,10 +243,10 @@ def check_normal_case(case, backend: str, R: int, num_sms="default"):
         recv, handle = jax_ep.dispatch((x, scales) if fp8 else x, idx, w, num_experts=E,
                                        capacity=capacity, expert_major=expert_major,
                                        on_overflow="drop", on_invalid="mask",
-                                       backend=backend, **kw)
+                                       backend=backend, **placement)
         rows = recv.x.astype(jnp.float32) if fp8 else recv.x
         weights = recv.topk_weights if expert_major else recv.topk_weights.sum(axis=1)
-        out = jax_ep.combine(rows, handle, topk_weights=weights, backend=backend, **kw)
+        out = jax_ep.combine(rows, handle, topk_weights=weights, backend=backend, **placement)
         return recv.with_zero_padding(), out
 
     scales_in = scales if fp8 else np.zeros((R, T, 1), F32)
