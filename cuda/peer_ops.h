@@ -270,14 +270,38 @@ class Carver {
   size_t used_ = 0;
 };
 
-// An error unless `used` bytes of the named region fit in the `reserved` ones.
-inline PeerError fits(int op, const char* region, size_t used, size_t reserved) {
+// A call's sizes in jax_ep.runtime.BufferConfig's fields, which the message of a call that
+// does not fit names: a BufferConfig at least this large reserves what the call uses.
+struct CallSizes {
+  int num_ranks, num_tokens, top_k, num_experts;
+  int64_t capacity;  // 0: none to name (the low-latency ops)
+  bool expert_major, low_latency;
+  int64_t row_bytes;  // hidden x dtype_bytes (low latency: the hidden size's bf16 row)
+
+  std::string fields() const {
+    auto field = [](const char* name, int64_t value) {
+      return std::string(name) + "=" + std::to_string(value) + ", ";
+    };
+    std::string s = field("num_ranks", num_ranks) +
+                    field(low_latency ? "low_latency_tokens" : "num_tokens", num_tokens);
+    if (top_k > 0) s += field("top_k", top_k);
+    if (num_experts > 0) s += field("num_experts", num_experts);
+    if (capacity > 0) s += field("capacity", capacity);
+    if (expert_major) s += "expert_major=True, ";
+    return s + "hidden x dtype_bytes >= " + std::to_string(row_bytes);
+  }
+};
+
+// An error unless `used` bytes of the named region fit in the `reserved` ones; it names the
+// sizes of the call (`call`) a configuration must hold.
+inline PeerError fits(int op, const char* region, size_t used, size_t reserved,
+                      const CallSizes& call) {
   if (used <= reserved) return PeerError{};
   return PeerError{std::string(kPeerOpNames[op]) + ": needs " + std::to_string(used) +
                    " bytes of " + region + " region in the symmetric buffer, but "
                    "jax_ep.initialize() reserved " + std::to_string(reserved) +
-                   "; initialize with a configuration as large as this call "
-                   "(jax_ep.runtime.BufferConfig)"};
+                   "; initialize with a jax_ep.runtime.BufferConfig at least this call's "
+                   "sizes (" + call.fields() + ")"};
 }
 
 // The rings of an op (g's shape set): the counters, this rank's own state, the receive rings
@@ -515,7 +539,9 @@ PeerError run_op(Platform& p, int op, const DispatchArgs& out) {
   a.out = out.results();  // the finish phase copies them out of the symmetric buffer
   a.ranks_per_node = ranks_per_node(p, a.num_ranks);
   const size_t used = carve_dispatch(p.symmetric() + kSignalBytes, uses_puts(p), &a);
-  PeerError error = fits(op, "normal-mode", used, p.low_latency_offset() - kSignalBytes);
+  PeerError error = fits(op, "normal-mode", used, p.low_latency_offset() - kSignalBytes,
+                         {a.num_ranks, a.num_tokens, a.top_k, a.num_experts, a.capacity,
+                          a.expert_major, false, a.row_bytes});
   if (!error.ok()) return error;
   return with_peers(p, [&](const auto& peers) {
     using Peers = std::decay_t<decltype(peers)>;
@@ -577,7 +603,9 @@ PeerError run_op(Platform& p, int op, const CombineArgs<T>& in) {
   if (em) a.rings.channels = 0;  // not streamed yet
   CombineRegions<T> r;
   const size_t used = carve_combine(p.symmetric() + kSignalBytes, &a, puts, &r);
-  PeerError error = fits(op, "normal-mode", used, p.low_latency_offset() - kSignalBytes);
+  PeerError error = fits(op, "normal-mode", used, p.low_latency_offset() - kSignalBytes,
+                         {a.num_ranks, a.num_tokens, a.top_k, 0, a.capacity, em, false,
+                          int64_t{a.hidden} * int64_t{sizeof(T)}});
   if (!error.ok()) return error;
   if (a.rings.channels > 0) {
     // Streamed: the ring counters zeroed once the peers are done with the last op (and
@@ -647,7 +675,9 @@ PeerError run_op(Platform& p, int op, const RowsArgs& in) {
   a.first_rank = p.rank();
   Carver c(p.symmetric() + kSignalBytes);
   carve_stage(c, &a);
-  PeerError error = fits(op, "normal-mode", c.used(), p.low_latency_offset() - kSignalBytes);
+  PeerError error = fits(op, "normal-mode", c.used(), p.low_latency_offset() - kSignalBytes,
+                         {a.num_ranks, a.num_tokens, 0, 0, a.capacity, a.expert_major, false,
+                          a.row_bytes});
   if (!error.ok()) return error;
   p.per_warp(RowsStage{a}, a.num_tokens, Meet{Wait::kStart, true, {}});
   p.per_warp(RowsPull<typename Platform::Peers>{a, p.peers()}, a.capacity,
@@ -663,7 +693,7 @@ PeerError open_ll(Platform& p, int op, int R, int T, int K, int E, int H, int wi
   const size_t half = (p.bytes() - p.low_latency_offset()) / 2 / kAlign * kAlign;
   char* base = p.symmetric() + p.low_latency_offset() + buffer * half;
   const size_t used = carve_low_latency(base, R, T, K, E, H, wire, uses_puts(p), r);
-  return fits(op, "low-latency", used, half);
+  return fits(op, "low-latency", used, half, {R, T, K, E, 0, false, true, int64_t{H} * 2});
 }
 
 // The error of a send on a region whose last exchange of the same kind was not received

@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
-from jax._src import core, dispatch, effects, ffi
+from jax._src import core, dispatch, effects, ffi, xla_bridge
 from jax._src.interpreters import mlir
 
 
@@ -60,6 +60,12 @@ for _kind in (effects.lowerable_effects, effects.control_flow_allowed_effects,
     _kind.add_type(LocalEffect)
 
 
+def has_buffer() -> bool:
+    """Whether this process has the buffers exchanges between devices meet in; jax_ep.runtime
+    puts its is_initialized in its place (this module imports none of jax_ep's)."""
+    return False
+
+
 exchange_p = core.Primitive("jax_ep_exchange")
 exchange_p.multiple_results = True
 dispatch.simple_impl(exchange_p)
@@ -77,6 +83,8 @@ def _lowering(ctx: mlir.LoweringRuleContext, ranks, *operands, target, result_av
     """The custom call with the token after `ranks` and before the results (a fresh one
     when the call is not ordered)."""
     del result_avals
+    if ordered:
+        _check_initialized(target, ctx.module_context.platforms)
     token = ctx.tokens_in.get(EXCHANGE) if ordered else mlir.create_token()
     token_ctx = dataclasses.replace(
         ctx,
@@ -96,6 +104,21 @@ def _lowering(ctx: mlir.LoweringRuleContext, ranks, *operands, target, result_av
 mlir.register_lowering(exchange_p, _lowering)
 
 
+def _check_initialized(target: str, platforms: Sequence[str]) -> None:
+    """An exchange between devices compiled to run in this process needs the buffer
+    `jax_ep.initialize()` sets up: refused when the program is lowered (its first call),
+    where the handler would fail only when it runs, in a result nobody may read. Lowering
+    for another platform (a GPU program on a CPU-only machine) needs no buffer."""
+    here = xla_bridge.canonicalize_platform(xla_bridge.default_backend())
+    if here in platforms and not has_buffer():
+        op = target.removeprefix("jax_ep_")
+        raise RuntimeError(
+            f"jax_ep: the cuda backend's {op} between devices needs jax_ep.initialize() "
+            f"first, before its program is compiled (on CPU devices it sets up host buffers "
+            f"standing in for NVSHMEM's); call it once after jax.distributed.initialize() "
+            f"(if any) and before the first jitted step, or pass backend='xla'.")
+
+
 def call(target: str, result_types: Sequence[core.ShapedArray], operands: Sequence,
          attributes: dict[str, np.int64 | tuple[int, ...]], aliases: dict[int, int] | None = None,
          *, ordered: bool) -> list:
@@ -106,6 +129,18 @@ def call(target: str, result_types: Sequence[core.ShapedArray], operands: Sequen
     return exchange_p.bind(*operands, target=target, result_avals=tuple(result_types),
                            attributes=tuple(sorted(attributes.items())),
                            aliases=tuple(sorted((aliases or {}).items())), ordered=ordered)
+
+
+def failure() -> Exception | None:
+    """The error of the last exchanges this thread dispatched, once they finished (None if
+    they succeeded or there were none); the token stays."""
+    token = dispatch.runtime_tokens.current_tokens.get(EXCHANGE)
+    try:
+        if token is not None:
+            token.block_until_ready()
+    except Exception as error:  # the program's failure, returned to be reported
+        return error
+    return None
 
 
 def wait_and_forget() -> None:

@@ -459,6 +459,10 @@ def combine(
         _checks.check_array(
             op, "topk_weights", topk_weights, ndim=1, dtypes=(jnp.float32,), shape=(rows,),
             expect=f"float32 [{rows}] (one weight per row of y)",
+            fix=("Pass recv.topk_weights as dispatch returned it." if handle.expert_major else
+                 "Rank-major rows carry a token's K weights (recv.topk_weights, [capacity, "
+                 "K]): weight each expert's output by them in y, then combine(y, handle) "
+                 "without topk_weights (or pass one weight per row)."),
         )
     if handle.num_tokens == 0:  # a dispatch of no tokens: nothing comes home
         return jax.lax.full_like(y, 0, shape=(0, y.shape[1]))

@@ -49,6 +49,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from jax_ep import _exchange_order
 from jax_ep._checks import MAX_TOP_K
 
 SIGNAL_BYTES = 4096  # the peers' signals at the start of the buffer (cuda/peer_ops.h)
@@ -316,6 +317,9 @@ def is_initialized() -> bool:
     return bool(_state)
 
 
+_exchange_order.has_buffer = is_initialized
+
+
 def state() -> dict | None:
     """{'platform', 'rank', 'num_ranks', 'buffer_bytes', 'low_latency_bytes',
     'peer_access', 'ranks_per_node', 'channels'} while initialized, else None. platform: "gpu"
@@ -375,7 +379,7 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
     if config is not None:
         config.check()
     rings = channels_from_env((config or BufferConfig()).channels)
-    from jax_ep import _exchange_order, _ffi
+    from jax_ep import _ffi
 
     _ffi.require_extension(op)
     _exchange_order.wait_and_forget()
@@ -587,7 +591,7 @@ def finalize() -> None:
     executables that reference the buffer). A no-op when not initialized."""
     if not _state:
         return
-    from jax_ep import _exchange_order, _ffi
+    from jax_ep import _ffi
 
     _exchange_order.wait_and_forget()
     jax.clear_caches()
@@ -657,4 +661,20 @@ def _finalize_watched(timeout_s: float) -> bool:
     return True
 
 
-atexit.register(_finalize_at_exit)
+def _at_exit() -> None:
+    """At interpreter exit: `finalize()`, and a failed exchange ends the process with status
+    1. An exchange's error lives in its program's results and token, so a program that never
+    reads them (it prints a shape, or returns) would otherwise exit 0 with the error printed
+    only by JAX's own exit handlers. `jax_ep.initialize()` and `finalize()` forget a failure
+    (a program that handled one and started again exits normally)."""
+    failure = _exchange_order.failure()
+    _finalize_at_exit()
+    if failure is not None:
+        print(f"jax_ep: an exchange failed, so the process exits with status 1: {failure}",
+              file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # the only way to set the status at exit; JAX would report it again
+
+
+atexit.register(_at_exit)

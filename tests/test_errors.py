@@ -152,7 +152,9 @@ def test_combine_errors():
 
     with pytest.raises(ValueError, match=r"y must have one row per dispatched row, \[12, H\]"):
         _call(wrong_rows, x, idx, w)
-    with pytest.raises(ValueError, match=r"topk_weights must be float32 \[12\]"):
+    with pytest.raises(ValueError, match=r"topk_weights must be float32 \[12\].*Rank-major rows "
+                                         r"carry a token's K weights.*combine\(y, handle\) "
+                                         r"without topk_weights"):
         _call(wrong_weights, x, idx, w)
     with pytest.raises(TypeError, match=r"handle must be the DispatchHandle"):
         _call(wrong_handle, x, idx, w)

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import jax_ep
@@ -286,3 +287,61 @@ def test_what_no_gpu_platform_serves_is_refused(processes, access, nodes, match)
     with pytest.raises(RuntimeError, match=match):
         runtime.gpu_platform(4, processes, access, nodes)
 
+
+
+_EXCHANGE_PROGRAM = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax, jax.numpy as jnp, numpy as np
+import jax_ep
+
+if {initialize}:
+    jax_ep.initialize(jax_ep.BufferConfig(num_tokens=4, hidden=256, top_k=2, num_experts=4,
+                                          dtype_bytes=4, low_latency_tokens=0, channels=None))
+mesh = jax.make_mesh((2,), ("ep",))
+T, H, K, E = {T}, 256, 2, 4
+
+def per_shard(x, idx, w):
+    return jax_ep.dispatch(x, idx, w, num_experts=E, backend="cuda")[0].x
+
+step = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=jax.P("ep"), out_specs=jax.P("ep")))
+rng = np.random.default_rng({seed})
+args = (rng.standard_normal((2 * T, H)).astype(np.float32),
+        rng.integers(0, E, (2 * T, K)).astype(np.int32), np.ones((2 * T, K), np.float32))
+with jax.set_mesh(mesh):
+    out = step(*(jax.device_put(a, jax.NamedSharding(mesh, jax.P("ep"))) for a in args))
+print("shape", out.shape)
+"""
+
+
+def _exchange_process(**fields):
+    script = _EXCHANGE_PROGRAM.format(seed=int(np.random.default_rng().integers(1 << 30)),
+                                      **fields)
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_EP_BACKEND")}
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=240, env=env)
+
+
+@pytest.mark.skipif(_ffi.EXT is None, reason="needs the compiled extension")
+def test_a_failed_exchange_never_exits_0():
+    """A program that never reads its results (it prints a shape): an exchange that failed
+    (a call larger than the buffer) ends the process with status 1 and the error, which names
+    the call's sizes in BufferConfig's fields; a call that fits exits 0."""
+    proc = _exchange_process(initialize=True, T=64)
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert "shape" in proc.stdout  # the program ran to its end
+    assert re.search(r"an exchange failed, so the process exits with status 1: .*jax_ep_dispatch: "
+                     r"needs \d+ bytes of normal-mode region", proc.stderr), proc.stderr[-3000:]
+    assert ("BufferConfig at least this call's sizes (num_ranks=2, num_tokens=64, top_k=2, "
+            "num_experts=4, capacity=128, hidden x dtype_bytes >= 1024)") in proc.stderr
+    fits = _exchange_process(initialize=True, T=4)
+    assert fits.returncode == 0 and "shape (16, 256)" in fits.stdout, fits.stderr[-3000:]
+
+
+@pytest.mark.skipif(_ffi.EXT is None, reason="needs the compiled extension")
+def test_a_missing_initialize_is_refused_when_the_step_is_compiled():
+    proc = _exchange_process(initialize=False, T=4)
+    assert proc.returncode == 1 and "shape" not in proc.stdout, proc.stdout
+    assert re.search(r"RuntimeError: jax_ep: the cuda backend's dispatch between devices needs "
+                     r"jax_ep.initialize\(\) first, before its program is compiled",
+                     proc.stderr), proc.stderr[-3000:]

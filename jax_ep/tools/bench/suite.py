@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import jax_ep
+from jax_ep import runtime
 from jax_ep.tools import account
 from jax_ep.tools.bench import OPS, wire
 from jax_ep.tools.bench.routings import KINDS, make_routing
@@ -451,16 +452,25 @@ def build_case(op: str, inp: Inputs, backend: str, cases: dict | None = None) ->
     """
     virtual = cases is not None
     exchange = backend == "cuda" and not virtual and op != "layout" and inp.setup.ranks > 1
-    if exchange and jax.devices()[0].platform == "cpu":
+    if exchange and not runtime.is_initialized():
         raise NotImplementedError(
-            "on CPU the cuda backend exchanges between ranks only with virtual ranks "
-            "(--virtual); between devices it needs GPUs with NVSHMEM"
+            "between devices the cuda backend needs jax_ep.initialize() (initialize_for(setup))"
         )
     case = (cases or CASES)[op](inp, backend)
     out = jax.block_until_ready(case.fn(*case.args))
     if case.check is not None:
         case.check(out)
     return case
+
+
+def initialize_for(setup: Setup) -> None:
+    """`jax_ep.initialize()` with a buffer for the setup's largest calls, for the cuda backend
+    between devices: GPUs of this process through peer access, CPU devices through host
+    peers (docs/cuda.md)."""
+    jax_ep.initialize(runtime.BufferConfig(
+        num_tokens=setup.tokens, hidden=setup.hidden, top_k=setup.top_k,
+        num_experts=setup.experts, num_ranks=setup.ranks,
+        dtype_bytes=jnp.dtype(setup.dtype).itemsize, low_latency_tokens=setup.ll_tokens))
 
 
 def backend_unavailable(backend: str, platform: str) -> str | None:
