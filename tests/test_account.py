@@ -419,12 +419,12 @@ def test_bytes_in_flight_follow_the_kernels_launch_parameters():
     kernels' blocks per SM, sender warps per channel on a GPU, forwarders, destinations per
     read), so they cannot drift from the code."""
     p = _ffi.EXT.kernel_parameters()
-    assert (account.WORDS_IN_FLIGHT, account.WORD_BYTES) == (p["words_in_flight"],
-                                                             p["word_bytes"])
-    assert (account.PHASE_WARPS, account.COPY_BLOCKS_PER_SM) == (p["phase_warps"],
-                                                                 p["copy_blocks_per_sm"])
-    assert (account.CHANNEL_SENDERS, account.FORWARDERS, account.FAN_OUT) == (
-        p["channel_warps"], p["forwarders"], p["fan_out"])
+    assert (p["words_in_flight"], p["word_bytes"]) == (account.WORDS_IN_FLIGHT,
+                                                       account.WORD_BYTES)
+    assert (p["phase_warps"], p["copy_blocks_per_sm"]) == (account.PHASE_WARPS,
+                                                           account.COPY_BLOCKS_PER_SM)
+    assert (p["channel_warps"], p["forwarders"], p["fan_out"]) == (
+        account.CHANNEL_SENDERS, account.FORWARDERS, account.FAN_OUT)
 
 
 def test_bytes_in_flight_bound_each_op_s_copy_rate():

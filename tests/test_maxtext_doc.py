@@ -45,3 +45,56 @@ def test_the_sketch_matches_a_dense_layer():
     h = h / (1 + np.exp(-h)) * np.einsum("th,ehf->tef", x, w_up, dtype=np.float64)
     want = np.einsum("tef,efh,te->th", h, w_down.astype(np.float64), gate)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_adapter_has_maxtexts_names_and_return():
+    """jax_ep.nn.maxtext.RoutedMoE: MaxText's parameter tree (gate.kernel, gate.bias, wi_0,
+    wi_1, wo), the same outputs as jax_ep.nn.MoE on the same parameters, and MaxText's return
+    (output, lb_loss, bias_updates) checked against NumPy."""
+    from flax import nnx
+
+    from jax_ep.nn import MoE
+    from jax_ep.nn.maxtext import RoutedMoE
+
+    R, T, H, F, E, K = 4, 6, 16, 24, 8, 2
+    config = RouterConfig(num_experts=E, top_k=K, normalize_topk=True)
+    mesh = jax.make_mesh((R,), ("ep",), devices=jax.devices()[:R])
+    weight, rate = 0.01, 1e-3
+    seed = int(np.random.default_rng().integers(1 << 30))
+    x = np.random.default_rng().standard_normal((2, R * T // 2, H)).astype(np.float32)
+    with jax.set_mesh(mesh):
+        layer = RoutedMoE(H, F, config, mesh=mesh, load_balance_loss_weight=weight,
+                          bias_rate=rate, rngs=nnx.Rngs(seed))
+        plain = MoE(H, F, config, mesh=mesh, rngs=nnx.Rngs(seed))
+        shapes = jax.tree.map(lambda a: a.shape, nnx.to_pure_dict(nnx.state(layer)))
+        assert shapes == {"gate": {"kernel": (H, E), "bias": (E,)}, "wi_0": (E, H, F),
+                          "wi_1": (E, H, F), "wo": (E, F, H)}, shapes
+        assert nnx.state(layer, nnx.Param)["wi_0"].get_metadata()["out_sharding"] == (
+            "exp", "embed_no_exp", "mlp")
+        out, lb_loss, bias_updates = layer(jnp.asarray(x))
+        want, stats = plain(jnp.asarray(x))
+    np.testing.assert_array_equal(out, want)  # the same program on the same parameters
+
+    # NumPy: the choices' load, the balance loss and the bias's step.
+    kernel = np.asarray(layer.gate.kernel[...], np.float64)
+    logits = x.reshape(-1, H).astype(np.float64) @ kernel
+    scores = np.exp(logits - logits.max(1, keepdims=True))
+    scores /= scores.sum(1, keepdims=True)
+    chosen = np.argsort(-scores, axis=1, kind="stable")[:, :K]
+    load = np.bincount(chosen.ravel(), minlength=E).astype(np.float64)
+    np.testing.assert_array_equal(stats.load, load)
+    balance = E * np.sum(load / load.sum() * scores.mean(0))
+    np.testing.assert_allclose(lb_loss, weight * balance, rtol=1e-5)
+    np.testing.assert_allclose(bias_updates, rate * np.sign(load.mean() - load), atol=1e-9)
+    layer.update_bias(stats.load)  # moves MaxText's gate.bias by bias_updates
+    np.testing.assert_allclose(layer.gate.bias[...], bias_updates, atol=1e-9)
+
+    with jax.set_mesh(mesh):
+        quiet = RoutedMoE(H, F, config, mesh=mesh, rngs=nnx.Rngs(seed))
+        assert quiet(jnp.asarray(x))[1:] == (None, None)  # weight 0, rate 0: as MaxText
+        try:
+            RoutedMoE(H, F, config, mesh=mesh, num_shared_experts=1, rngs=nnx.Rngs(0))
+        except ValueError as error:
+            assert "RoutedAndSharedMoE" in str(error)
+        else:
+            raise AssertionError("shared experts were accepted")

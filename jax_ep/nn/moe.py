@@ -310,7 +310,8 @@ class MoE(nnx.Module):
         number of devices of the mesh. `mask` (bool, x.shape[:-1]) marks real tokens: the
         others (padding) go to no routed expert and count in no statistic."""
         shape = x.shape
-        hidden = self.router.shape[0]
+        router, expert_bias, w_gate, w_up, w_down = self._routing_params()
+        hidden = router.shape[0]
         if x.ndim < 1 or shape[-1] != hidden:
             raise ValueError(f"MoE: x must be [..., hidden] with the layer's hidden size "
                              f"{hidden}; got shape {list(shape)}.")
@@ -325,8 +326,8 @@ class MoE(nnx.Module):
         shared = () if self.shared is None else tuple(w[...] for w in self.shared)
         # Computed in `dtype` (the parameters cast from `param_dtype` before they move).
         tokens, router_w, *weights = dtypes.promote_dtype(
-            (tokens, self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...],
-             *shared), dtype=self.dtype)
+            (tokens, router[...], w_gate[...], w_up[...], w_down[...], *shared),
+            dtype=self.dtype)
         weights, shared = tuple(weights[:3]), weights[3:]
         placed = jax.typeof(tokens).sharding.spec  # restored on the way out
         devices = self.mesh.size
@@ -334,7 +335,7 @@ class MoE(nnx.Module):
             raise ValueError(f"MoE: {tokens.shape[0]} tokens do not split evenly over the "
                              f"{devices} devices of the mesh; pad the batch.")
         cfg, ep, E = self.config, self.ep_axis, self.config.num_experts
-        bias = jax.lax.stop_gradient(self.expert_bias[...])
+        bias = jax.lax.stop_gradient(expert_bias[...])
 
         num_physical = self.placement[0]
         stream = jax_ep.overlap.COMM_STREAM if self.overlap else None
@@ -431,6 +432,11 @@ class MoE(nnx.Module):
         return out, MoEStats(load=load, aux_loss=aux, dropped=dropped,
                              rank_load=rank_load, nonfinite=nonfinite)
 
+    def _routing_params(self) -> tuple[nnx.Variable, ...]:
+        """The router [H, E], its selection bias [E] and the routed experts' weights (w_gate
+        and w_up [E, H, F], w_down [E, F, H]); a subclass may hold them under other names."""
+        return self.router, self.expert_bias, self.w_gate, self.w_up, self.w_down
+
     def _place(self, a: jax.Array, spec: P) -> jax.Array:
         """`a` placed as `spec` on the layer's mesh: resharded on a mesh of explicit axes,
         constrained on one of auto axes (as MaxText's meshes are)."""
@@ -458,5 +464,5 @@ class MoE(nnx.Module):
             raise ValueError(f"MoE.update_bias: load must be [num_experts] = [{E}] (the "
                              f"MoEStats.load of a step of this layer); got "
                              f"{_checks.describe(load)}.")
-        self.expert_bias[...] = routing.updated_bias(self.expert_bias[...], load,
-                                                      self.bias_rate)
+        expert_bias = self._routing_params()[1]
+        expert_bias[...] = routing.updated_bias(expert_bias[...], load, self.bias_rate)
