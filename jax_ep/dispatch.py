@@ -421,6 +421,7 @@ def combine(
     handle: DispatchHandle,
     *,
     topk_weights: jax.Array | None = None,
+    partial_dtype: jnp.dtype | type | None = None,
     backend: str = "auto",
     num_sms: int | None = DEFAULT_NUM_SMS,
     stream: int | None = None,
@@ -434,6 +435,10 @@ def combine(
       topk_weights: optional float32 [capacity], a weight per row (entry): typically the
         received `topk_weights` of each expert-major entry, so the weighted expert outputs
         are reduced per rank before they travel.
+      partial_dtype: expert-major, the dtype each rank's float32 partial sum of a token
+        travels in (default y.dtype, where bfloat16 rounds it once before the home's sum);
+        jnp.float32 keeps it unrounded for twice the bytes on the wire (and a cast of y).
+        The result is in y.dtype either way; the backward pass is unchanged.
       backend: "auto", "xla" or "cuda".
       num_sms, stream: where the kernels run, also in the backward pass; as in `dispatch`.
 
@@ -464,24 +469,40 @@ def combine(
                  "K]): weight each expert's output by them in y, then combine(y, handle) "
                  "without topk_weights (or pass one weight per row)."),
         )
+    if partial_dtype is not None:
+        if not handle.expert_major:
+            raise ValueError(f"{op}: partial_dtype applies to expert-major combines (rank-major "
+                             f"rows travel as they are and are summed in float32 at home, "
+                             f"rounded nowhere before); leave it out.")
+        if jnp.dtype(partial_dtype) != jnp.float32:
+            raise ValueError(f"{op}: partial_dtype must be jnp.float32 (or None: y's dtype); "
+                             f"got {partial_dtype!r}.")
+        partial_dtype = "float32"
     if handle.num_tokens == 0:  # a dispatch of no tokens: nothing comes home
         return jax.lax.full_like(y, 0, shape=(0, y.shape[1]))
     if handle.alignment is not None:
         y, topk_weights = alignment.unalign(y, topk_weights, handle)
-    return _combine(backends.resolve(backend), placement, y, topk_weights, handle)
+    return _combine(backends.resolve(backend), placement, partial_dtype, y, topk_weights,
+                    handle)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _combine(backend: str, placement: Placement, y, weights, handle):
-    return backends.get(backend).combine(y, weights, handle, placement=placement)
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _combine(backend: str, placement: Placement, partial_dtype: str | None, y, weights,
+             handle):
+    """The combine; with `partial_dtype` its partial sums, and so the rows it sums, in that
+    dtype (y cast first: the sums of float32 partials are y's float32 values anyway), the
+    result back in y's."""
+    rows = y if partial_dtype is None else y.astype(partial_dtype)
+    out = backends.get(backend).combine(rows, weights, handle, placement=placement)
+    return out.astype(y.dtype)
 
 
-def _combine_fwd(backend, placement, y, weights, handle):
-    return _combine(backend, placement, y, weights, handle), (y, weights, handle)
+def _combine_fwd(backend, placement, partial_dtype, y, weights, handle):
+    return _combine(backend, placement, partial_dtype, y, weights, handle), (y, weights, handle)
 
 
 @scoped("jax_ep.combine.backward")
-def _combine_bwd(backend, placement, residuals, d_out):
+def _combine_bwd(backend, placement, partial_dtype, residuals, d_out):
     y, weights, handle = residuals
     rows = backends.get(backend).rows_for_receivers(d_out, handle, placement=placement)
     if weights is None:

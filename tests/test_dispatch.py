@@ -325,3 +325,56 @@ def test_expert_major_default_capacity_overflows_only_with_duplicates():
     assert f"capacity={default} is too small: this rank needs {needed} expert entries" in message
     assert "unless tokens choose the same expert more than once" in message
     assert f"R*T*K = {num_ranks * num_tokens * 2} always does" in message
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
+def test_float32_partials_round_only_the_result(dtype):
+    """combine(partial_dtype=jnp.float32), expert-major: each rank's partial travels in
+    float32 and only the home's sum is rounded to y's dtype: bit for bit the reference's
+    float32 combine of y's values, cast (docs/contract.md), and closer to float64 than the
+    default, whose partials are rounded before the sum; the gradient is the default's."""
+    rng = np.random.default_rng()
+    R, T, K, H = 4, 11, 4, 24
+    E = 2 * R
+    idx, w = make_routing(rng, num_ranks=R, num_tokens=T, top_k=K, num_experts=E,
+                          kind="uniform")
+    x = rng.standard_normal((R, T, H)).astype(dtype)
+    cap = reference.dispatch(x, idx, w, num_experts=E, expert_major=True)["x"].shape[1]
+    y = rng.standard_normal((R, cap, H)).astype(dtype)
+    yw = rng.random((R, cap)).astype(np.float32)
+
+    def per_shard(x, idx, w, y, yw):
+        _, handle = jax_ep.dispatch(x, idx, w, num_experts=E, expert_major=True)
+
+        def loss(y, partial_dtype):
+            out = jax_ep.combine(y, handle, topk_weights=yw, partial_dtype=partial_dtype)
+            return jax.numpy.sum(out.astype(np.float32) ** 2), out
+
+        (_, f32), grad32 = jax.value_and_grad(loss, has_aux=True)(y, np.float32)
+        (_, rounded), grad = jax.value_and_grad(loss, has_aux=True)(y, None)
+        return f32, rounded, grad32, grad
+
+    f32, rounded, grad32, grad = to_numpy(sharded(per_shard, R)(x, idx, w, y, yw))
+    assert f32.dtype == dtype
+    kw = dict(num_experts=E, expert_major=True, weights=yw)
+    _assert_bitwise(f32, reference.combine(y.astype(np.float32), idx, **kw).astype(dtype),
+                    "float32 partials")
+    _assert_bitwise(rounded, reference.combine(y, idx, **kw), "partials in y's dtype")
+    exact = reference.combine(y.astype(np.float64), idx, **kw)
+    err32, err = (np.abs(a.astype(np.float64) - exact).max() for a in (f32, rounded))
+    assert err32 <= err, (err32, err)
+    np.testing.assert_allclose(grad32.astype(np.float32), grad.astype(np.float32),
+                               rtol=2e-2, atol=2e-2)  # each rounds its own output's square
+
+
+def test_float32_partials_are_refused_rank_major():
+    rng = np.random.default_rng()
+    idx, w = make_routing(rng, num_ranks=2, num_tokens=4, top_k=2, num_experts=4)
+    x = rng.standard_normal((2, 4, 8)).astype(np.float32)
+
+    def per_shard(x, idx, w):
+        recv, handle = jax_ep.dispatch(x, idx, w, num_experts=4)
+        return jax_ep.combine(recv.x, handle, partial_dtype=np.float32)
+
+    with pytest.raises(ValueError, match="partial_dtype applies to expert-major combines"):
+        sharded(per_shard, 2)(x, idx, w)

@@ -504,3 +504,31 @@ def test_deepseek_v3_configuration():
     assert float(stats.load.sum()) == 48 * 8
     idx = np.asarray(router.select(x @ p["router"], r, p["expert_bias"])[0])
     assert max(len(set(row // 32)) for row in idx) <= 4  # groups of 32 experts
+
+
+def test_float32_partials_reach_the_combine(monkeypatch):
+    """MoE(partial_dtype=jnp.float32) hands it to jax_ep.combine (whose rule
+    tests/test_dispatch.py checks bit for bit); in bfloat16 the layer stays the dense one's
+    within bfloat16's rounding."""
+    import jax_ep
+
+    seen = []
+    combine = jax_ep.combine
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("partial_dtype"))
+        return combine(*args, **kwargs)
+
+    monkeypatch.setattr(jax_ep, "combine", spy)
+    mesh = jax.make_mesh((1, 4), ("data", "ep"), devices=jax.devices()[:4])
+    cfg = RouterConfig(num_experts=8, top_k=2)
+    x = jnp.asarray(np.random.default_rng().standard_normal((8, 16)), jnp.float32)
+    with jax.set_mesh(mesh):
+        model = MoE(16, 12, cfg, mesh=mesh, num_shared_experts=1, backend="xla",
+                    dtype=jnp.bfloat16, partial_dtype=jnp.float32, rngs=nnx.Rngs(0))
+        y, _ = model(x)
+    assert seen == [jnp.float32] and y.dtype == jnp.bfloat16
+    p = jax.tree.map(lambda a: np.asarray(a, np.float32) if hasattr(a, "dtype") else a,
+                     plain_params(model))
+    want = dense_moe(p, np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32), cfg)
+    np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=5e-2, atol=5e-2)

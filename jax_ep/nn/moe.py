@@ -196,6 +196,9 @@ class MoE(nnx.Module):
         `jax_ep.capacity_from_factor`).
       expert_alignment: start every local expert's rows at a multiple of this many rows (as
         grouped GEMM kernels want; see `jax_ep.dispatch`); None: packed.
+      partial_dtype: the dtype each rank's partial sum of a token travels home in
+        (`jax_ep.combine`'s; default the computation dtype); jnp.float32 rounds only the
+        output (MaxText's float32_weight_sum), for twice the combine's bytes.
       fp8_dispatch: send the tokens to the experts as float8_e4m3fn (one scale per 128
         channels; H a multiple of 128); gradients still travel in the model's dtype.
       bias_rate: step of the auxiliary-loss-free bias update.
@@ -233,7 +236,8 @@ class MoE(nnx.Module):
     def __init__(self, hidden: int, ffn_hidden: int, router: RouterConfig, *, mesh: Mesh,
                  ep_axis: str = "ep", num_shared_experts: int = 0, capacity: int | None = None,
                  capacity_factor: float | None = None, expert_alignment: int | None = None,
-                 fp8_dispatch: bool = False, bias_rate: float = 1e-3, overlap: bool = False,
+                 partial_dtype=None, fp8_dispatch: bool = False, bias_rate: float = 1e-3,
+                 overlap: bool = False,
                  redundant_experts: int = 0, num_nodes: int = 1,
                  backend: Literal["auto", "xla", "cuda"] = "auto",
                  num_sms: int | None = jax_ep.DEFAULT_NUM_SMS,
@@ -254,7 +258,7 @@ class MoE(nnx.Module):
         self.mesh, self.ep_axis, self.capacity = mesh, ep_axis, capacity
         self.capacity_factor, self.expert_alignment = capacity_factor, expert_alignment
         self.bias_rate, self.backend, self.fp8_dispatch = bias_rate, backend, fp8_dispatch
-        self.overlap, self.num_sms = overlap, num_sms
+        self.overlap, self.num_sms, self.partial_dtype = overlap, num_sms, partial_dtype
         self.dtype, self.param_dtype = dtype, param_dtype
         if router_fn is not None and not callable(router_fn):
             raise TypeError(f"MoE: router_fn must be a function of the router's logits "
@@ -384,8 +388,8 @@ class MoE(nnx.Module):
             def combine(c):
                 recv, handle = c.pop("recv"), c.pop("handle")
                 out = jax_ep.combine(c.pop("y"), handle, topk_weights=recv.topk_weights,
-                                     backend=self.backend, num_sms=self.num_sms,
-                                     stream=stream)
+                                     partial_dtype=self.partial_dtype, backend=self.backend,
+                                     num_sms=self.num_sms, stream=stream)
                 return {**c, "out": out, "dropped": recv.num_dropped[None],
                         "received": jnp.sum(recv.tokens_per_expert)[None]}
 
