@@ -110,8 +110,10 @@ def test_architecture_rules():
 def test_build_info_lists_what_was_built():
     info = jax_ep.build_info()
     assert set(info) == {"extension", "ffi_api_version", "cuda", "cuda_arch", "nvshmem_version"}
-    if info["cuda"]:  # the default build: every current NVIDIA GPU, machine code only
-        assert _ffi.architectures(info) == ["sm_80", "sm_90", "sm_100", "sm_120"]
+    if info["cuda"]:  # machine code only: this machine's GPUs, or every architecture of a
+        # wheel (tools/check_wheel.sh checks CI's has all four)
+        archs = _ffi.architectures(info)
+        assert archs and all(a.startswith("sm_") for a in archs), archs
 
 
 def test_the_extension_reports_cuda_versions_and_peer_access():

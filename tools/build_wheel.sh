@@ -5,7 +5,8 @@
 #
 #   tools/build_wheel.sh [OUT_DIR]        (default: dist/)
 #
-# Environment: ARCHS, the CUDA architectures (default: pyproject.toml's); PYTHON, the
+# Environment: ARCHS, the CUDA architectures (default: all, pyproject.toml's
+# JAX_EP_ALL_CUDA_ARCHITECTURES, whatever GPUs this machine has); PYTHON, the
 # interpreter whose version the wheel is for (default: python3); BUILD_LOG, a file that gets
 # the build's output with ptxas's report of every kernel (tools/check_ptxas.py --build-log
 # reads it; without it the build is quiet). auditwheel tags the wheel
@@ -31,9 +32,7 @@ toolkit="$(python -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], 
 
 defines=(-C cmake.define.JAX_EP_CUDA=ON -C "cmake.define.CMAKE_CUDA_COMPILER=$toolkit/bin/nvcc"
          -C "cmake.define.CUDA_CUDART=$toolkit/lib/libcudart.so.13")
-if [[ -n "${ARCHS:-}" ]]; then
-  defines+=(-C "cmake.define.CMAKE_CUDA_ARCHITECTURES=$ARCHS")
-fi
+defines+=(-C "cmake.define.JAX_EP_CUDA_ARCHITECTURES=${ARCHS:-all}")
 if [[ -n "${BUILD_LOG:-}" ]]; then
   defines+=(-C cmake.define.JAX_EP_PTXAS_VERBOSE=ON -v)
 else

@@ -1,5 +1,5 @@
-"""Compiles every cuda/*.cu for each architecture of the build (pyproject.toml's
-CMAKE_CUDA_ARCHITECTURES) with `ptxas -v` and checks the kernels' resources.
+"""Compiles every cuda/*.cu for each architecture of a wheel's build (pyproject.toml's
+JAX_EP_ALL_CUDA_ARCHITECTURES) with `ptxas -v` and checks the kernels' resources.
 
 Needs nvcc (PATH, or $CUDA_HOME/bin) and the nvidia-nvshmem-cu13 wheel (for its headers); no
 GPU. Prints one row per kernel of ours (registers, spill stores/loads, stack frame) and exits
@@ -72,10 +72,10 @@ CUDA_OBJECT = re.compile(r"Building CUDA object \S*?\b(cuda/\w+\.cu)\.o")
 
 
 def architectures() -> list[str]:
-    """The machine-code architectures the build compiles for ("90", "100a", ...)."""
+    """The machine-code architectures a wheel's build compiles for ("90", "100a", ...)."""
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         define = tomllib.load(f)["tool"]["scikit-build"]["cmake"]["define"]
-    archs = [a.removesuffix("-real") for a in define["CMAKE_CUDA_ARCHITECTURES"].split(";")]
+    archs = [a.removesuffix("-real") for a in define["JAX_EP_ALL_CUDA_ARCHITECTURES"].split(";")]
     return [a for a in archs if not a.endswith("-virtual")]
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs a wheel of jax_ep (tools/build_wheel.sh) into a fresh virtual environment where no
 # nvcc is on PATH, and checks it: build_info() shows the CUDA kernels and the architectures
-# expected (ARCHS, default pyproject.toml's), and the doctor's CPU self-test passes.
+# expected (ARCHS, default pyproject.toml's JAX_EP_ALL_CUDA_ARCHITECTURES), and the doctor's CPU self-test passes.
 #
 #   tools/check_wheel.sh WHEEL
 set -euo pipefail
@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 wheel="$(realpath "$1")"
 archs="${ARCHS:-$(python3 -c 'import tomllib
 print(tomllib.load(open("pyproject.toml", "rb"))["tool"]["scikit-build"]["cmake"]["define"]
-      ["CMAKE_CUDA_ARCHITECTURES"])')}"
+      ["JAX_EP_ALL_CUDA_ARCHITECTURES"])')}"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 python3 -m venv "$work/venv"

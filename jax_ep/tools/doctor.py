@@ -159,8 +159,8 @@ def check_facts(facts: Facts, config: Any) -> list[Check]:
                 f"architectures (GPU {i})", OK if ok else FAIL,
                 f"{d.kind}, compute capability {'.'.join(map(str, cc)) if cc else '?'}; "
                 f"built for {arch or 'no GPU'}",
-                "" if ok else f"rebuild for sm_{cc[0]}{cc[1]}: pip install -C "
-                f"cmake.define.CMAKE_CUDA_ARCHITECTURES={cc[0]}{cc[1]}-real ." if cc else
+                "" if ok else f"rebuild for sm_{cc[0]}{cc[1]}: JAX_EP_CUDA_ARCHITECTURES="
+                f"{cc[0]}{cc[1]}-real pip install ." if cc else
                 "the GPU does not report its compute capability"))
         checks.append(_check_peer_access(facts))
         need = runtime.required_bytes(config)
