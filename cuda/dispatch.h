@@ -17,6 +17,9 @@ struct DispatchArgs {
   int num_experts;  // E
   int capacity;     // rows (rank-major) or entries (expert-major) per receiver
   bool expert_major;
+  // Expert-major: the capacity keeps the first entries by source, then local expert
+  // (drop_order="source"), instead of the first in the layout's order.
+  bool drop_by_source = false;
   int64_t row_bytes;   // bytes of one token row of x
   int64_t scale_cols;  // float32 scales per row (0 without FP8)
 
@@ -40,6 +43,7 @@ struct DispatchArgs {
   int32_t* row_base;      // [R, R]: first rank-major row of source s on rank d
   int32_t* source_base;   // [R, R]: receiver d's first rank-major row of each source s
   int32_t* entry_base;    // [R, E]: first entry position of source s for expert e (expert-major)
+  int32_t* entry_kept;    // [R, E]: entries of source s for expert e kept (drop_by_source)
   // Put views: this rank's rows and scales, copied into its symmetric buffer (dispatch_stage)
   // for the send's puts to read, [T, row_bytes] and [T, scale_cols].
   char* send_x = nullptr;
@@ -199,7 +203,7 @@ JAX_EP_HOST_DEVICE PackedMeta received_meta(const DispatchArgs& a, const Peers& 
 }
 
 // The dispatch's workspace, one int32 array: the counts, then the arrays of the V ranks of
-// this call that are not reached through Peers (chunk_counts to entry_base). Returns its
+// this call that are not reached through Peers (chunk_counts to entry_kept). Returns its
 // length; with `work`, points a's arrays into it. a's shape fields must be set; sets its
 // chunk fields.
 inline int64_t carve_dispatch_workspace(DispatchArgs* a, int64_t V, int32_t* work = nullptr) {
@@ -207,11 +211,11 @@ inline int64_t carve_dispatch_workspace(DispatchArgs* a, int64_t V, int32_t* wor
   a->chunk_shift = count_chunk_shift(a->top_k);
   a->num_chunks = count_chunks(a->num_tokens, a->top_k);
   int32_t** parts[] = {&a->counts,   &a->chunk_counts, &a->token_offset, &a->entry_offset,
-                       &a->row_base, &a->source_base,  &a->entry_base};
+                       &a->row_base, &a->source_base,  &a->entry_base, &a->entry_kept};
   const int64_t sizes[] = {R * (R + E), V * a->num_chunks * (R + E + 1), V * T * R, V * T * K,
-                           V * R,       V * R,                           V * E};
+                           V * R,       V * R,                           V * E,    V * E};
   int64_t used = 0;
-  for (int i = 0; i < 7; ++i) {
+  for (int i = 0; i < 8; ++i) {
     if (work != nullptr) *parts[i] = work + used;
     used += sizes[i];
   }
@@ -246,6 +250,41 @@ JAX_EP_HOST_DEVICE void dispatch_count(const DispatchArgs& a, int s, int g, int 
       lane, lanes);
 }
 
+// Source order (drop_by_source): f(s, g, kept) for each source s and each expert g of expert
+// e's rank, in order of source, then expert: `kept` entries of (s, g) fit the capacity, which
+// keeps that rank's first entries in this order. O(R * E/R) from the counts.
+template <typename F>
+JAX_EP_HOST_DEVICE void for_kept_by_source(const DispatchArgs& a, int e, const F& f) {
+  const int R = a.num_ranks, El = a.experts_per_rank(), n = a.num_counters();
+  const int lowest = e - e % El;
+  int64_t before = 0;
+  for (int s = 0; s < R; ++s) {
+    for (int g = lowest; g < lowest + El; ++g) {
+      const int32_t count = a.counts[static_cast<int64_t>(s) * n + R + g];
+      const int64_t room = a.capacity - before;
+      f(s, g, room <= 0 ? 0 : room < count ? static_cast<int32_t>(room) : count);
+      before += count;
+    }
+  }
+}
+
+// Source order, expert e: where the sources [first, first + ranks) start writing its kept
+// entries (after the kept entries of e's rank's lower experts, then of e from lower sources),
+// and how many of theirs are kept.
+JAX_EP_HOST_DEVICE void dispatch_bases_by_source(const DispatchArgs& a, int first, int ranks,
+                                                 int e) {
+  int32_t base = 0;
+  for_kept_by_source(a, e, [&](int, int g, int32_t kept) { base += g < e ? kept : 0; });
+  for_kept_by_source(a, e, [&](int s, int g, int32_t kept) {
+    if (g != e) return;
+    if (s >= first && s < first + ranks) {
+      a.entry_base[a.local(s) * a.num_experts + e] = base;
+      a.entry_kept[a.local(s) * a.num_experts + e] = kept;
+    }
+    base += kept;
+  });
+}
+
 // The count phase's tail (run once every source's counts are here), items c in [0, R + E):
 // where the sources [first, first + ranks) start writing for counter c. c < R: their first
 // rank-major row on rank c and, when c is one of them, where every source starts on c (for
@@ -255,6 +294,10 @@ JAX_EP_HOST_DEVICE void dispatch_count(const DispatchArgs& a, int s, int g, int 
 JAX_EP_HOST_DEVICE void dispatch_bases(const DispatchArgs& a, int first, int ranks, int c) {
   const int R = a.num_ranks, n = a.num_counters();
   if (c >= R && !a.expert_major) return;
+  if (c >= R && a.drop_by_source) {
+    dispatch_bases_by_source(a, first, ranks, c - R);
+    return;
+  }
   auto count = [&](int q, int counter) { return a.counts[static_cast<int64_t>(q) * n + counter]; };
   int32_t base = 0;
   if (c >= R) {
@@ -309,14 +352,19 @@ JAX_EP_HOST_DEVICE int dispatch_candidates(const DispatchArgs& a) {
 JAX_EP_HOST_DEVICE int dispatch_receiver(const DispatchArgs& a, const int32_t* ids, int c) {
   return a.expert_major ? ids[c] / a.experts_per_rank() : c;
 }
+// Expert-major: the entry of the token's choice k on its expert's rank when the capacity
+// keeps it, else -1. ids[k] must be a choice.
+JAX_EP_HOST_DEVICE int32_t kept_entry(const DispatchArgs& a, const int32_t* ids, int s, int t,
+                                      int k) {
+  const int32_t at = entry_position(a, ids, s, t, k);
+  if (!a.drop_by_source) return at < a.capacity ? at : -1;
+  const int64_t group = a.local(s) * a.num_experts + ids[k];  // its (source, expert)
+  return at - a.entry_base[group] < a.entry_kept[group] ? at : -1;
+}
 JAX_EP_HOST_DEVICE int32_t dispatch_row_at(const DispatchArgs& a, const int32_t* ids, int s,
                                            int t, int c, int d) {
-  int32_t at = -1;
-  if (!a.expert_major) {
-    at = rank_major_row(a, ids, s, t, d);
-  } else if (ids[c] >= 0) {
-    at = entry_position(a, ids, s, t, c);
-  }
+  if (a.expert_major) return ids[c] >= 0 ? kept_entry(a, ids, s, t, c) : -1;
+  const int32_t at = rank_major_row(a, ids, s, t, d);
   return at < a.capacity ? at : -1;
 }
 
@@ -402,8 +450,8 @@ JAX_EP_HOST_DEVICE void dispatch_send_entry(const DispatchArgs& a, const Peers& 
   if (!is_choice(e, E)) return;
   const int d = e / El;
   const int32_t row = rank_major_row(a, ids, s, t, d);
-  const int32_t pos = entry_position(a, ids, s, t, k);
-  const bool kept = pos < cap;
+  const int32_t pos = kept_entry(a, ids, s, t, k);
+  const bool kept = pos >= 0;
   if (kept) {
     store_to(peers, a.recv_idx, static_cast<int64_t>(cap), d, pos, e - d * El);
     store_to(peers, a.recv_weights, static_cast<int64_t>(cap), d, pos,
@@ -417,7 +465,7 @@ JAX_EP_HOST_DEVICE void dispatch_send_entry(const DispatchArgs& a, const Peers& 
     rank += choice_rank(f, E, El) == d && (f < e || (f == e && q < k));
   }
   store_to(peers, a.row_entries, static_cast<int64_t>(a.rows()) * K, d,
-           static_cast<int64_t>(row) * K + rank, kept ? pos : -1);
+           static_cast<int64_t>(row) * K + rank, pos);
 }
 
 // Phase 2's metadata of token t of source s in every receiver (the lanes share the receivers
@@ -725,7 +773,10 @@ JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peer
   }
   if (i < El) {
     int32_t count = 0;
-    if (a.expert_major) {  // entries of expert i kept under the capacity
+    if (a.expert_major && a.drop_by_source) {  // entries of expert i kept, by source
+      for_kept_by_source(a, d * El + i,
+                         [&](int, int g, int32_t kept) { count += g == d * El + i ? kept : 0; });
+    } else if (a.expert_major) {  // entries of expert i kept under the capacity
       int32_t base = 0, total = 0;
       for (int q = 0; q < R; ++q) {
         const int32_t* row = a.counts + static_cast<int64_t>(q) * a.num_counters() + R + d * El;

@@ -546,13 +546,15 @@ xffi::Error ParseCall(int op, const AnyBuffer& ranks, xffi::RemainingArgs args,
   }
   switch (op) {
     case kPeerDispatch: {
-      int64_t capacity = 0, expert_major = 0, zero_padding = 0;
+      int64_t capacity = 0, expert_major = 0, zero_padding = 0, drop_by_source = 0;
       JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "capacity", &capacity));
       JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "expert_major", &expert_major));
       JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "zero_padding", &zero_padding));
+      JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "drop_by_source", &drop_by_source));
       DispatchArgs a;
       JAX_EP_RETURN_IF_ERROR(ParseDispatch(args, rets, R, E, capacity, expert_major, &a));
       a.zero_padding = zero_padding != 0;
+      a.drop_by_source = drop_by_source != 0 && expert_major != 0;
       JAX_EP_RETURN_IF_ERROR(ParseChannels(name, attrs, &a.rings));
       call->args = a;
       break;

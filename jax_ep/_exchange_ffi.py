@@ -131,7 +131,8 @@ def _rings(op: str, axis_name: str | None, placement: Placement, expert_major: b
 
 
 def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, capacity,
-             expert_major, axis_name=None, zero_padding=False, placement=ANYWHERE):
+             expert_major, drop_by_source=False, axis_name=None, zero_padding=False,
+             placement=ANYWHERE):
     """Normal dispatch; returns the 16 results of "jax_ep_dispatch" as a dict. Rows of "x"
     and "scales" past the count are unspecified unless `zero_padding` (docs/contract.md,
     "Padding")."""
@@ -161,7 +162,7 @@ def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, ca
         "jax_ep_dispatch", _types(topk_idx, names_shapes.values()),
         (data, scales, topk_idx, topk_weights),
         dict(num_ranks=R, num_experts=E, capacity=cap, expert_major=expert_major,
-             zero_padding=zero_padding,
+             zero_padding=zero_padding, drop_by_source=drop_by_source,
              **_rings("dispatch", axis_name, placement, expert_major, num_ranks)),
         placement, axis_name=axis_name,
         stacked=V)

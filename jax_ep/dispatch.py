@@ -40,6 +40,7 @@ class _DispatchConfig:
     capacity: int
     expert_major: bool
     placement: Placement
+    drop_by_source: bool = False
 
 
 def default_capacity(num_ranks: int, num_tokens: int, top_k: int, num_experts: int,
@@ -119,6 +120,7 @@ def dispatch(
     expert_major: bool = False,
     expert_alignment: int | None = None,
     on_overflow: Literal["error", "drop"] = "error",
+    drop_order: Literal["expert", "source"] | None = None,
     on_invalid: Literal["error", "mask"] = "error",
     backend: str = "auto",
     num_sms: int | None = DEFAULT_NUM_SMS,
@@ -160,6 +162,12 @@ def dispatch(
       on_overflow: what a rank that needs more than `capacity` does: it keeps the first
         `capacity` rows and reports the rest in `num_dropped` either way; "error" also
         records a check that `jax_ep.checks.checked` raises (free otherwise); "drop" does not.
+      drop_order: which entries an expert-major capacity keeps: "expert" (the default) the
+        first in the layout's order (by local expert, then source rank and token); "source"
+        the first by source rank, then local expert, token and choice (MaxText's order: its
+        receive buffer fills source by source). The kept entries are laid out by expert
+        either way. Rank-major rows are kept by source rank and token ("source"; "expert" is
+        refused there).
       on_invalid: ids outside [-1, E) are treated as -1 and counted in `num_invalid`;
         "error" also records a check that `jax_ep.checks.checked` raises, "mask" does not.
       backend: "auto", "xla" or "cuda" (see `jax_ep.backends`).
@@ -178,7 +186,7 @@ def dispatch(
         _checks_along(op, handle, topk_idx=topk_idx, topk_weights=topk_weights,
                       num_experts=num_experts, axis_name=axis_name, capacity=capacity,
                       capacity_factor=capacity_factor, expert_major=expert_major,
-                      expert_alignment=expert_alignment)
+                      expert_alignment=expert_alignment, drop_order=drop_order)
         return _dispatch_along(op, x, handle, backends.resolve(backend),
                                _checks.placement(op, num_sms, stream))
     if topk_idx is None or topk_weights is None or num_experts is None:
@@ -204,6 +212,12 @@ def dispatch(
         raise TypeError(f"{op}: expert_major must be a bool; got {expert_major!r}.")
     align = alignment.check(op, expert_alignment, expert_major)
     _checks.check_choice(op, "on_overflow", on_overflow, _checks.OVERFLOW_POLICIES)
+    if drop_order is not None:
+        _checks.check_choice(op, "drop_order", drop_order, ("expert", "source"))
+        if drop_order == "expert" and not expert_major:
+            raise ValueError(f"{op}: drop_order='expert' orders expert-major entries; "
+                             f"rank-major rows are kept by source rank and token (leave it "
+                             f"out, or pass expert_major=True).")
     _checks.check_choice(op, "on_invalid", on_invalid, _checks.INVALID_POLICIES)
     placement = _checks.placement(op, num_sms, stream)
     # Rows (entries) a rank can need at most; a capacity that large never overflows.
@@ -244,8 +258,11 @@ def dispatch(
         capacity=capacity,
         expert_major=expert_major,
         placement=placement,
+        drop_by_source=expert_major and drop_order == "source",
     )
     received, handle, needed = _dispatch(config, data, scales, topk_idx, topk_weights)
+    if config.drop_by_source:
+        handle = dataclasses.replace(handle, drop_by_source=True)
     if align:
         needed = alignment.needed_rows(received, jnp.sum(needed), align)
         received, handle = alignment.align(received, handle, align)
@@ -388,6 +405,7 @@ def _dispatch(config: _DispatchConfig, x, scales, topk_idx, topk_weights):
         axis_name=config.axis_name,
         capacity=config.capacity,
         expert_major=config.expert_major,
+        drop_by_source=config.drop_by_source,
         placement=config.placement,
     )
 

@@ -156,6 +156,8 @@ class DispatchHandle:
         N = min(capacity, R*T).
       alignment: where `expert_alignment` moved the entries (then entry_row, entry_choice
         and row_entries describe the unaligned layout it started from), else None.
+      drop_by_source: its capacity kept entries by source, then expert (`drop_order`); a
+        dispatch along it again must too.
     """
 
     topk_idx: jax.Array
@@ -171,6 +173,7 @@ class DispatchHandle:
     axis_name: str = static()
     ragged: RaggedRows | None = None
     alignment: AlignedEntries | None = None
+    drop_by_source: bool = static(False)
 
     @property
     def num_tokens(self) -> int:

@@ -16,29 +16,45 @@ ROOT = Path(__file__).resolve().parents[1]
 ALL = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["scikit-build"]["cmake"][
     "define"]["JAX_EP_ALL_CUDA_ARCHITECTURES"]
 
-pytestmark = pytest.mark.skipif(shutil.which("cmake") is None, reason="needs cmake")
+def _cmake() -> str | None:
+    """A cmake of version 3.26 or later (CMakeLists.txt's minimum), or None."""
+    for path in filter(None, [shutil.which("cmake"), "/usr/bin/cmake"]):
+        try:
+            out = subprocess.run([path, "--version"], capture_output=True, text=True,
+                                 timeout=60).stdout
+        except OSError:
+            continue
+        version = tuple(int(v) for v in out.split()[2].split(".")[:2]) if out else (0, 0)
+        if version >= (3, 26):
+            return path
+    return None
+
+
+CMAKE = _cmake()
+pytestmark = pytest.mark.skipif(CMAKE is None, reason="needs cmake 3.26 or later")
 
 
 def chosen(tmp_path, choice: str, gpus: list[str] | None, env_choice: str | None = None) -> str:
     """The architectures CMake picks for `choice` on a machine whose nvidia-smi lists `gpus`'
-    compute capabilities (None: no nvidia-smi)."""
+    compute capabilities (None: an nvidia-smi that fails, as without a driver)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    smi = bin_dir / "nvidia-smi"
-    smi.unlink(missing_ok=True)
-    if gpus is not None:
-        smi.write_text("#!/bin/sh\nprintf '" + "".join(f"{g}\\n" for g in gpus) + "'\n")
-        smi.chmod(0o755)
+    smi = bin_dir / "nvidia-smi"  # ahead of any real one on PATH
+    lines = "exit 1" if gpus is None else "printf '" + "".join(f"{g}\\n" for g in gpus) + "'"
+    smi.write_text(f"#!/bin/sh\n{lines}\n")
+    smi.chmod(0o755)
     script = tmp_path / "choose.cmake"
-    script.write_text(f'include("{ROOT}/cmake/cuda_architectures.cmake")\n'
+    script.write_text("cmake_minimum_required(VERSION 3.26)\n"  # as CMakeLists.txt
+                      f'include("{ROOT}/cmake/cuda_architectures.cmake")\n'
                       f'jax_ep_cuda_architectures("${{CHOICE}}" "{ALL}" out)\n'
                       'message("${out}")\n')
     env = {k: v for k, v in os.environ.items() if k != "JAX_EP_CUDA_ARCHITECTURES"}
-    env["PATH"] = f"{bin_dir}{os.pathsep}{os.path.dirname(shutil.which('cmake'))}"
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     if env_choice is not None:
         env["JAX_EP_CUDA_ARCHITECTURES"] = env_choice
-    proc = subprocess.run(["cmake", f"-DCHOICE={choice}", "-P", str(script)], env=env,
-                          capture_output=True, text=True, timeout=60, check=True)
+    proc = subprocess.run([CMAKE, f"-DCHOICE={choice}", "-P", str(script)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
     return proc.stderr.strip()
 
 
@@ -47,7 +63,7 @@ def test_auto_builds_this_machines_gpus_once_each(tmp_path):
 
 
 def test_auto_without_a_gpu_builds_every_architecture(tmp_path):
-    assert chosen(tmp_path, "auto", None) == ALL
+    assert chosen(tmp_path, "auto", None) == ALL  # no driver
     assert chosen(tmp_path, "auto", []) == ALL  # nvidia-smi without GPUs
     assert chosen(tmp_path, "auto", ["No devices were found"]) == ALL
 

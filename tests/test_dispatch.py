@@ -9,6 +9,8 @@ hypothesis. Data movement is compared bit for bit; combine too, since its order 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import ml_dtypes
 import numpy as np
@@ -378,3 +380,82 @@ def test_float32_partials_are_refused_rank_major():
 
     with pytest.raises(ValueError, match="partial_dtype applies to expert-major combines"):
         sharded(per_shard, 2)(x, idx, w)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "hot_expert", "duplicates"])
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_source_drop_order_keeps_maxtexts_entries(kind, num_ranks):
+    """drop_order="source": an expert-major capacity keeps the first entries by source rank,
+    then local expert, token and choice (MaxText's order), laid out by expert as always;
+    every result, the combine and both gradients against the reference."""
+    rng = np.random.default_rng()
+    T, K, H = 9, 3, 20
+    E = 2 * num_ranks
+    idx, w = make_routing(rng, num_ranks=num_ranks, num_tokens=T, top_k=K, num_experts=E,
+                          kind=kind)
+    idx[0, 0, 0] = -1  # a masked choice
+    x = rng.standard_normal((num_ranks, T, H)).astype(ml_dtypes.bfloat16)
+    capacity = int(rng.integers(1, T * K))  # overflows on some ranks
+    kw = dict(num_experts=E, capacity=capacity, expert_major=True, drop_order="source")
+    want = reference.dispatch(x, idx, w, **kw)
+    y = rng.standard_normal(want["x"].shape).astype(np.float32)
+    d_out = rng.standard_normal((num_ranks, T, H)).astype(np.float32)
+    d_rows = rng.standard_normal(want["x"].shape).astype(np.float32)
+    d_weights = rng.standard_normal(want["topk_weights"].shape).astype(np.float32)
+
+    def per_shard(x, idx, w, y, d_out, d_rows, d_weights):
+        def forward(x, w, y):
+            recv, handle = jax_ep.dispatch(x, idx, w, on_overflow="drop", **kw)
+            out = jax_ep.combine(y, handle, topk_weights=recv.topk_weights)
+            return recv, out
+
+        (recv, out), vjp = jax.vjp(forward, x, w, y)
+        d_recv = jax.tree.map(jax.numpy.zeros_like, recv)
+        d_recv = dataclasses.replace(d_recv, x=d_rows.astype(recv.x.dtype),
+                                     topk_weights=d_weights)
+        return recv.with_zero_padding(), out, vjp((d_recv, d_out))
+
+    recv, out, (gx, gw, gy) = to_numpy(sharded(per_shard, num_ranks)(
+        x, idx, w, y, d_out, d_rows, d_weights))
+    for key in ("x", "topk_idx", "topk_weights", "num_tokens", "tokens_per_expert",
+                "num_dropped", "group_sizes"):
+        _assert_bitwise(getattr(recv, key), want[key], f"dispatch {key}")
+    yw = want["topk_weights"]
+    _assert_bitwise(out, reference.combine(y, idx, weights=yw, **kw), "combine")
+    dy, dyw = reference.combine_vjp(d_out, y, idx, weights=yw, **kw)
+    np.testing.assert_allclose(gy, dy, rtol=1e-6, atol=1e-6)
+    # The dispatch's backward of the received rows' and weights' cotangents (the combine's
+    # weights are the received ones, so their cotangent adds to d_weights).
+    want_gx, want_gw = reference.dispatch_vjp(d_rows.astype(ml_dtypes.bfloat16),
+                                              d_weights + dyw, idx, **kw)
+    np.testing.assert_allclose(gx.astype(np.float32), want_gx.astype(np.float32),
+                               rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(gw, want_gw, rtol=1e-5, atol=1e-5)
+
+
+def test_the_two_drop_orders_keep_different_entries():
+    """Source 0's tokens choose rank 0's expert 1, source 1's its expert 0, capacity 2: by
+    expert the two entries of expert 0 (source 1) are kept, by source those of source 0."""
+    T, K, E, H = 2, 1, 4, 8
+    idx = np.array([[[1], [1]], [[0], [0]]], np.int32)
+    w = np.ones((2, T, K), np.float32)
+    x = np.arange(2 * T * H, dtype=np.float32).reshape(2, T, H)
+
+    def per_shard(order):
+        def run(x, idx, w):
+            recv, _ = jax_ep.dispatch(x, idx, w, num_experts=E, expert_major=True,
+                                      capacity=2, on_overflow="drop", drop_order=order)
+            return recv.x, recv.topk_idx, recv.num_dropped
+        return run
+
+    for order, source, expert in (("expert", 1, 0), ("source", 0, 1)):
+        rows, ids, dropped = to_numpy(sharded(per_shard(order), 2)(x, idx, w))
+        np.testing.assert_array_equal(rows[0], x[source], err_msg=order)
+        np.testing.assert_array_equal(ids[0], [expert, expert], err_msg=order)
+        assert dropped[0] == 2, order
+
+    def rank_major(x, idx, w):
+        return jax_ep.dispatch(x, idx, w, num_experts=E, drop_order="expert")[0].x
+
+    with pytest.raises(ValueError, match="drop_order='expert' orders expert-major entries"):
+        sharded(rank_major, 2)(x, idx, w)

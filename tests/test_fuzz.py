@@ -65,9 +65,11 @@ def draw_routing(rng, R: int, T: int, K: int, E: int) -> tuple[np.ndarray, np.nd
 # The model, from docs/contract.md
 
 
-def model_normal(x, idx, w, E: int, capacity: int, expert_major: bool):
+def model_normal(x, idx, w, E: int, capacity: int, expert_major: bool,
+                 by_source: bool = False):
     """Per receiver d: (x rows zero-padded, topk_idx, topk_weights, num_tokens, num_dropped),
-    and the map from each kept row (entry) to its (s, t, weight of the row)."""
+    and the map from each kept row (entry) to its (s, t, weight of the row). `by_source`:
+    the capacity keeps entries by source, then expert (drop_order="source")."""
     R, T, K = idx.shape
     El = E // R
     valid = (idx >= 0) & (idx < E)
@@ -89,8 +91,13 @@ def model_normal(x, idx, w, E: int, capacity: int, expert_major: bool):
             continue
         entries = [(int(idx[s, t, k] - d * El), i, k, s, t) for i, (s, t) in enumerate(rows)
                    for k in range(K) if on_d[s, t, k]]
-        entries.sort(key=lambda e: e[0])  # stable: by expert, then row, then k
-        kept = entries[:capacity]
+        if by_source:  # the first by source, expert, token, choice; then laid out by expert
+            first = sorted(entries, key=lambda e: (e[3], e[0]))[:capacity]
+            entries.sort(key=lambda e: e[0])
+            kept = [e for e in entries if e in first]
+        else:
+            entries.sort(key=lambda e: e[0])  # stable: by expert, then row, then k
+            kept = entries[:capacity]
         ridx = np.full((capacity,), -1, np.int32)
         rw = np.zeros((capacity,), F32)
         for n, (j, _, k, s, t) in enumerate(kept):
@@ -233,16 +240,18 @@ def check_normal_case(case, backend: str, R: int, **placement):
     idx, w = draw_routing(case, R, T, K, E)
     full = R * T * (min(K, E // R) if expert_major else 1)
     capacity = int(case.integers(1, full + 1)) if case.integers(2) else full
+    by_source = expert_major and bool(case.integers(2))
     x = case.standard_normal((R, T, H)).astype(dtype)
     scales = case.random((R, T, H // 128)).astype(F32) + 0.5 if fp8 else None
-    want = model_normal(x, idx, w, E, capacity, expert_major)
+    want = model_normal(x, idx, w, E, capacity, expert_major, by_source)
     what = f"{backend} R {R} T {T} K {K} E {E} H {H} {np.dtype(dtype).name} capacity " \
-           f"{capacity} expert_major {expert_major}"
+           f"{capacity} expert_major {expert_major} drop by source {by_source}"
 
     def per_shard(x, scales, idx, w):
         recv, handle = jax_ep.dispatch((x, scales) if fp8 else x, idx, w, num_experts=E,
                                        capacity=capacity, expert_major=expert_major,
                                        on_overflow="drop", on_invalid="mask",
+                                       drop_order="source" if by_source else None,
                                        backend=backend, **placement)
         rows = recv.x.astype(jnp.float32) if fp8 else recv.x
         weights = recv.topk_weights if expert_major else recv.topk_weights.sum(axis=1)

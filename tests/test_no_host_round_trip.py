@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from harness import checked, compiled_text
+from test_host_peers import host_peers  # noqa: F401 (the cuda programs compile against it)
 
 import jax_ep
 from jax_ep.nn import MoE, RouterConfig

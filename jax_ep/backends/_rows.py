@@ -45,13 +45,17 @@ def products(a: jax.Array, b: jax.Array) -> jax.Array:
     return a.astype(jnp.float32) * b.astype(jnp.float32)
 
 
-def expert_entries(row_idx: jax.Array, row_w: jax.Array, capacity: int):
+def expert_entries(row_idx: jax.Array, row_w: jax.Array, capacity: int,
+                   row_source: jax.Array | None = None):
     """Expert-major entries of rank-major rows (docs/contract.md, "Expert-major layout").
 
     Args:
       row_idx: int32 [N, K], local expert of each row's choices, -1 elsewhere.
       row_w: float32 [N, K], their weights.
       capacity: entries kept at most.
+      row_source: int32 [N], each row's source rank (-1: no row), to keep the first entries
+        in order of source, then local expert (`drop_order="source"`); None: in the
+        layout's order.
 
     Returns:
       dict of: entry_row, entry_choice (int32 [capacity], -1 past the count), ids, weights
@@ -63,9 +67,16 @@ def expert_entries(row_idx: jax.Array, row_w: jax.Array, capacity: int):
     num_slots = flat_idx.shape[0]
     is_entry = flat_idx >= 0
     last = jnp.iinfo(jnp.int32).max  # non-entries sort after every expert
-    order = jnp.argsort(jnp.where(is_entry, flat_idx, last), stable=True)
     needed = jnp.sum(is_entry, dtype=jnp.int32)
     kept = jnp.minimum(needed, capacity)
+    if row_source is not None:  # the entries the capacity keeps, in source order
+        by_expert = jnp.argsort(jnp.where(is_entry, flat_idx, last), stable=True)
+        source = jnp.where(is_entry, jnp.repeat(row_source, top_k), last)[by_expert]
+        by_source = by_expert[jnp.argsort(source, stable=True)]
+        rank = jnp.zeros((num_slots,), jnp.int32).at[by_source].set(
+            jnp.arange(num_slots, dtype=jnp.int32))
+        is_entry = is_entry & (rank < capacity)
+    order = jnp.argsort(jnp.where(is_entry, flat_idx, last), stable=True)
     padding = jnp.full((max(capacity - num_slots, 0),), -1, order.dtype)
     padded = jnp.concatenate([order, padding])
     entry_slot = jnp.where(jnp.arange(capacity) < kept, padded[:capacity], -1)

@@ -63,12 +63,13 @@ def get_dispatch_layout(
 
 
 def dispatch(x, scales, topk_idx, topk_weights, *, num_experts, axis_name, capacity,
-             expert_major, placement=ANYWHERE):
+             expert_major, drop_by_source=False, placement=ANYWHERE):
     num_ranks = lax.axis_size(axis_name)
     out = _exchange_ffi.dispatch(_one(x), _one(scales), _one(topk_idx), _one(topk_weights),
                                  num_ranks=num_ranks, num_experts=num_experts,
                                  capacity=capacity, expert_major=expert_major,
-                                 axis_name=axis_name, placement=placement)
+                                 drop_by_source=drop_by_source, axis_name=axis_name,
+                                 placement=placement)
     needed = out.pop("needed")[0]
     del out["workspace"]
     received, handle = _exchange_ffi.received_and_handle(
@@ -101,6 +102,7 @@ def rows_for_receivers(values, handle: DispatchHandle, *, placement=ANYWHERE):
     out = _exchange_ffi.dispatch(_one(values), None, _one(handle.topk_idx), _one(zeros),
                                  num_ranks=handle.num_ranks, num_experts=handle.num_experts,
                                  capacity=handle.capacity, expert_major=handle.expert_major,
+                                 drop_by_source=handle.drop_by_source,
                                  axis_name=handle.axis_name, zero_padding=True,
                                  placement=placement)
     return out["x"][0]

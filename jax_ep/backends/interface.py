@@ -32,9 +32,10 @@ class Backend(Protocol):
 
     def dispatch(self, x: jax.Array, scales: jax.Array | None, topk_idx: jax.Array,
                  topk_weights: jax.Array, *, num_experts: int, axis_name: str, capacity: int,
-                 expert_major: bool, placement: Placement) -> tuple[Received, DispatchHandle,
-                                                                    jax.Array]:
-        """(received, handle, rows or entries this rank needed before the capacity cut)."""
+                 expert_major: bool, drop_by_source: bool,
+                 placement: Placement) -> tuple[Received, DispatchHandle, jax.Array]:
+        """(received, handle, rows or entries this rank needed before the capacity cut);
+        `drop_by_source`: an expert-major capacity keeps entries by source, then expert."""
 
     def combine(self, y: jax.Array, weights: jax.Array | None, handle: DispatchHandle, *,
                 placement: Placement) -> jax.Array:

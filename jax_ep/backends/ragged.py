@@ -156,19 +156,30 @@ def _received(meta: jax.Array, counts: jax.Array, axis_name: str, num_tokens: in
     return jnp.where(here[:, None], meta[:, :top_k], -1), recv_src
 
 
-def _rows_with_kept_entries(idx, capacity: int, num_experts: int, axis_name: str):
+def _rows_with_kept_entries(idx, capacity: int, num_experts: int, axis_name: str,
+                            drop_by_source: bool):
     """Expert-major dispatch whose capacity can overflow: (keep [T, R], the rows of this
-    rank that hold an entry among the first `capacity` of its destination's sorted entries;
-    the entries this rank receives before the cut)."""
+    rank that hold an entry among the first `capacity` of its destination's entries, in
+    sorted order or, `drop_by_source`, in order of source, then local expert; the entries
+    this rank receives before the cut)."""
     num_ranks, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
     num_tokens, top_k = idx.shape
     experts_per_rank = num_experts // num_ranks
     mine = routing.count_ids(idx, num_experts)
     per_rank = lax.all_gather(mine, axis_name)  # [R, E]: entries of rank s for expert e
     total = jnp.sum(per_rank, axis=0).reshape(num_ranks, experts_per_rank)
-    # An entry's place among its destination's sorted entries: those of the lower local
-    # experts there, those of its expert from earlier ranks, then this rank's earlier ones.
-    base = _exclusive_cumsum(total, 1).reshape(-1) + _exclusive_cumsum(per_rank)[rank]
+    if drop_by_source:
+        # An entry's place among its destination's entries in source order: those of the
+        # earlier ranks there, this rank's of the lower local experts, its earlier ones.
+        to_dest = jnp.sum(per_rank.reshape(num_ranks, num_ranks, experts_per_rank), axis=2)
+        earlier = _exclusive_cumsum(to_dest)[rank]  # [R]: per destination
+        lower = _exclusive_cumsum(mine.reshape(num_ranks, experts_per_rank), 1)
+        base = (earlier[:, None] + lower).reshape(-1)
+    else:
+        # An entry's place among its destination's sorted entries: those of the lower local
+        # experts there, those of its expert from earlier ranks, then this rank's earlier
+        # ones.
+        base = _exclusive_cumsum(total, 1).reshape(-1) + _exclusive_cumsum(per_rank)[rank]
     flat = idx.reshape(-1)
     order = jnp.argsort(jnp.where(flat >= 0, flat, num_experts), stable=True)
     first = gather_rows(_exclusive_cumsum(mine), flat[order])
@@ -184,7 +195,7 @@ def _rows_with_kept_entries(idx, capacity: int, num_experts: int, axis_name: str
 
 
 def dispatch(x, scales, topk_idx, topk_weights, *, num_experts: int, axis_name: str,
-             capacity: int, expert_major: bool):
+             capacity: int, expert_major: bool, drop_by_source: bool = False):
     """As the all_gather transport's `dispatch` (same results), moving only routed rows."""
     num_ranks, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
     num_tokens, top_k = topk_idx.shape
@@ -195,7 +206,8 @@ def dispatch(x, scales, topk_idx, topk_weights, *, num_experts: int, axis_name: 
     needed = None
     if expert_major and capacity < num_ranks * num_tokens * min(top_k, experts_per_rank):
         num_rows = min(capacity, num_ranks * num_tokens)
-        keep, needed = _rows_with_kept_entries(idx, capacity, num_experts, axis_name)
+        keep, needed = _rows_with_kept_entries(idx, capacity, num_experts, axis_name,
+                                               drop_by_source)
         counts = lax.all_gather(jnp.sum(keep, axis=0, dtype=jnp.int32), axis_name)
     else:
         num_rows = num_ranks * num_tokens if expert_major else capacity
@@ -222,7 +234,9 @@ def dispatch(x, scales, topk_idx, topk_weights, *, num_experts: int, axis_name: 
     entry_row = entry_choice = row_entries = None
     ids, weights = row_idx, row_w
     if expert_major:
-        entries = expert_entries(row_idx, row_w, capacity)
+        row_source = jnp.where(recv_src >= 0, recv_src // num_tokens, -1)
+        entries = expert_entries(row_idx, row_w, capacity,
+                                 row_source if drop_by_source else None)
         entry_row, entry_choice = entries["entry_row"], entries["entry_choice"]
         row_entries, ids, weights = entries["row_entries"], entries["ids"], entries["weights"]
         kept = jnp.minimum(entries["needed"], capacity)

@@ -117,6 +117,7 @@ def dispatch(
     axis_name: str,
     capacity: int,
     expert_major: bool,
+    drop_by_source: bool = False,
     transport_name: str | None = None,
     placement: Placement = ANYWHERE,
 ) -> tuple[Received, DispatchHandle, jax.Array]:
@@ -124,7 +125,8 @@ def dispatch(
     `transport_name` overrides `transport()`."""
     if (transport_name or transport(lax.axis_size(axis_name))) == "ragged":
         return ragged.dispatch(x, scales, topk_idx, topk_weights, num_experts=num_experts,
-                               axis_name=axis_name, capacity=capacity, expert_major=expert_major)
+                               axis_name=axis_name, capacity=capacity, expert_major=expert_major,
+                               drop_by_source=drop_by_source)
     num_ranks = lax.axis_size(axis_name)
     rank = lax.axis_index(axis_name)
     num_tokens, top_k = topk_idx.shape
@@ -160,7 +162,9 @@ def dispatch(
         needed = needed_rows
         entry_row = entry_choice = row_entries = None
     else:
-        entries = expert_entries(row_idx, row_w, capacity)
+        row_source = jnp.where(recv_src >= 0, recv_src // num_tokens, -1)
+        entries = expert_entries(row_idx, row_w, capacity,
+                                 row_source if drop_by_source else None)
         entry_row, entry_choice = entries["entry_row"], entries["entry_choice"]
         row_entries, ids, weights = entries["row_entries"], entries["ids"], entries["weights"]
         needed = entries["needed"]

@@ -196,6 +196,8 @@ class MoE(nnx.Module):
         `jax_ep.capacity_from_factor`).
       expert_alignment: start every local expert's rows at a multiple of this many rows (as
         grouped GEMM kernels want; see `jax_ep.dispatch`); None: packed.
+      drop_order: which entries a full capacity keeps (`jax_ep.dispatch`'s: None, the
+        layout's order; "source", MaxText's).
       partial_dtype: the dtype each rank's partial sum of a token travels home in
         (`jax_ep.combine`'s; default the computation dtype); jnp.float32 rounds only the
         output (MaxText's float32_weight_sum), for twice the combine's bytes.
@@ -236,6 +238,7 @@ class MoE(nnx.Module):
     def __init__(self, hidden: int, ffn_hidden: int, router: RouterConfig, *, mesh: Mesh,
                  ep_axis: str = "ep", num_shared_experts: int = 0, capacity: int | None = None,
                  capacity_factor: float | None = None, expert_alignment: int | None = None,
+                 drop_order: Literal["expert", "source"] | None = None,
                  partial_dtype=None, fp8_dispatch: bool = False, bias_rate: float = 1e-3,
                  overlap: bool = False,
                  redundant_experts: int = 0, num_nodes: int = 1,
@@ -259,6 +262,7 @@ class MoE(nnx.Module):
         self.capacity_factor, self.expert_alignment = capacity_factor, expert_alignment
         self.bias_rate, self.backend, self.fp8_dispatch = bias_rate, backend, fp8_dispatch
         self.overlap, self.num_sms, self.partial_dtype = overlap, num_sms, partial_dtype
+        self.drop_order = drop_order
         self.dtype, self.param_dtype = dtype, param_dtype
         if router_fn is not None and not callable(router_fn):
             raise TypeError(f"MoE: router_fn must be a function of the router's logits "
@@ -349,7 +353,7 @@ class MoE(nnx.Module):
             options = (("num_experts", num_physical), ("axis_name", ep),
                        ("capacity", self.capacity), ("capacity_factor", self.capacity_factor),
                        ("expert_alignment", self.expert_alignment),
-                       ("on_overflow", "drop"),
+                       ("on_overflow", "drop"), ("drop_order", self.drop_order),
                        ("backend", backends.resolve(self.backend)), ("num_sms", self.num_sms),
                        ("stream", stream))
 

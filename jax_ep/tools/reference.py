@@ -169,8 +169,11 @@ def _default_capacity(routing: _Routing, expert_major: bool) -> int:
     return routing.R * routing.T
 
 
-def _plan(topk_idx, num_experts: int, capacity: int | None, expert_major: bool) -> _Plan:
-    """Computes which source slot every received row or entry holds, on every rank."""
+def _plan(topk_idx, num_experts: int, capacity: int | None, expert_major: bool,
+          drop_order: str | None = None) -> _Plan:
+    """Computes which source slot every received row or entry holds, on every rank.
+    `drop_order="source"` (expert-major): the entries kept under the capacity are the first
+    in order of source, local expert, token and choice (the layout stays sorted by expert)."""
     routing = _route(topk_idx, num_experts)
     if capacity is None:
         capacity = _default_capacity(routing, expert_major)
@@ -188,6 +191,13 @@ def _plan(topk_idx, num_experts: int, capacity: int | None, expert_major: bool) 
                     if j != -1:
                         entries.append(_Slot(s=s, t=t, row=i, k=k, j=j))
             slots = sorted(entries, key=lambda e: e.j)  # Python's sort is stable
+            if drop_order == "source":
+                first = sorted(entries, key=lambda e: (e.s, e.j))[:capacity]
+                keep = {(e.row, e.k) for e in first}
+                needed.append(len(slots))
+                rows.append(d_rows)
+                kept.append([e for e in slots if (e.row, e.k) in keep])
+                continue
         else:
             slots = [_Slot(s=s, t=t, row=i) for i, (s, t) in enumerate(d_rows)]
         rows.append(d_rows)
@@ -290,6 +300,7 @@ def dispatch(
     num_experts: int,
     capacity: int | None = None,
     expert_major: bool = False,
+    drop_order: str | None = None,
 ) -> dict[str, np.ndarray]:
     """Reference of ``dispatch`` (normal mode) on every rank.
 
@@ -302,6 +313,8 @@ def dispatch(
         capacity: received rows (rank-major) or entries (expert-major) per rank; None for
             the default ``R*T`` or ``R*T*min(K, E_local)``.
         expert_major: the expert-major layout instead of the rank-major one.
+        drop_order: "source": an expert-major capacity keeps entries in order of source
+            rank, then local expert (``dispatch``'s); None: in the layout's order.
 
     Returns:
         A dict with ``x`` ``[R, cap, H]`` (and ``scales`` ``[R, cap, H/128]`` for FP8),
@@ -310,7 +323,7 @@ def dispatch(
         ``[R, E_local]``, ``num_dropped`` int32 ``[R]``, ``num_invalid`` int32 ``[R]``, and
         for the expert-major layout ``group_sizes`` int32 ``[R, E_local]``.
     """
-    plan = _plan(topk_idx, num_experts, capacity, expert_major)
+    plan = _plan(topk_idx, num_experts, capacity, expert_major, drop_order)
     r, cap = plan.routing, plan.capacity
     rows, scales = _split_x(x, r.R, r.T)
     weights = np.asarray(topk_weights)
@@ -407,6 +420,7 @@ def combine(
     capacity: int | None = None,
     expert_major: bool = False,
     weights=None,
+    drop_order: str | None = None,
 ) -> np.ndarray:
     """Reference of ``combine`` on every rank.
 
@@ -415,14 +429,14 @@ def combine(
         topk_idx: the original routing ``[R, T, K]`` that the dispatch used.
         num_experts: E.
         capacity: as given to ``dispatch``.
-        expert_major: as given to ``dispatch``.
+        expert_major, drop_order: as given to ``dispatch``.
         weights: optional ``[R, cap]`` float32, one weight per received row / entry.
 
     Returns:
         ``[R, T, H]`` in ``y.dtype``: per home token, the float32 sum over ranks ``d = 0..R-1``
         in order of its (weighted) row (expert-major: of the per-row partial sums), from 0.0.
     """
-    plan = _plan(topk_idx, num_experts, capacity, expert_major)
+    plan = _plan(topk_idx, num_experts, capacity, expert_major, drop_order)
     y = np.asarray(y)
     if y.ndim != 3:
         raise ValueError(f"y must have shape [R, capacity, H], got shape {y.shape}")
@@ -438,6 +452,7 @@ def dispatch_vjp(
     num_experts: int,
     capacity: int | None = None,
     expert_major: bool = False,
+    drop_order: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Reference of the backward pass of ``dispatch`` (non-FP8 ``x``).
 
@@ -446,7 +461,7 @@ def dispatch_vjp(
         dw_recv: cotangent of the received ``topk_weights``, ``[R, cap, K]`` (rank-major) or
             ``[R, cap]`` (expert-major).
         topk_idx: the original routing ``[R, T, K]``.
-        num_experts, capacity, expert_major: as given to ``dispatch``.
+        num_experts, capacity, expert_major, drop_order: as given to ``dispatch``.
 
     Returns:
         ``(dx, dtopk_weights)``: ``dx`` ``[R, T, H]`` in ``dx_recv.dtype`` is the unweighted
@@ -454,7 +469,7 @@ def dispatch_vjp(
         cotangent of the received weight slot that carried it (0 if masked, invalid or
         dropped).
     """
-    plan = _plan(topk_idx, num_experts, capacity, expert_major)
+    plan = _plan(topk_idx, num_experts, capacity, expert_major, drop_order)
     r = plan.routing
     dx_recv = np.asarray(dx_recv)
     if dx_recv.ndim != 3:
@@ -487,6 +502,7 @@ def combine_vjp(
     capacity: int | None = None,
     expert_major: bool = False,
     weights=None,
+    drop_order: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Reference of the backward pass of ``combine``.
 
@@ -494,7 +510,7 @@ def combine_vjp(
         dout: cotangent of the combine output, ``[R, T, H]``.
         y: the combine input ``[R, cap, H]``.
         topk_idx: the original routing ``[R, T, K]``.
-        num_experts, capacity, expert_major: as given to ``dispatch``.
+        num_experts, capacity, expert_major, drop_order: as given to ``dispatch``.
         weights: the optional ``[R, cap]`` weights given to ``combine``.
 
     Returns:
@@ -505,7 +521,7 @@ def combine_vjp(
         The contract leaves the summation order of the dot open: it is computed in float64
         and rounded once to float32.
     """
-    plan = _plan(topk_idx, num_experts, capacity, expert_major)
+    plan = _plan(topk_idx, num_experts, capacity, expert_major, drop_order)
     r = plan.routing
     y = np.asarray(y)
     if y.ndim != 3:
