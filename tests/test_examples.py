@@ -28,8 +28,11 @@ def _run_example(name: str, *args: str, **env_vars: str) -> str:
 
 
 def drawn_backend() -> str:
-    """The backend of an example's run, drawn from the test's seed (both over runs): with
-    `--backend cuda` an example initializes the kernels' buffer itself (host peers here)."""
+    """The backend of an example's run: cuda on the cuda path of CI ($JAX_EP_BACKEND=cuda),
+    else drawn from the test's seed (both over runs). With `--backend cuda` an example
+    initializes the kernels' buffer itself (host peers here)."""
+    if os.environ.get("JAX_EP_BACKEND") == "cuda":
+        return "cuda"
     return ("xla", "cuda")[np.random.default_rng().integers(2)]
 
 
