@@ -122,6 +122,8 @@ def dispatch(
     on_overflow: Literal["error", "drop"] = "error",
     drop_order: Literal["expert", "source"] | None = None,
     on_invalid: Literal["error", "mask"] = "error",
+    wire_format: str | None = None,
+    dequantize: bool = True,
     backend: str = "auto",
     num_sms: int | None = DEFAULT_NUM_SMS,
     stream: int | None = None,
@@ -170,6 +172,13 @@ def dispatch(
         refused there).
       on_invalid: ids outside [-1, E) are treated as -1 and counted in `num_invalid`;
         "error" also records a check that `jax_ep.checks.checked` raises, "mask" does not.
+      wire_format: the rows travel as this `jax_ep.quant` format ("e4m3", "e4m3_ue8m0",
+        "mxfp8", "nvfp4"; x in bfloat16, float16 or float32): `recv.x` is, bit for bit,
+        the dispatch of `quant.quantize(x, wire_format)` dequantized to x's dtype, and x's
+        gradient is the unweighted combine of the rows' (straight through the rounding);
+        topk_weights' as without it.
+      dequantize: with `wire_format`, False returns the received `Quantized` rows instead
+        (for a low-precision GEMM; x is then not differentiated).
       backend: "auto", "xla" or "cuda" (see `jax_ep.backends`).
       num_sms: the SMs each kernel launch may take (also in the backward pass), so the rest
         can compute beside it; None: every SM.
@@ -182,6 +191,14 @@ def dispatch(
       (Received, DispatchHandle). Pass the handle to `combine`. With `handle`: the rows.
     """
     op = "jax_ep.dispatch"
+    if wire_format is not None:
+        options = dict(num_experts=num_experts, handle=handle, axis_name=axis_name,
+                       capacity=capacity, capacity_factor=capacity_factor,
+                       expert_major=expert_major, expert_alignment=expert_alignment,
+                       on_overflow=on_overflow, drop_order=drop_order, on_invalid=on_invalid,
+                       backend=backend, num_sms=num_sms, stream=stream)
+        return _dispatch_on_wire(op, x, topk_idx, topk_weights, wire_format, dequantize,
+                                 options)
     if handle is not None:
         _checks_along(op, handle, topk_idx=topk_idx, topk_weights=topk_weights,
                       num_experts=num_experts, axis_name=axis_name, capacity=capacity,
@@ -350,6 +367,55 @@ def _along_bwd(backend, placement, handle, d_rows):
 
 
 _along.defvjp(_along_fwd, _along_bwd)
+
+
+def _dispatch_on_wire(op: str, x, topk_idx, topk_weights, wire_format: str,
+                      dequantize: bool, options: dict):
+    """dispatch(wire_format=...): the Quantized of x dispatched (one exchange of the
+    quantized rows; topk_weights differentiated as always), dequantized on arrival, and x's
+    gradient straight through the rounding: the unweighted combine of the rows' gradient,
+    as without the wire format."""
+    _checks.check_choice(op, "wire_format", wire_format, quant.FORMATS)
+    if not isinstance(dequantize, bool):
+        raise TypeError(f"{op}: dequantize must be a bool; got {dequantize!r}.")
+    if options["handle"] is not None:
+        raise ValueError(f"{op}: wire_format with handle= is not supported; send "
+                         f"jax_ep.quant.quantize(x, {wire_format!r}) along the handle.")
+    _checks.check_array(op, "x", x, ndim=2,
+                        dtypes=(jnp.bfloat16, jnp.float16, jnp.float32),
+                        expect=f"[T, H] in bfloat16, float16 or float32 (the rows "
+                               f"wire_format={wire_format!r} quantizes)")
+    sent = quant.quantize(jax.lax.stop_gradient(x), wire_format)
+    received, handle = dispatch(sent, topk_idx, topk_weights, **options)
+    if not dequantize:
+        return received, handle
+    rows = _straight_through(_placement_options(options), x,
+                             jax.lax.stop_gradient(quant.dequantize(received.x, x.dtype)),
+                             handle)
+    return dataclasses.replace(received, x=rows), handle
+
+
+def _placement_options(options: dict) -> tuple:
+    return tuple((k, options[k]) for k in ("backend", "num_sms", "stream"))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _straight_through(placement: tuple, x, rows, handle):
+    """`rows` (x's dispatched, rounded rows) with x's gradient the unweighted combine of
+    theirs, as a dispatch of x has."""
+    del placement, x, handle
+    return rows
+
+
+def _straight_through_fwd(placement, x, rows, handle):
+    return rows, handle
+
+
+def _straight_through_bwd(placement, handle, d_rows):
+    return combine(d_rows, handle, **dict(placement)), None, None
+
+
+_straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)
 
 
 def _as_sent(x, result: tuple[Received, DispatchHandle]) -> tuple[Received, DispatchHandle]:

@@ -418,3 +418,78 @@ def test_a_malformed_quantized_is_refused_naming_the_field():
             sharded(per_shard, R)(idx, w)
         with pytest.raises((TypeError, ValueError), match=message.replace("x.", "q.")):
             quant.dequantize(q)
+
+
+@pytest.mark.parametrize("format", quant.FORMATS)
+def test_dispatch_on_a_wire_format_and_its_gradient(format):
+    """dispatch(x, ..., wire_format=f): recv.x is, bit for bit, the dispatch of x's rows
+    quantized to f and dequantized to x's dtype (the reference's dispatch of those rows); x's
+    gradient is the unweighted combine of the rows' (straight through the rounding) and
+    topk_weights' is as without f, both against the reference's backward; dequantize=False
+    gives the Quantized rows."""
+    from harness import sharded, to_numpy
+    from test_fuzz import draw_routing
+
+    import jax_ep
+    from jax_ep.tools import reference
+
+    rng = np.random.default_rng()
+    R = 2 if jax_ep.backends.resolve("auto") == "xla" or jax_ep.runtime.is_initialized() else 1
+    T, K, E, H = 9, 2, 2 * R, 128
+    expert_major = bool(rng.integers(2))
+    dtype = (ml_dtypes.bfloat16, np.float16, np.float32)[int(rng.integers(3))]
+    idx, w = draw_routing(rng, R, T, K, E)
+    x = (rng.standard_normal((R, T, H)) * 3).astype(dtype)
+    rounded = np.asarray(quant.dequantize(quant.quantize(jnp.asarray(x), format), dtype))
+    kw = dict(num_experts=E, expert_major=expert_major)
+    want = reference.dispatch(rounded, idx, w, **kw)
+    d_rows = rng.standard_normal(want["x"].shape).astype(dtype)
+    d_weights = rng.standard_normal(want["topk_weights"].shape).astype(F32)
+
+    def per_shard(x, idx, w, d_rows, d_weights):
+        def forward(x, w):
+            recv, _ = jax_ep.dispatch(x, idx, w, wire_format=format, on_invalid="mask", **kw)
+            return (recv.x, recv.topk_weights), recv.num_tokens
+
+        (rows, weights), vjp, count = jax.vjp(forward, x, w, has_aux=True)
+        grads = vjp((d_rows, d_weights))
+        raw, _ = jax_ep.dispatch(x, idx, w, wire_format=format, dequantize=False,
+                                 on_invalid="mask", **kw)
+        assert isinstance(raw.x, quant.Quantized) and raw.x.format == format
+        return rows, weights, count, grads, quant.dequantize(raw.x, x.dtype)
+
+    rows, weights, count, (gx, gw), raw = to_numpy(sharded(per_shard, R)(
+        x, idx, w, d_rows, d_weights))
+    for d in range(R):
+        n = int(count[d])
+        assert n == want["num_tokens"][d]
+        assert_bytes(rows[d][:n], want["x"][d][:n], f"{format} rows on rank {d}")
+        assert_bytes(raw[d][:n], want["x"][d][:n], f"{format} Quantized rows on rank {d}")
+    np.testing.assert_array_equal(weights, want["topk_weights"])
+    want_gx, want_gw = reference.dispatch_vjp(d_rows, d_weights, idx, **kw)
+    tol = 1e-6 if dtype == np.float32 else 1e-2
+    np.testing.assert_allclose(gx.astype(F32), want_gx.astype(F32), rtol=tol, atol=tol)
+    np.testing.assert_allclose(gw, want_gw, rtol=1e-6, atol=1e-6)
+
+
+def test_dispatch_wire_format_errors():
+    from harness import sharded
+
+    import jax_ep
+
+    x = np.ones((2, 4, 128), np.float32)
+    idx = np.zeros((2, 4, 1), np.int32)
+    w = np.ones((2, 4, 1), np.float32)
+
+    def call(**kw):
+        def per_shard(x, idx, w):
+            return jax_ep.dispatch(x, idx, w, num_experts=2, **kw)[0].num_tokens
+        return sharded(per_shard, 2)(x, idx, w)
+
+    with pytest.raises(ValueError, match="wire_format must be one of"):
+        call(wire_format="fp4")
+    with pytest.raises(TypeError, match="dequantize must be a bool"):
+        call(wire_format="mxfp8", dequantize=1)
+    with pytest.raises(TypeError, match="x must be \\[T, H\\] in bfloat16, float16 or float32"):
+        sharded(lambda x, i, w: jax_ep.dispatch(x.astype(jnp.int32), i, w, num_experts=2,
+                                                wire_format="e4m3")[0].num_tokens, 2)(x, idx, w)

@@ -201,6 +201,10 @@ class MoE(nnx.Module):
       partial_dtype: the dtype each rank's partial sum of a token travels home in
         (`jax_ep.combine`'s; default the computation dtype); jnp.float32 rounds only the
         output (MaxText's float32_weight_sum), for twice the combine's bytes.
+      wire_format: send the tokens to the experts as this `jax_ep.quant` format ("e4m3",
+        "e4m3_ue8m0", "mxfp8", "nvfp4"; `jax_ep.dispatch`'s): they arrive dequantized in
+        the computation dtype, and their gradients go back straight through the rounding in
+        that dtype.
       fp8_dispatch: send the tokens to the experts as float8_e4m3fn (one scale per 128
         channels; H a multiple of 128); gradients still travel in the model's dtype.
       bias_rate: step of the auxiliary-loss-free bias update.
@@ -239,7 +243,8 @@ class MoE(nnx.Module):
                  ep_axis: str = "ep", num_shared_experts: int = 0, capacity: int | None = None,
                  capacity_factor: float | None = None, expert_alignment: int | None = None,
                  drop_order: Literal["expert", "source"] | None = None,
-                 partial_dtype=None, fp8_dispatch: bool = False, bias_rate: float = 1e-3,
+                 partial_dtype=None, wire_format: str | None = None,
+                 fp8_dispatch: bool = False, bias_rate: float = 1e-3,
                  overlap: bool = False,
                  redundant_experts: int = 0, num_nodes: int = 1,
                  backend: Literal["auto", "xla", "cuda"] = "auto",
@@ -263,6 +268,10 @@ class MoE(nnx.Module):
         self.bias_rate, self.backend, self.fp8_dispatch = bias_rate, backend, fp8_dispatch
         self.overlap, self.num_sms, self.partial_dtype = overlap, num_sms, partial_dtype
         self.drop_order = drop_order
+        if wire_format is not None and fp8_dispatch:
+            raise ValueError("MoE: pass wire_format or fp8_dispatch, not both (fp8_dispatch "
+                             "is wire_format='e4m3').")
+        self.wire_format = wire_format
         self.dtype, self.param_dtype = dtype, param_dtype
         if router_fn is not None and not callable(router_fn):
             raise TypeError(f"MoE: router_fn must be a function of the router's logits "
@@ -381,7 +390,9 @@ class MoE(nnx.Module):
                                                        options)
                 else:
                     recv, handle = jax_ep.dispatch(c["x"], c["physical"], c["weights"],
-                                                   expert_major=True, **dict(options))
+                                                   expert_major=True,
+                                                   wire_format=self.wire_format,
+                                                   **dict(options))
                     rows = recv.x
                 return {**c, "rows": rows, "recv": recv, "handle": handle}
 
