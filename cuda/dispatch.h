@@ -43,7 +43,8 @@ struct DispatchArgs {
   int32_t* row_base;      // [R, R]: first rank-major row of source s on rank d
   int32_t* source_base;   // [R, R]: receiver d's first rank-major row of each source s
   int32_t* entry_base;    // [R, E]: first entry position of source s for expert e (expert-major)
-  int32_t* entry_kept;    // [R, E]: entries of source s for expert e kept (drop_by_source)
+  int32_t* entry_kept;    // [R, E]: entries of source s for expert e the capacity keeps
+  int32_t* expert_kept;   // [R, E/R]: entries of each local expert of receiver d kept
   // Put views: this rank's rows and scales, copied into its symmetric buffer (dispatch_stage)
   // for the send's puts to read, [T, row_bytes] and [T, scale_cols].
   char* send_x = nullptr;
@@ -203,19 +204,21 @@ JAX_EP_HOST_DEVICE PackedMeta received_meta(const DispatchArgs& a, const Peers& 
 }
 
 // The dispatch's workspace, one int32 array: the counts, then the arrays of the V ranks of
-// this call that are not reached through Peers (chunk_counts to entry_kept). Returns its
+// this call that are not reached through Peers (chunk_counts to expert_kept). Returns its
 // length; with `work`, points a's arrays into it. a's shape fields must be set; sets its
 // chunk fields.
 inline int64_t carve_dispatch_workspace(DispatchArgs* a, int64_t V, int32_t* work = nullptr) {
   const int64_t R = a->num_ranks, T = a->num_tokens, K = a->top_k, E = a->num_experts;
   a->chunk_shift = count_chunk_shift(a->top_k);
   a->num_chunks = count_chunks(a->num_tokens, a->top_k);
-  int32_t** parts[] = {&a->counts,   &a->chunk_counts, &a->token_offset, &a->entry_offset,
-                       &a->row_base, &a->source_base,  &a->entry_base, &a->entry_kept};
+  int32_t** parts[] = {&a->counts,     &a->chunk_counts, &a->token_offset, &a->entry_offset,
+                       &a->row_base,   &a->source_base,  &a->entry_base,   &a->entry_kept,
+                       &a->expert_kept};
   const int64_t sizes[] = {R * (R + E), V * a->num_chunks * (R + E + 1), V * T * R, V * T * K,
-                           V * R,       V * R,                           V * E,    V * E};
+                           V * R,       V * R,                           V * E,     V * E,
+                           V * (E / R)};
   int64_t used = 0;
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < 9; ++i) {
     if (work != nullptr) *parts[i] = work + used;
     used += sizes[i];
   }
@@ -250,16 +253,17 @@ JAX_EP_HOST_DEVICE void dispatch_count(const DispatchArgs& a, int s, int g, int 
       lane, lanes);
 }
 
-// Source order (drop_by_source): f(s, g, kept) for each source s and each expert g of expert
-// e's rank, in order of source, then expert: `kept` entries of (s, g) fit the capacity, which
-// keeps that rank's first entries in this order. O(R * E/R) from the counts.
+// Expert-major: f(s, g, kept) for each source s and expert g of rank d, in the order in which
+// the capacity keeps d's entries (by expert, then source; drop_by_source, by source, then
+// expert): `kept` of the entries of (s, g) fit. O(R * E/R) from the counts.
 template <typename F>
-JAX_EP_HOST_DEVICE void for_kept_by_source(const DispatchArgs& a, int e, const F& f) {
+JAX_EP_HOST_DEVICE void for_kept(const DispatchArgs& a, int d, const F& f) {
   const int R = a.num_ranks, El = a.experts_per_rank(), n = a.num_counters();
-  const int lowest = e - e % El;
+  const bool by_source = a.drop_by_source;
   int64_t before = 0;
-  for (int s = 0; s < R; ++s) {
-    for (int g = lowest; g < lowest + El; ++g) {
+  for (int i = 0; i < (by_source ? R : El); ++i) {
+    for (int j = 0; j < (by_source ? El : R); ++j) {
+      const int s = by_source ? i : j, g = d * El + (by_source ? j : i);
       const int32_t count = a.counts[static_cast<int64_t>(s) * n + R + g];
       const int64_t room = a.capacity - before;
       f(s, g, room <= 0 ? 0 : room < count ? static_cast<int32_t>(room) : count);
@@ -268,21 +272,24 @@ JAX_EP_HOST_DEVICE void for_kept_by_source(const DispatchArgs& a, int e, const F
   }
 }
 
-// Source order, expert e: where the sources [first, first + ranks) start writing its kept
-// entries (after the kept entries of e's rank's lower experts, then of e from lower sources),
-// and how many of theirs are kept.
-JAX_EP_HOST_DEVICE void dispatch_bases_by_source(const DispatchArgs& a, int first, int ranks,
-                                                 int e) {
-  int32_t base = 0;
-  for_kept_by_source(a, e, [&](int, int g, int32_t kept) { base += g < e ? kept : 0; });
-  for_kept_by_source(a, e, [&](int s, int g, int32_t kept) {
+// Expert-major, the count tail's item for expert e: for each source s of [first, first +
+// ranks), where its kept entries of e start on e's rank d (after the kept entries of d's
+// lower experts, then those of e from lower sources) and how many are kept; when d is one of
+// them, the entries of e kept there.
+JAX_EP_HOST_DEVICE void dispatch_entry_bases(const DispatchArgs& a, int first, int ranks,
+                                             int e) {
+  const int El = a.experts_per_rank(), d = e / El;
+  int32_t lower = 0, total = 0;
+  for_kept(a, d, [&](int, int g, int32_t kept) { lower += g < e ? kept : 0; });
+  for_kept(a, d, [&](int s, int g, int32_t kept) {
     if (g != e) return;
     if (s >= first && s < first + ranks) {
-      a.entry_base[a.local(s) * a.num_experts + e] = base;
+      a.entry_base[a.local(s) * a.num_experts + e] = lower + total;
       a.entry_kept[a.local(s) * a.num_experts + e] = kept;
     }
-    base += kept;
+    total += kept;
   });
+  if (d >= first && d < first + ranks) a.expert_kept[a.local(d) * El + e - d * El] = total;
 }
 
 // The count phase's tail (run once every source's counts are here), items c in [0, R + E):
@@ -293,30 +300,16 @@ JAX_EP_HOST_DEVICE void dispatch_bases_by_source(const DispatchArgs& a, int firs
 // from lower source ranks).
 JAX_EP_HOST_DEVICE void dispatch_bases(const DispatchArgs& a, int first, int ranks, int c) {
   const int R = a.num_ranks, n = a.num_counters();
-  if (c >= R && !a.expert_major) return;
-  if (c >= R && a.drop_by_source) {
-    dispatch_bases_by_source(a, first, ranks, c - R);
+  if (c >= R) {
+    if (a.expert_major) dispatch_entry_bases(a, first, ranks, c - R);
     return;
   }
-  auto count = [&](int q, int counter) { return a.counts[static_cast<int64_t>(q) * n + counter]; };
   int32_t base = 0;
-  if (c >= R) {
-    const int e = c - R, El = a.experts_per_rank();
-    for (int f = e - e % El; f < e; ++f) {
-      for (int q = 0; q < R; ++q) base += count(q, R + f);
-    }
-  }
-  const bool receiver_here = c < R && c >= first && c < first + ranks;
+  const bool receiver_here = c >= first && c < first + ranks;
   for (int q = 0; q < (receiver_here ? R : first + ranks); ++q) {
     if (receiver_here) a.source_base[a.local(c) * R + q] = base;
-    if (q >= first && q < first + ranks) {
-      if (c < R) {
-        a.row_base[a.local(q) * R + c] = base;
-      } else {
-        a.entry_base[a.local(q) * a.num_experts + c - R] = base;
-      }
-    }
-    base += count(q, c);
+    if (q >= first && q < first + ranks) a.row_base[a.local(q) * R + c] = base;
+    base += a.counts[static_cast<int64_t>(q) * n + c];
   }
 }
 
@@ -334,15 +327,6 @@ JAX_EP_HOST_DEVICE int32_t rank_major_row(const DispatchArgs& a, const int32_t* 
          a.token_offset[here * a.num_ranks + d];
 }
 
-// Expert-major: the position of the token's choice k among its expert's rank's entries (before
-// the capacity cut). ids[k] must be a choice.
-JAX_EP_HOST_DEVICE int32_t entry_position(const DispatchArgs& a, const int32_t* ids, int s,
-                                          int t, int k) {
-  const int64_t here = a.local(s) * a.num_tokens + t;
-  return a.entry_base[a.local(s) * a.num_experts + ids[k]] +
-         a.chunks_before(s, t)[a.num_ranks + ids[k]] + a.entry_offset[here * a.top_k + k];
-}
-
 // The candidates of a token's rows: the receivers (rank-major) or its choices (expert-major);
 // candidate c's receiver, and the row (entry) it keeps there, or -1 (not sent, or cut by the
 // capacity).
@@ -353,13 +337,15 @@ JAX_EP_HOST_DEVICE int dispatch_receiver(const DispatchArgs& a, const int32_t* i
   return a.expert_major ? ids[c] / a.experts_per_rank() : c;
 }
 // Expert-major: the entry of the token's choice k on its expert's rank when the capacity
-// keeps it, else -1. ids[k] must be a choice.
+// keeps it, else -1: its place among its source's entries of that expert, if one of the kept
+// ones, after where they start. ids[k] must be a choice.
 JAX_EP_HOST_DEVICE int32_t kept_entry(const DispatchArgs& a, const int32_t* ids, int s, int t,
                                       int k) {
-  const int32_t at = entry_position(a, ids, s, t, k);
-  if (!a.drop_by_source) return at < a.capacity ? at : -1;
-  const int64_t group = a.local(s) * a.num_experts + ids[k];  // its (source, expert)
-  return at - a.entry_base[group] < a.entry_kept[group] ? at : -1;
+  const int64_t here = a.local(s) * a.num_tokens + t;
+  const int32_t place = a.chunks_before(s, t)[a.num_ranks + ids[k]] +
+                        a.entry_offset[here * a.top_k + k];
+  const int64_t group = a.local(s) * a.num_experts + ids[k];  // (source, expert)
+  return place < a.entry_kept[group] ? a.entry_base[group] + place : -1;
 }
 JAX_EP_HOST_DEVICE int32_t dispatch_row_at(const DispatchArgs& a, const int32_t* ids, int s,
                                            int t, int c, int d) {
@@ -773,18 +759,8 @@ JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peer
   }
   if (i < El) {
     int32_t count = 0;
-    if (a.expert_major && a.drop_by_source) {  // entries of expert i kept, by source
-      for_kept_by_source(a, d * El + i,
-                         [&](int, int g, int32_t kept) { count += g == d * El + i ? kept : 0; });
-    } else if (a.expert_major) {  // entries of expert i kept under the capacity
-      int32_t base = 0, total = 0;
-      for (int q = 0; q < R; ++q) {
-        const int32_t* row = a.counts + static_cast<int64_t>(q) * a.num_counters() + R + d * El;
-        for (int j = 0; j < i; ++j) base += row[j];
-        total += row[i];
-      }
-      const int32_t room = cap - base;
-      count = room <= 0 ? 0 : (room < total ? room : total);
+    if (a.expert_major) {  // entries of expert i kept under the capacity
+      count = a.expert_kept[a.local(d) * El + i];
     } else if (kept == needed) {  // every row kept: all choices of expert i
       for (int q = 0; q < R; ++q) {
         count += a.counts[static_cast<int64_t>(q) * a.num_counters() + R + d * El + i];
