@@ -8,7 +8,12 @@ is compared with the corpus's unigram entropy (what a model that ignores context
 
     python examples/train_moe.py                       # 8 CPU devices: data 2 x ep 4
     python examples/train_moe.py --steps 600 --backend cuda --png loss.png
-    python examples/train_moe.py --fp8 --width 128                  # FP8 dispatch
+    python examples/train_moe.py --wire-format e4m3 --width 128     # tokens sent as FP8
+    python examples/train_moe.py --width 128 --steps 200 --minutes 30 \
+        --wire-format none,e4m3,e4m3_ue8m0,mxfp8,nvfp4                # the wires side by side
+
+Several wire formats train one after another from the same seed (same initial parameters,
+same batches): a table of their final losses and one plot of their curves.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jax_ep  # noqa: E402
+from jax_ep import quant  # noqa: E402
 from jax_ep.nn import MoE, RouterConfig  # noqa: E402
 
 
@@ -72,7 +78,7 @@ class Block(nnx.Module):
 
 
 class Model(nnx.Module):
-    def __init__(self, args, mesh, *, rngs: nnx.Rngs):
+    def __init__(self, args, mesh, wire_format: str | None, *, rngs: nnx.Rngs):
         W = args.width
         self.embed = nnx.Embed(256, W, rngs=rngs)
         self.position = nnx.Param(jax.random.normal(rngs.params(), (args.seq, W)) * 0.02)
@@ -80,7 +86,7 @@ class Model(nnx.Module):
                               num_groups=args.groups, top_groups=max(1, args.groups // 2))
         self.blocks = nnx.List([
             Block(W, args.heads, MoE(W, args.ffn, router, mesh=mesh, num_shared_experts=1,
-                                     fp8_dispatch=args.fp8, bias_rate=args.bias_rate,
+                                     wire_format=wire_format, bias_rate=args.bias_rate,
                                      backend=args.backend, rngs=rngs), rngs=rngs)
             for _ in range(args.layers)])
         self.norm = nnx.RMSNorm(W, rngs=rngs)
@@ -114,17 +120,26 @@ def parse_args(argv) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p.add_argument("--bias-rate", type=float, default=1e-2, help="balancing bias step")
     p.add_argument("--backend", default="auto", choices=("auto", "xla", "cuda"),
                    help="jax_ep backend")
-    p.add_argument("--fp8", action="store_true",
-                   help="dispatch tokens to the experts in FP8 (needs a --width that is a "
-                   "multiple of 128)")
+    p.add_argument("--wire-format", default="none",
+                   help="how the tokens travel to the experts: 'none' (the model's dtype) or "
+                   f"a jax_ep.quant format ({', '.join(quant.FORMATS)}); a comma-separated "
+                   "list trains each from the same seed and compares them")
+    p.add_argument("--fp8", action="store_true", help="deprecated: --wire-format e4m3")
     p.add_argument("--corpus-mb", type=float, default=8.0, help="training text to read (MB)")
     p.add_argument("--log-every", type=int, default=25, help="steps between log lines")
     p.add_argument("--png", default="train_moe_loss.png", help="loss curve ('' for none)")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     args = p.parse_args(argv)
-    if args.fp8 and args.width % 128:
-        p.error(f"--fp8 needs a --width that is a multiple of 128 (one FP8 scale per 128 "
-                f"channels); got --width {args.width}. Try --fp8 --width 128.")
+    if args.fp8:
+        print("--fp8 is deprecated: it is --wire-format e4m3")
+        args.wire_format = "e4m3"
+    args.wire_formats = args.wire_format.split(",")
+    for f in args.wire_formats:
+        if f != "none" and f not in quant.FORMATS:
+            p.error(f"--wire-format: {f!r} is not 'none' or one of {', '.join(quant.FORMATS)}.")
+        if f != "none" and args.width % quant.BLOCKS[f]:
+            p.error(f"--wire-format {f} quantizes blocks of {quant.BLOCKS[f]} channels: --width "
+                    f"must be a multiple of {quant.BLOCKS[f]}; got {args.width}. Try --width 128.")
     if args.ep < 1 or len(jax.devices()) % args.ep:
         p.error(f"--ep {args.ep} must divide the {len(jax.devices())} devices.")
     return p, args
@@ -142,13 +157,35 @@ def main(argv) -> int:
     data = corpus(int(args.corpus_mb * 2**20))
     entropy = unigram_entropy(data)
     split = int(0.95 * len(data))
-    train, held_out = data[:split], data[split:]
+    train_data, held_out = data[:split], data[split:]
     print(f"corpus: {len(data) / 2**20:.1f} MiB of standard-library source; unigram entropy "
           f"{entropy:.3f} nats/byte; mesh {dict(mesh.shape)} on {devices[0].platform}")
 
+    runs = {}
+    for f in args.wire_formats:
+        if len(args.wire_formats) > 1:
+            print(f"--- wire format {f}")
+        runs[f] = train(args, parser, mesh, train_data, held_out, entropy,
+                        None if f == "none" else f)
+    if len(runs) > 1:
+        first = args.wire_formats[0]
+        print(f"{'wire format':>12} {'steps':>6} {'train loss':>11} {'held-out':>9} "
+              f"{'vs ' + first:>10}")
+        for f, (history, held) in runs.items():
+            change = (held - runs[first][1]) / runs[first][1]
+            print(f"{f:>12} {len(history):6d} {np.mean(history[-10:]):11.3f} {held:9.3f} "
+                  f"{change:+10.2%}")
+    if args.png:
+        plot(args.png, runs, entropy)
+    return 0
+
+
+def train(args, parser, mesh, train_data, held_out, entropy, wire_format):
+    """Trains the model from args.seed with the tokens sent as `wire_format`; returns the
+    train losses and the final held-out loss."""
     with jax.set_mesh(mesh):
         try:
-            model = Model(args, mesh, rngs=nnx.Rngs(args.seed))
+            model = Model(args, mesh, wire_format, rngs=nnx.Rngs(args.seed))
         except ValueError as error:  # sizes the layer rejects: --experts, --groups, --top-k
             parser.error(str(error))
         optimizer = nnx.Optimizer(model, optax.adamw(args.lr), wrt=nnx.Param)
@@ -171,17 +208,18 @@ def main(argv) -> int:
     def eval_loss(model, tokens):
         return loss_fn(model, tokens)[1][0]
 
-    rng = np.random.default_rng(args.seed)
-
-    def batch(source):
+    def batch(source, rng):
         starts = rng.integers(0, len(source) - args.seq - 1, args.batch)
         return jnp.asarray(np.stack([source[s:s + args.seq + 1] for s in starts]), jnp.int32)
+
+    # The same batches, and held-out batches, for every wire format.
+    rng, held_rng = np.random.default_rng(args.seed), np.random.default_rng(args.seed + 1)
 
     history, started = [], time.perf_counter()
     tokens_per_step = args.batch * args.seq
     with jax.set_mesh(mesh):
         for step in range(1, args.steps + 1):
-            xent, stats = train_step(model, optimizer, batch(train))
+            xent, stats = train_step(model, optimizer, batch(train_data, rng))
             history.append(float(xent))
             elapsed = time.perf_counter() - started
             if step % args.log_every == 0 or step == 1 or step == args.steps:
@@ -192,29 +230,33 @@ def main(argv) -> int:
             if elapsed > args.minutes * 60:
                 print(f"stopping after {elapsed:.0f} s (--minutes {args.minutes})")
                 break
-        held = float(np.mean([eval_loss(model, batch(held_out)) for _ in range(8)]))
+        held = float(np.mean([eval_loss(model, batch(held_out, held_rng)) for _ in range(8)]))
     final = float(np.mean(history[-10:]))
     print(f"final: {len(history)} steps in {time.perf_counter() - started:.0f} s; train loss "
           f"{final:.3f}, held-out loss {held:.3f} nats/byte vs unigram entropy {entropy:.3f} "
           f"({'below' if held < entropy else 'NOT below'})")
-    if args.png:
-        try:
-            import matplotlib
+    return history, held
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("matplotlib is not installed: no loss curve (pip install matplotlib)")
-            return 0
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(np.arange(1, len(history) + 1), history, lw=1, label="train loss")
-        ax.axhline(entropy, color="gray", ls="--", label="unigram entropy")
-        ax.set(xlabel="step", ylabel="nats / byte", title="MoE LM on stdlib source (jax_ep)")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.png, dpi=120)
-        print(f"wrote {args.png}")
-    return 0
+
+def plot(path: str, runs: dict, entropy: float) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no loss curve (pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for f, (history, _) in runs.items():
+        label = "train loss" if len(runs) == 1 else f"wire {f}"
+        ax.plot(np.arange(1, len(history) + 1), history, lw=1, label=label)
+    ax.axhline(entropy, color="gray", ls="--", label="unigram entropy")
+    ax.set(xlabel="step", ylabel="nats / byte", title="MoE LM on stdlib source (jax_ep)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

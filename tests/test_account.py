@@ -25,7 +25,8 @@ from test_host_peers import (
 from test_virtual import routing
 
 import jax_ep
-from jax_ep import _exchange_ffi, _ffi, fp8, runtime
+from jax_ep import _exchange_ffi, _ffi, fp8, quant, runtime
+from jax_ep.dispatch import default_capacity
 from jax_ep.tools import account
 
 pytestmark = pytest.mark.skipif(_ffi.EXT is None, reason="compiled extension missing")
@@ -371,11 +372,33 @@ def test_the_table_shows_each_launch_s_parallelism(capsys):
     assert len(sends) == 3 and "(under)" in sends[0]
     assert not any("(under)" in line for line in sends[1:])
     assert "Expected misses:" in out and "not explained" not in out
+    assert "One MoE layer's training step" in out and "| nvfp4 |" in out
     # Over puts, each op's messages per rank; between devices, the symmetric buffer per rank.
     assert "puts per rank |" in out and out.count("Symmetric buffer per rank") == 2
     over_puts = out.split("peers reached by puts")[1]
     assert all(line.split("|")[-2].strip() != "-" for line in over_puts.splitlines()
                if line.startswith("| dispatch |"))
+
+
+def test_a_training_step_moves_the_wire_format_s_bytes_forward():
+    """account.training_step: the forward dispatch moves each format's row (its data and
+    other bytes) instead of bfloat16's, the three other ops stay bfloat16's, and the passes
+    XLA adds read and write each source row and each received entry once."""
+    R, T, H, K, E = 4, 96, 256, 4, 16
+    kw = dict(num_ranks=R, tokens=T, hidden=H, top_k=K, num_experts=E, seed=3)
+    base, none = account.training_step(None, **kw)
+    assert none == 0 and [a.op for a in base] == [
+        "dispatch", "combine", "combine backward", "dispatch backward"]
+    idx = account.uniform_routing(np.random.default_rng(3), R, T, K, E)
+    entries = int(account.kept_entries(idx, E, default_capacity(R, T, K, E, True)).sum())
+    for f in quant.FORMATS:
+        ops, passes = account.training_step(f, **kw)
+        data, rest = quant.wire_bytes(f, H)
+        want = account.dispatch(idx, num_experts=E, row_bytes=data, scale_bytes=rest,
+                                expert_major=True, between=True)
+        assert (ops[0].read, ops[0].written) == (want.read, want.written), f
+        assert ops[0].bytes < base[0].bytes and ops[1:] == base[1:], f
+        assert passes == (R * T + entries) * (2 * H + data + rest), f
 
 
 def test_combine_moves_its_minimum():

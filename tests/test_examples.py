@@ -43,12 +43,22 @@ def test_quickstart_matches_dense_moe():
 
 
 def test_train_moe_runs_and_learns(tmp_path):
-    """A short run: the loss falls and the progress lines carry the numbers a user needs."""
-    out = _run_example("train_moe.py", "--steps", "12", "--log-every", "4", "--corpus-mb", "1",
-                       "--layers", "1", "--png", "", "--backend", drawn_backend())
-    losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
-    assert losses[-1] < losses[0], out
+    """Short runs, without a wire format and with one (drawn), from the same seed: each
+    loss falls, the progress lines carry the numbers a user needs, and the table compares
+    the runs' held-out losses (a wire format changes them little)."""
+    fmt = ("mxfp8", "nvfp4")[np.random.default_rng().integers(2)]
+    out = _run_example("train_moe.py", "--steps", "10", "--log-every", "5", "--corpus-mb", "1",
+                       "--layers", "1", "--width", "32", "--wire-format", f"none,{fmt}",
+                       "--png", str(tmp_path / "loss.png"), "--backend", drawn_backend())
+    runs = out.split("--- wire format ")[1:]
+    assert [r.split()[0] for r in runs] == ["none", fmt], out
+    for run in runs:
+        losses = [float(v) for v in re.findall(r"step +\d+  loss (\d+\.\d+)", run)]
+        assert losses[-1] < losses[0], run
     assert "tokens/s" in out and "expert load max/mean" in out and "unigram entropy" in out
+    table = dict(re.findall(rf"^ +(none|{fmt}) +10 +\S+ +(\S+) ", out, re.M))
+    assert abs(float(table[fmt]) / float(table["none"]) - 1) < 0.02, out
+    assert (tmp_path / "loss.png").exists()
 
 
 def test_decode_overlap_is_exact(tmp_path):

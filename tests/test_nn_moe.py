@@ -174,15 +174,15 @@ def test_expert_alignment_leaves_results_unchanged():
     """Aligned groups (with padding between them) give the packed layer's output and
     gradients, within float32 rounding: jax.lax.ragged_dot over differently padded groups may
     sum in another order on some CPUs (neither XLA nor the contract promises its order); the
-    exchange itself is bit for bit (tests/test_alignment.py). FP8 dispatch or not, drawn
+    exchange itself is bit for bit (tests/test_alignment.py). An e4m3 wire or none, drawn
     from the test's seed."""
-    fp8_dispatch = bool(np.random.default_rng().integers(2))
+    wire_format = ("e4m3", None)[int(np.random.default_rng().integers(2))]
     x = np.asarray(jax.random.normal(jax.random.key(3), (2, 8, 128)))
     results = []
     for alignment in (None, 8):
         mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2])
         model = MoE(128, 12, RouterConfig(num_experts=8, top_k=3), mesh=mesh,
-                    expert_alignment=alignment, fp8_dispatch=fp8_dispatch, backend="xla",
+                    expert_alignment=alignment, wire_format=wire_format, backend="xla",
                     rngs=nnx.Rngs(0))
         with jax.set_mesh(mesh):
             y = nnx.jit(lambda m, x: m(x)[0])(model, x)
@@ -230,36 +230,6 @@ def test_group_limit_and_bias_rules():
 def test_router_config_errors(kw, message):
     with pytest.raises(ValueError, match=message):
         RouterConfig(**{"num_experts": 8, "top_k": 2, **kw})
-
-
-def test_fp8_dispatch_forward_and_gradients():
-    """FP8 dispatch: the experts see the quantized tokens (the dense reference with the
-    same quantization matches), and gradients, which travel unquantized, stay close to the
-    BF16 layer's."""
-    from jax_ep import fp8
-
-    mesh = jax.make_mesh((1, 4), ("data", "ep"), devices=jax.devices()[:4])
-    cfg = RouterConfig(num_experts=8, top_k=2)
-    layers = [MoE(128, 32, cfg, mesh=mesh, num_shared_experts=1, fp8_dispatch=f,
-                  backend="xla", rngs=nnx.Rngs(0)) for f in (True, False)]
-    x = np.asarray(jax.random.normal(jax.random.key(7), (32, 128)))
-    p = plain_params(layers[0])
-    q = np.asarray(fp8.dequantize(*fp8.quantize(jnp.asarray(x))))
-    # Routed experts on the quantized tokens, router and shared experts on the originals.
-    want = dense_moe(p, x, cfg, expert_x=q)
-    grads = []
-    with jax.set_mesh(mesh):
-        got = nnx.jit(lambda m, x: m(x)[0])(layers[0], x)
-        for layer in layers:
-            grads.append(nnx.jit(nnx.grad(lambda m, x: jnp.sum(jnp.sin(m(x)[0])),
-                                          argnums=1))(layer, x))
-    # The router sees unquantized tokens in both, so the choices agree.
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
-    error = np.linalg.norm(grads[0] - grads[1]) / np.linalg.norm(grads[1])
-    assert 0 < error < 0.1, error
-    with pytest.raises(ValueError, match=r"^MoE\(fp8_dispatch=True\): the hidden size of the "
-                       r"tokens \(16\) must be a multiple of 128"):
-        MoE(16, 12, cfg, mesh=mesh, fp8_dispatch=True, rngs=nnx.Rngs(0))
 
 
 def test_redundant_experts_balance_ranks_and_leave_results_unchanged():
@@ -537,7 +507,8 @@ def test_float32_partials_reach_the_combine(monkeypatch):
 def test_wire_format_forward_and_gradients():
     """MoE(wire_format=f), f drawn: the routed experts see the tokens rounded to f (the
     dense reference on the rounded tokens matches), gradients stay near the layer's without
-    it, and 'e4m3' is fp8_dispatch's rounding."""
+    it, 'e4m3' is fp8_dispatch's rounding (which warns that it is deprecated), and a hidden
+    size that is no multiple of the format's block is refused naming it."""
     from jax_ep import quant
 
     fmt = quant.FORMATS[int(np.random.default_rng().integers(len(quant.FORMATS)))]
@@ -545,8 +516,10 @@ def test_wire_format_forward_and_gradients():
     cfg = RouterConfig(num_experts=8, top_k=2)
     layers = [MoE(128, 32, cfg, mesh=mesh, num_shared_experts=1, backend="xla",
                   rngs=nnx.Rngs(0), **kw)
-              for kw in ({"wire_format": fmt}, {}, {"fp8_dispatch": True},
-                         {"wire_format": "e4m3"})]
+              for kw in ({"wire_format": fmt}, {}, {"wire_format": "e4m3"})]
+    with pytest.warns(DeprecationWarning, match="pass wire_format='e4m3'"):
+        layers.append(MoE(128, 32, cfg, mesh=mesh, num_shared_experts=1, backend="xla",
+                          rngs=nnx.Rngs(0), fp8_dispatch=True))
     x = np.asarray(jax.random.normal(jax.random.key(7), (32, 128)))
     rounded = np.asarray(quant.dequantize(quant.quantize(jnp.asarray(x), fmt)))
     want = dense_moe(plain_params(layers[0]), x, cfg, expert_x=rounded)
@@ -557,6 +530,12 @@ def test_wire_format_forward_and_gradients():
     np.testing.assert_allclose(outs[0], want, rtol=2e-5, atol=2e-5, err_msg=fmt)
     error = np.linalg.norm(grads[0] - grads[1]) / np.linalg.norm(grads[1])
     assert 0 < error < 0.2, (fmt, error)
-    np.testing.assert_allclose(outs[3], outs[2], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(outs[3], outs[2])
     with pytest.raises(ValueError, match="pass wire_format or fp8_dispatch, not both"):
         MoE(128, 32, cfg, mesh=mesh, wire_format="e4m3", fp8_dispatch=True, rngs=nnx.Rngs(0))
+    block = quant.BLOCKS[fmt]
+    with pytest.raises(ValueError, match=rf"^MoE\(wire_format='{fmt}'\): the hidden size "
+                       rf"\({block + 8}\) must be a multiple of {block}"):
+        MoE(block + 8, 12, cfg, mesh=mesh, wire_format=fmt, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="wire_format"):
+        MoE(128, 12, cfg, mesh=mesh, wire_format="fp8", rngs=nnx.Rngs(0))

@@ -258,12 +258,14 @@ def test_the_account_shows_each_format_s_wire(capsys):
     from jax_ep.tools import account
 
     account.main(["--ranks", "4", "--tokens", "256", "--ll-tokens", "16"])
-    out = capsys.readouterr().out
-    rows = {line.split("|")[1].strip(): line for line in out.splitlines()
-            if line.startswith("| ") and line.split("|")[1].strip() in
-            ("bfloat16", *quant.FORMATS)}
-    assert set(rows) == {"bfloat16", *quant.FORMATS}
-    assert "| nvfp4 | 4036 |" in rows["nvfp4"] and "| 1.00 |" in rows["bfloat16"]
+    dispatch, step = capsys.readouterr().out.split("One MoE layer's training step")
+    for table in (dispatch, step):
+        rows = {line.split("|")[1].strip(): line for line in table.splitlines()
+                if line.startswith("| ") and line.split("|")[1].strip() in
+                ("bfloat16", *quant.FORMATS)}
+        assert set(rows) == {"bfloat16", *quant.FORMATS}
+        assert "| 1.00 |" in rows["bfloat16"]
+    assert "| nvfp4 | 4036 |" in dispatch
 
 
 def _low_latency_rows(rng, R, T, H):
@@ -426,7 +428,7 @@ def test_dispatch_on_a_wire_format_and_its_gradient(format):
     quantized to f and dequantized to x's dtype (the reference's dispatch of those rows); x's
     gradient is the unweighted combine of the rows' (straight through the rounding) and
     topk_weights' is as without f, both against the reference's backward; dequantize=False
-    gives the Quantized rows."""
+    gives the Quantized rows. Rows hold a NaN and an infinity."""
     from harness import sharded, to_numpy
     from test_fuzz import draw_routing
 
@@ -440,6 +442,9 @@ def test_dispatch_on_a_wire_format_and_its_gradient(format):
     dtype = (ml_dtypes.bfloat16, np.float16, np.float32)[int(rng.integers(3))]
     idx, w = draw_routing(rng, R, T, K, E)
     x = (rng.standard_normal((R, T, H)) * 3).astype(dtype)
+    # Non-finite values travel as the format has them (a NaN or infinity makes its block NaN).
+    x[0, rng.integers(T), rng.integers(H)] = np.nan
+    x[R - 1, rng.integers(T), rng.integers(H)] = -np.inf
     rounded = np.asarray(quant.dequantize(quant.quantize(jnp.asarray(x), format), dtype))
     kw = dict(num_experts=E, expert_major=expert_major)
     want = reference.dispatch(rounded, idx, w, **kw)

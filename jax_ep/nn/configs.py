@@ -33,7 +33,7 @@ class MoEConfig:
 
     def layer(self, *, mesh: Mesh, rngs: nnx.Rngs, **options) -> MoE:
         """The layer on `mesh`; `options` are `MoE`'s keyword arguments (ep_axis, capacity,
-        fp8_dispatch, dtype, ...)."""
+        wire_format, dtype, ...)."""
         return MoE(self.hidden, self.ffn_hidden, self.router, mesh=mesh,
                    num_shared_experts=self.num_shared_experts, rngs=rngs, **options)
 

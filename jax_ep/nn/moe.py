@@ -17,8 +17,8 @@ for each call (the FSDP pattern).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
-from functools import partial
 from typing import Literal
 
 import jax
@@ -30,11 +30,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import _checks, alignment, backends, eplb, fp8
+from jax_ep import _checks, backends, eplb, quant
 from jax_ep.nn import router as routing
 from jax_ep.nn.router import RouterConfig
 from jax_ep.overlap import Comm, Compute
-from jax_ep.placement import Placement
 
 # Each parameter's axes in logical names; `sharding_rules` maps the names to mesh axes.
 LOGICAL_AXES = {
@@ -124,38 +123,6 @@ class MoEStats:
     nonfinite: jax.Array
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _dispatch_fp8(x, weights, idx, options: tuple):
-    """Expert-major dispatch whose rows travel as float8_e4m3fn with their scales and are
-    dequantized on arrival, while the backward pass travels in x's dtype (the practice of
-    FP8 training: only the forward dispatch is quantized). Returns (rows, received,
-    handle)."""
-    received, handle = jax_ep.dispatch(fp8.quantize(x), idx, weights, expert_major=True,
-                                       **dict(options))
-    return fp8.dequantize(received.x, received.scales, x.dtype), received, handle
-
-
-def _dispatch_fp8_fwd(x, weights, idx, options):
-    out = _dispatch_fp8(x, weights, idx, options)
-    return out, (out[2], out[1].topk_idx)
-
-
-def _dispatch_fp8_bwd(options, residuals, cotangents):
-    handle, received_idx = residuals
-    d_rows, d_received = cotangents[0], cotangents[1]
-    options = dict(options)
-    backend, num_sms, stream = options["backend"], options["num_sms"], options["stream"]
-    d_x = jax_ep.combine(d_rows, handle, backend=backend, num_sms=num_sms, stream=stream)
-    d_weights = alignment.unaligned(d_received.topk_weights, handle)
-    received_idx = alignment.unaligned(received_idx, handle, fill=-1)
-    d_weights = backends.get(backend).weights_to_sources(
-        d_weights, received_idx, handle, placement=Placement(num_sms, stream))
-    return d_x, d_weights, None
-
-
-_dispatch_fp8.defvjp(_dispatch_fp8_fwd, _dispatch_fp8_bwd)
-
-
 def _chosen(choice, tokens: int, top_k: int) -> tuple[jax.Array, jax.Array]:
     """A router_fn's (topk_idx, topk_weights), checked, as int32 and float32."""
     ok = isinstance(choice, tuple) and len(choice) == 2
@@ -205,8 +172,7 @@ class MoE(nnx.Module):
         "e4m3_ue8m0", "mxfp8", "nvfp4"; `jax_ep.dispatch`'s): they arrive dequantized in
         the computation dtype, and their gradients go back straight through the rounding in
         that dtype.
-      fp8_dispatch: send the tokens to the experts as float8_e4m3fn (one scale per 128
-        channels; H a multiple of 128); gradients still travel in the model's dtype.
+      fp8_dispatch: deprecated: wire_format="e4m3" (the same bits), which it warns of.
       bias_rate: step of the auxiliary-loss-free bias update.
       redundant_experts: extra physical experts holding copies of hot ones (EPLB); E plus
         this must be a multiple of the EP axis size. `rebalance(stats.load)` places them;
@@ -265,12 +231,23 @@ class MoE(nnx.Module):
         self.config = router
         self.mesh, self.ep_axis, self.capacity = mesh, ep_axis, capacity
         self.capacity_factor, self.expert_alignment = capacity_factor, expert_alignment
-        self.bias_rate, self.backend, self.fp8_dispatch = bias_rate, backend, fp8_dispatch
+        self.bias_rate, self.backend = bias_rate, backend
         self.overlap, self.num_sms, self.partial_dtype = overlap, num_sms, partial_dtype
         self.drop_order = drop_order
-        if wire_format is not None and fp8_dispatch:
-            raise ValueError("MoE: pass wire_format or fp8_dispatch, not both (fp8_dispatch "
-                             "is wire_format='e4m3').")
+        if fp8_dispatch:
+            if wire_format is not None:
+                raise ValueError("MoE: pass wire_format or fp8_dispatch, not both (fp8_dispatch "
+                                 "is wire_format='e4m3').")
+            warnings.warn("MoE(fp8_dispatch=True) is deprecated: pass wire_format='e4m3' (the "
+                          "same rounding, gradients straight through it).", DeprecationWarning,
+                          stacklevel=2)
+            wire_format = "e4m3"
+        if wire_format is not None:
+            _checks.check_choice("MoE", "wire_format", wire_format, quant.FORMATS)
+        if wire_format is not None and hidden % quant.BLOCKS[wire_format]:
+            raise ValueError(f"MoE(wire_format={wire_format!r}): the hidden size ({hidden}) "
+                             f"must be a multiple of {quant.BLOCKS[wire_format]} (the format "
+                             f"quantizes blocks of that many channels).")
         self.wire_format = wire_format
         self.dtype, self.param_dtype = dtype, param_dtype
         if router_fn is not None and not callable(router_fn):
@@ -288,8 +265,6 @@ class MoE(nnx.Module):
         # Until the first rebalance, placed as if every expert were as hot as the others.
         self.replicas = nnx.List([ReplicaMap(jnp.asarray(a)) for a in self._plan(
             np.ones(E))]) if redundant_experts else None
-        if fp8_dispatch:
-            fp8.check_hidden("MoE(fp8_dispatch=True)", "the tokens", hidden)
 
         mesh_axes = dict(rules)
 
@@ -385,16 +360,10 @@ class MoE(nnx.Module):
                         "scores": scores, "counted": c["valid"] & finite}
 
             def send(c):
-                if self.fp8_dispatch:
-                    rows, recv, handle = _dispatch_fp8(c["x"], c["weights"], c["physical"],
-                                                       options)
-                else:
-                    recv, handle = jax_ep.dispatch(c["x"], c["physical"], c["weights"],
-                                                   expert_major=True,
-                                                   wire_format=self.wire_format,
-                                                   **dict(options))
-                    rows = recv.x
-                return {**c, "rows": rows, "recv": recv, "handle": handle}
+                recv, handle = jax_ep.dispatch(c["x"], c["physical"], c["weights"],
+                                               expert_major=True, wire_format=self.wire_format,
+                                               **dict(options))
+                return {**c, "rows": recv.x, "recv": recv, "handle": handle}
 
             def experts(c):
                 rows, recv = c.pop("rows"), c["recv"]

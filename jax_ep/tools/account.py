@@ -839,6 +839,34 @@ def wire_formats(num_ranks: int = 8, between: bool = True, seed: int = 0, tokens
             for name, data, rest in rows]
 
 
+def training_step(wire_format: str | None = None, num_ranks: int = 8, between: bool = True,
+                  seed: int = 0, tokens: int = 4096, hidden: int = 7168, top_k: int = 8,
+                  num_experts: int = 256) -> tuple[list[Account], int]:
+    """One MoE layer's exchanges in a training step at DeepSeek's shapes, expert-major,
+    bfloat16 except the forward dispatch's rows, which travel as `wire_format` (None:
+    bfloat16): (the four ops' accounts: the forward dispatch and combine, the combine's
+    backward (rows along the handle) and the dispatch's (an unweighted combine); the bytes of
+    the quantization and dequantization passes, all ranks, which the kernels do not fuse yet:
+    each source row read in bfloat16 and written quantized, each received entry read and
+    written back in bfloat16)."""
+    idx = uniform_routing(np.random.default_rng(seed), num_ranks, tokens, top_k, num_experts)
+    kw = dict(num_experts=num_experts, expert_major=True, between=between)
+    row = 2 * hidden
+    data, rest = (row, 0) if wire_format is None else quant.wire_bytes(wire_format, hidden)
+    ops = [dispatch(idx, row_bytes=data, scale_bytes=rest, **kw),
+           combine(idx, row_bytes=row, weighted=True, **kw),
+           dispatch_rows(idx, row_bytes=row, **kw),
+           combine(idx, row_bytes=row, **kw)]
+    ops = [dataclasses.replace(a, op=name) for a, name in zip(
+        ops, ("dispatch", "combine", "combine backward", "dispatch backward"), strict=True)]
+    passes = 0
+    if wire_format is not None:
+        entries = int(kept_entries(idx, num_experts, default_capacity(
+            num_ranks, tokens, top_k, num_experts, True)).sum())
+        passes = (num_ranks * tokens + entries) * (row + data + rest)
+    return ops, passes
+
+
 def meets(account: Account) -> tuple[bool, bool, bool]:
     """(bytes within BYTES_TARGET of the minimum, launches within the op's target, every
     launch with at least WARPS_TARGET warps of work)."""
@@ -986,6 +1014,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("| format | bytes per token row | GB moved | x bfloat16 |\n|---|---:|---:|---:|")
     for name, row, a in formats:
         print(f"| {name} | {row} | {a.bytes / 1e9:.3f} | {a.bytes / formats[0][2].bytes:.2f} |")
+    print(training_table(args.ranks, args.seed, args.tokens))
+
+
+def training_table(num_ranks: int, seed: int = 0, tokens: int = 4096) -> str:
+    """`training_step` for bfloat16 and each wire format, as a Markdown table."""
+    lines = [f"\nOne MoE layer's training step (forward dispatch in the wire format; its "
+             f"combine and both backward passes in bfloat16), expert-major, between GPUs, "
+             f"R = {num_ranks}, T {tokens}: GB of row data the kernels move, all ranks "
+             f"(`account.training_step`)\n",
+             "| wire format | dispatch | combine | combine backward | dispatch backward | "
+             "step | x bfloat16 | (de)quantization passes |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    base = None
+    for f in (None, *quant.FORMATS):
+        ops, passes = training_step(f, num_ranks, True, seed, tokens)
+        step = sum(a.bytes for a in ops)
+        base = base or step
+        cells = " | ".join(f"{a.bytes / 1e9:.2f}" for a in ops)
+        lines.append(f"| {f or 'bfloat16'} | {cells} | {step / 1e9:.2f} | {step / base:.2f} | "
+                     f"{passes / 1e9:.2f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
