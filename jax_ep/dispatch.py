@@ -12,7 +12,7 @@ import dataclasses
 import math
 from fractions import Fraction
 from functools import partial
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,7 @@ import numpy as np
 
 from jax_ep import _checks, alignment, backends, checks, fp8, quant
 from jax_ep._scopes import scoped
+from jax_ep.backends import xla
 from jax_ep.placement import Placement
 from jax_ep.structs import DispatchHandle, Received
 
@@ -124,6 +125,7 @@ def dispatch(
     on_invalid: Literal["error", "mask"] = "error",
     wire_format: str | None = None,
     dequantize: bool = True,
+    grad_wire_format: str | None = None,
     backend: str = "auto",
     num_sms: int | None = DEFAULT_NUM_SMS,
     stream: int | None = None,
@@ -179,6 +181,9 @@ def dispatch(
         topk_weights' as without it.
       dequantize: with `wire_format`, False returns the received `Quantized` rows instead
         (for a low-precision GEMM; x is then not differentiated).
+      grad_wire_format: x's gradient, the combine of the rows' gradient, travels as this
+        format (`combine(..., wire_format=)`'s rule; x a float array, H a multiple of the
+        format's block). With or without `wire_format`.
       backend: "auto", "xla" or "cuda" (see `jax_ep.backends`).
       num_sms: the SMs each kernel launch may take (also in the backward pass), so the rest
         can compute beside it; None: every SM.
@@ -191,14 +196,14 @@ def dispatch(
       (Received, DispatchHandle). Pass the handle to `combine`. With `handle`: the rows.
     """
     op = "jax_ep.dispatch"
-    if wire_format is not None:
+    if wire_format is not None or grad_wire_format is not None:
         options = dict(num_experts=num_experts, handle=handle, axis_name=axis_name,
                        capacity=capacity, capacity_factor=capacity_factor,
                        expert_major=expert_major, expert_alignment=expert_alignment,
                        on_overflow=on_overflow, drop_order=drop_order, on_invalid=on_invalid,
                        backend=backend, num_sms=num_sms, stream=stream)
         return _dispatch_on_wire(op, x, topk_idx, topk_weights, wire_format, dequantize,
-                                 options)
+                                 grad_wire_format, options)
     if handle is not None:
         _checks_along(op, handle, topk_idx=topk_idx, topk_weights=topk_weights,
                       num_experts=num_experts, axis_name=axis_name, capacity=capacity,
@@ -369,29 +374,42 @@ def _along_bwd(backend, placement, handle, d_rows):
 _along.defvjp(_along_fwd, _along_bwd)
 
 
-def _dispatch_on_wire(op: str, x, topk_idx, topk_weights, wire_format: str,
-                      dequantize: bool, options: dict):
-    """dispatch(wire_format=...): the Quantized of x dispatched (one exchange of the
-    quantized rows; topk_weights differentiated as always), dequantized on arrival, and x's
-    gradient straight through the rounding: the unweighted combine of the rows' gradient,
-    as without the wire format."""
-    _checks.check_choice(op, "wire_format", wire_format, quant.FORMATS)
+def _dispatch_on_wire(op: str, x, topk_idx, topk_weights, wire_format: str | None,
+                      dequantize: bool, grad_wire_format: str | None, options: dict):
+    """dispatch(wire_format=..., grad_wire_format=...): x's rows dispatched (with a wire
+    format, its Quantized: one exchange of the quantized rows, dequantized on arrival;
+    topk_weights differentiated as always), and x's gradient straight through the rounding:
+    the unweighted combine of the rows' gradient, as without the wire format, travelling as
+    grad_wire_format."""
+    for name, f in (("wire_format", wire_format), ("grad_wire_format", grad_wire_format)):
+        if f is not None:
+            _checks.check_choice(op, name, f, quant.FORMATS)
     if not isinstance(dequantize, bool):
         raise TypeError(f"{op}: dequantize must be a bool; got {dequantize!r}.")
+    which = "wire_format" if wire_format is not None else "grad_wire_format"
     if options["handle"] is not None:
-        raise ValueError(f"{op}: wire_format with handle= is not supported; send "
-                         f"jax_ep.quant.quantize(x, {wire_format!r}) along the handle.")
+        raise ValueError(f"{op}: {which} with handle= is not supported; send "
+                         f"jax_ep.quant.quantize(x, format) along the handle.")
     _checks.check_array(op, "x", x, ndim=2,
                         dtypes=(jnp.bfloat16, jnp.float16, jnp.float32),
-                        expect=f"[T, H] in bfloat16, float16 or float32 (the rows "
-                               f"wire_format={wire_format!r} quantizes)")
-    sent = quant.quantize(jax.lax.stop_gradient(x), wire_format)
+                        expect=f"[T, H] in bfloat16, float16 or float32 (the rows {which} "
+                               f"applies to)")
+    if grad_wire_format is not None and not dequantize:
+        raise ValueError(f"{op}: grad_wire_format needs dequantize=True (the received "
+                         f"Quantized rows are not differentiated).")
+    if grad_wire_format is not None and x.shape[1] % quant.BLOCKS[grad_wire_format]:
+        raise ValueError(f"{op}: grad_wire_format {grad_wire_format!r} quantizes blocks of "
+                         f"{quant.BLOCKS[grad_wire_format]} channels: x's hidden size "
+                         f"({x.shape[1]}) must be a multiple of it.")
+    sent = jax.lax.stop_gradient(x)
+    if wire_format is not None:
+        sent = quant.quantize(sent, wire_format)
     received, handle = dispatch(sent, topk_idx, topk_weights, **options)
     if not dequantize:
         return received, handle
-    rows = _straight_through(_placement_options(options), x,
-                             jax.lax.stop_gradient(quant.dequantize(received.x, x.dtype)),
-                             handle)
+    rows = received.x if wire_format is None else quant.dequantize(received.x, x.dtype)
+    back = _placement_options(options) + (("wire_format", grad_wire_format),)
+    rows = _straight_through(back, x, jax.lax.stop_gradient(rows), handle)
     return dataclasses.replace(received, x=rows), handle
 
 
@@ -400,19 +418,19 @@ def _placement_options(options: dict) -> tuple:
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _straight_through(placement: tuple, x, rows, handle):
+def _straight_through(back: tuple, x, rows, handle):
     """`rows` (x's dispatched, rounded rows) with x's gradient the unweighted combine of
-    theirs, as a dispatch of x has."""
-    del placement, x, handle
+    theirs, as a dispatch of x has; `back`: that combine's keyword arguments."""
+    del back, x, handle
     return rows
 
 
-def _straight_through_fwd(placement, x, rows, handle):
+def _straight_through_fwd(back, x, rows, handle):
     return rows, handle
 
 
-def _straight_through_bwd(placement, handle, d_rows):
-    return combine(d_rows, handle, **dict(placement)), None, None
+def _straight_through_bwd(back, handle, d_rows):
+    return combine(d_rows, handle, **dict(back)), None, None
 
 
 _straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)
@@ -506,6 +524,8 @@ def combine(
     *,
     topk_weights: jax.Array | None = None,
     partial_dtype: jnp.dtype | type | None = None,
+    wire_format: str | None = None,
+    grad_wire_format: str | None = None,
     backend: str = "auto",
     num_sms: int | None = DEFAULT_NUM_SMS,
     stream: int | None = None,
@@ -523,6 +543,17 @@ def combine(
         travels in (default y.dtype, where bfloat16 rounds it once before the home's sum);
         jnp.float32 keeps it unrounded for twice the bytes on the wire (and a cast of y).
         The result is in y.dtype either way; the backward pass is unchanged.
+      wire_format: the rows travel home as this `jax_ep.quant` format ("e4m3",
+        "e4m3_ue8m0", "mxfp8", "nvfp4"; H a multiple of its block): each rank's float32
+        row for a token (expert-major the weighted sum of its entries, rank-major the
+        weighted row) is quantized before it leaves and dequantized at home, where the sum
+        is taken as always (docs/contract.md). The backward pass is unchanged (straight
+        through the rounding). Today it travels through XLA's collectives on every backend
+        (the kernels do not carry it yet).
+      grad_wire_format: the backward pass sends d(out)'s rows to the receivers as this
+        format (quantized at home, dequantized to d(out)'s dtype on arrival; H a multiple
+        of its block): y's and the weights' gradients are the rule's on those values. Also
+        through XLA's collectives for now.
       backend: "auto", "xla" or "cuda".
       num_sms, stream: where the kernels run, also in the backward pass; as in `dispatch`.
 
@@ -562,33 +593,58 @@ def combine(
             raise ValueError(f"{op}: partial_dtype must be jnp.float32 (or None: y's dtype); "
                              f"got {partial_dtype!r}.")
         partial_dtype = "float32"
+    if wire_format is not None and partial_dtype is not None:
+        raise ValueError(f"{op}: pass partial_dtype or wire_format, not both (the wire "
+                         f"format's rows are quantized from float32).")
+    for name, f in (("wire_format", wire_format), ("grad_wire_format", grad_wire_format)):
+        if f is None:
+            continue
+        _checks.check_choice(op, name, f, quant.FORMATS)
+        if y.shape[1] % quant.BLOCKS[f]:
+            raise ValueError(f"{op}: {name} {f!r} quantizes blocks of {quant.BLOCKS[f]} "
+                             f"channels: y's hidden size ({y.shape[1]}) must be a multiple "
+                             f"of it.")
     if handle.num_tokens == 0:  # a dispatch of no tokens: nothing comes home
         return jax.lax.full_like(y, 0, shape=(0, y.shape[1]))
     if handle.alignment is not None:
         y, topk_weights = alignment.unalign(y, topk_weights, handle)
-    return _combine(backends.resolve(backend), placement, partial_dtype, y, topk_weights,
-                    handle)
+    wire = _Wire(partial_dtype, wire_format, grad_wire_format)
+    return _combine(backends.resolve(backend), placement, wire, y, topk_weights, handle)
+
+
+class _Wire(NamedTuple):
+    """How a combine's rows travel: the partial sums in `partial_dtype` (None: y's dtype;
+    "float32") or as `format`, and its backward's rows (d(out) sent to the receivers) as
+    `grad_format` (None: in d(out)'s dtype)."""
+
+    partial_dtype: str | None
+    format: str | None
+    grad_format: str | None
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _combine(backend: str, placement: Placement, partial_dtype: str | None, y, weights,
-             handle):
-    """The combine; with `partial_dtype` its partial sums, and so the rows it sums, in that
-    dtype (y cast first: the sums of float32 partials are y's float32 values anyway), the
-    result back in y's."""
-    rows = y if partial_dtype is None else y.astype(partial_dtype)
+def _combine(backend: str, placement: Placement, wire: _Wire, y, weights, handle):
+    """The combine, its rows travelling as `wire` says (with float32 partials, y is cast
+    first: the sums of float32 partials are y's float32 values anyway). The result is in y's
+    dtype."""
+    if wire.format is not None:
+        return xla.combine_on_wire(y, weights, handle, wire.format)
+    rows = y if wire.partial_dtype is None else y.astype(wire.partial_dtype)
     out = backends.get(backend).combine(rows, weights, handle, placement=placement)
     return out.astype(y.dtype)
 
 
-def _combine_fwd(backend, placement, partial_dtype, y, weights, handle):
-    return _combine(backend, placement, partial_dtype, y, weights, handle), (y, weights, handle)
+def _combine_fwd(backend, placement, wire, y, weights, handle):
+    return _combine(backend, placement, wire, y, weights, handle), (y, weights, handle)
 
 
 @scoped("jax_ep.combine.backward")
-def _combine_bwd(backend, placement, partial_dtype, residuals, d_out):
+def _combine_bwd(backend, placement, wire, residuals, d_out):
     y, weights, handle = residuals
-    rows = backends.get(backend).rows_for_receivers(d_out, handle, placement=placement)
+    if wire.grad_format is not None:
+        rows = xla.rows_for_receivers_on_wire(d_out, handle, wire.grad_format)
+    else:
+        rows = backends.get(backend).rows_for_receivers(d_out, handle, placement=placement)
     if weights is None:
         return rows.astype(y.dtype), None, None
     rows = rows.astype(jnp.float32)

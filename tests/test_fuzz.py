@@ -136,22 +136,38 @@ def model_aligned(received, A: int, capacity: int, El: int):
     return out
 
 
-def model_combine(received, ys, weights, R: int, T: int, expert_major: bool):
-    """The home sums of docs/contract.md ("combine"), [R, T, H] in y's dtype."""
+def model_combine(received, ys, weights, R: int, T: int, expert_major: bool, wire=None):
+    """The home sums of docs/contract.md ("combine"), [R, T, H] in y's dtype; `wire` maps
+    the float32 rows that travel home [N, H] to what arrives (a wire format's rounding)."""
     H, dtype = ys[0].shape[-1], ys[0].dtype
-    acc = np.zeros((R, T, H), F32)
-    for d in range(R):  # rank order
+    terms = []  # (home s, token t, float32 row), in rank order
+    for d in range(R):
         if not expert_major:
-            for i, (s, t) in enumerate(received[d]["source"]):
-                acc[s, t] += ys[d][i].astype(F32) * weights[d][i]
+            terms += [(s, t, ys[d][i].astype(F32) * weights[d][i])
+                      for i, (s, t) in enumerate(received[d]["source"])]
             continue
         partial: dict[tuple[int, int], np.ndarray] = {}  # per rank-major row, in entry order
         for n, (s, t, _) in enumerate(received[d]["source"]):
             row = partial.setdefault((s, t), np.zeros(H, F32))
             row += ys[d][n].astype(F32) * weights[d][n]
-        for (s, t), row in partial.items():
-            acc[s, t] += row.astype(dtype).astype(F32)
+        terms += [(s, t, row) for (s, t), row in partial.items()]
+    if wire is None and expert_major:  # partial sums travel in y's dtype
+        def wire(rows):
+            return rows.astype(dtype).astype(F32)
+    if wire is not None and terms:
+        arrived = wire(np.stack([row for _, _, row in terms]))
+        terms = [(s, t, row) for (s, t, _), row in zip(terms, arrived, strict=True)]
+    acc = np.zeros((R, T, H), F32)
+    for s, t, row in terms:
+        acc[s, t] += row
     return acc.astype(dtype)
+
+
+def wire_rounding(format: str | None):
+    """What travelling as `format` does to float32 rows (None: nothing)."""
+    if format is None:
+        return None
+    return lambda rows: np.asarray(quant.dequantize(quant.quantize(jnp.asarray(rows), format)))
 
 
 def model_low_latency(x, idx, w, E: int, y_scale: float):
@@ -274,8 +290,9 @@ def check_normal_case(case, backend: str, R: int, **placement):
 
 def test_formats_alignment_and_rows_along_against_the_model():
     """Normal mode with the newer features, each drawn per case: a `Quantized` of every wire
-    format (received bit for bit, combined from its dequantized rows), expert alignment,
-    another array dispatched along the handle, and T = 0."""
+    format (received bit for bit, combined from its dequantized rows, the combine's rows
+    travelling in a wire format or not), expert alignment, another array dispatched along
+    the handle, and T = 0."""
     rng = np.random.default_rng()
     for case in cases(rng, FEATURE_BUDGET_S):
         backend, R = draw_path(case)
@@ -284,6 +301,7 @@ def test_formats_alignment_and_rows_along_against_the_model():
         T = 0 if case.integers(5) == 0 else int(case.integers(1, 19))
         K, H = int(case.integers(1, min(5, E) + 1)), int(case.choice([128, 256]))
         fmt = str(case.choice(quant.FORMATS))
+        back = None if case.integers(2) else str(case.choice(quant.FORMATS))  # combine's
         expert_major = bool(case.integers(2))
         A = int(case.choice([2, 3, 8])) if expert_major and case.integers(2) else 1
         idx, w = draw_routing(case, R, T, K, E)
@@ -295,10 +313,11 @@ def test_formats_alignment_and_rows_along_against_the_model():
         along = case.standard_normal((R, T, int(case.choice([3, 8, 13])))).astype(
             DTYPES[int(case.integers(len(DTYPES)))])
         what = f"{backend} R {R} T {T} K {K} E {E} H {H} {fmt} capacity {capacity} " \
-               f"expert_major {expert_major} alignment {A}"
+               f"expert_major {expert_major} alignment {A} combined on wire {back}"
 
         def per_shard(data, scales, global_scale, along, idx, w, fmt=fmt, E=E, A=A,
-                      expert_major=expert_major, capacity=capacity, backend=backend):
+                      expert_major=expert_major, capacity=capacity, backend=backend,
+                      back=back):
             q = quant.Quantized(data, scales, global_scale if fmt == "nvfp4" else None, fmt)
             recv, handle = jax_ep.dispatch(q, idx, w, num_experts=E, capacity=capacity,
                                            expert_major=expert_major, expert_alignment=A,
@@ -307,7 +326,7 @@ def test_formats_alignment_and_rows_along_against_the_model():
             moved = jax_ep.dispatch(along, handle=handle)  # zeros past the count
             weights = recv.topk_weights if expert_major else recv.topk_weights.sum(axis=1)
             out = jax_ep.combine(quant.dequantize(recv.x, jnp.float32), handle,
-                                 topk_weights=weights, backend=backend)
+                                 topk_weights=weights, wire_format=back, backend=backend)
             return recv.with_zero_padding(), moved, out
 
         recv, moved, out = to_numpy(sharded(per_shard, R)(*leaves, along, idx, w))
@@ -342,7 +361,8 @@ def test_formats_alignment_and_rows_along_against_the_model():
         if A > 1:  # the kept entries' rows, in entry order
             ys = [ys[d][want[d]["rows"]] for d in range(R)]
             weights = [weights[d][want[d]["rows"]] for d in range(R)]
-        assert_same(out, model_combine(want, ys, weights, R, T, expert_major), f"{what}: combine")
+        assert_same(out, model_combine(want, ys, weights, R, T, expert_major,
+                                       wire_rounding(back)), f"{what}: combine")
 
 
 def test_low_latency_against_the_model():

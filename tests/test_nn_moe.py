@@ -507,8 +507,9 @@ def test_float32_partials_reach_the_combine(monkeypatch):
 def test_wire_format_forward_and_gradients():
     """MoE(wire_format=f), f drawn: the routed experts see the tokens rounded to f (the
     dense reference on the rounded tokens matches), gradients stay near the layer's without
-    it, 'e4m3' is fp8_dispatch's rounding (which warns that it is deprecated), and a hidden
-    size that is no multiple of the format's block is refused naming it."""
+    it (as with grad_wire_format=f, whose forward pass is the plain layer's), 'e4m3' is
+    fp8_dispatch's rounding (which warns that it is deprecated), and a hidden size that is
+    no multiple of the format's block is refused naming it."""
     from jax_ep import quant
 
     fmt = quant.FORMATS[int(np.random.default_rng().integers(len(quant.FORMATS)))]
@@ -520,16 +521,20 @@ def test_wire_format_forward_and_gradients():
     with pytest.warns(DeprecationWarning, match="pass wire_format='e4m3'"):
         layers.append(MoE(128, 32, cfg, mesh=mesh, num_shared_experts=1, backend="xla",
                           rngs=nnx.Rngs(0), fp8_dispatch=True))
+    layers.append(MoE(128, 32, cfg, mesh=mesh, num_shared_experts=1, backend="xla",
+                      rngs=nnx.Rngs(0), grad_wire_format=fmt))
     x = np.asarray(jax.random.normal(jax.random.key(7), (32, 128)))
     rounded = np.asarray(quant.dequantize(quant.quantize(jnp.asarray(x), fmt)))
     want = dense_moe(plain_params(layers[0]), x, cfg, expert_x=rounded)
     with jax.set_mesh(mesh):
         outs = [nnx.jit(lambda m, x: m(x)[0])(layer, x) for layer in layers]
         grads = [nnx.jit(nnx.grad(lambda m, x: jnp.sum(jnp.sin(m(x)[0])), argnums=1))(
-            layer, x) for layer in layers[:2]]
+            layer, x) for layer in (layers[0], layers[1], layers[4])]
     np.testing.assert_allclose(outs[0], want, rtol=2e-5, atol=2e-5, err_msg=fmt)
-    error = np.linalg.norm(grads[0] - grads[1]) / np.linalg.norm(grads[1])
-    assert 0 < error < 0.2, (fmt, error)
+    for g in (grads[0], grads[2]):  # tokens on the wire; their gradients on it
+        error = np.linalg.norm(g - grads[1]) / np.linalg.norm(grads[1])
+        assert 0 < error < 0.2, (fmt, error)
+    np.testing.assert_array_equal(outs[4], outs[1])  # the forward pass is the plain one
     np.testing.assert_array_equal(outs[3], outs[2])
     with pytest.raises(ValueError, match="pass wire_format or fp8_dispatch, not both"):
         MoE(128, 32, cfg, mesh=mesh, wire_format="e4m3", fp8_dispatch=True, rngs=nnx.Rngs(0))

@@ -428,9 +428,10 @@ def test_dispatch_on_a_wire_format_and_its_gradient(format):
     quantized to f and dequantized to x's dtype (the reference's dispatch of those rows); x's
     gradient is the unweighted combine of the rows' (straight through the rounding) and
     topk_weights' is as without f, both against the reference's backward; dequantize=False
-    gives the Quantized rows. Rows hold a NaN and an infinity."""
+    gives the Quantized rows. Rows hold a NaN and an infinity. grad_wire_format drawn: x's
+    gradient is then that combine with its rows on that wire."""
     from harness import sharded, to_numpy
-    from test_fuzz import draw_routing
+    from test_fuzz import draw_routing, wire_rounding
 
     import jax_ep
     from jax_ep.tools import reference
@@ -440,6 +441,7 @@ def test_dispatch_on_a_wire_format_and_its_gradient(format):
     T, K, E, H = 9, 2, 2 * R, 128
     expert_major = bool(rng.integers(2))
     dtype = (ml_dtypes.bfloat16, np.float16, np.float32)[int(rng.integers(3))]
+    grad_format = (None, *quant.FORMATS)[int(rng.integers(len(quant.FORMATS) + 1))]
     idx, w = draw_routing(rng, R, T, K, E)
     x = (rng.standard_normal((R, T, H)) * 3).astype(dtype)
     # Non-finite values travel as the format has them (a NaN or infinity makes its block NaN).
@@ -453,7 +455,8 @@ def test_dispatch_on_a_wire_format_and_its_gradient(format):
 
     def per_shard(x, idx, w, d_rows, d_weights):
         def forward(x, w):
-            recv, _ = jax_ep.dispatch(x, idx, w, wire_format=format, on_invalid="mask", **kw)
+            recv, _ = jax_ep.dispatch(x, idx, w, wire_format=format, on_invalid="mask",
+                                      grad_wire_format=grad_format, **kw)
             return (recv.x, recv.topk_weights), recv.num_tokens
 
         (rows, weights), vjp, count = jax.vjp(forward, x, w, has_aux=True)
@@ -472,9 +475,93 @@ def test_dispatch_on_a_wire_format_and_its_gradient(format):
         assert_bytes(raw[d][:n], want["x"][d][:n], f"{format} Quantized rows on rank {d}")
     np.testing.assert_array_equal(weights, want["topk_weights"])
     want_gx, want_gw = reference.dispatch_vjp(d_rows, d_weights, idx, **kw)
+    if grad_format is not None:
+        want_gx = reference.combine(d_rows, idx, wire=wire_rounding(grad_format), **kw)
     tol = 1e-6 if dtype == np.float32 else 1e-2
     np.testing.assert_allclose(gx.astype(F32), want_gx.astype(F32), rtol=tol, atol=tol)
     np.testing.assert_allclose(gw, want_gw, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("format", quant.FORMATS)
+def test_combine_on_a_wire_format_and_its_gradient(format):
+    """combine(y, handle, wire_format=f): each rank's float32 row for a token (expert-major
+    its weighted partial sum, rank-major its weighted row) is quantized to f before it
+    travels and summed at home from the dequantized values in rank order, bit for bit the
+    reference's combine with that rounding on the wire; the gradients are the default's
+    backward (straight through the rounding) against the reference's. Weights, the layout
+    and y's dtype drawn; a row holds a NaN. grad_wire_format drawn: the backward's rows,
+    d(out) on its way to the receivers, are rounded to it."""
+    from harness import sharded, to_numpy
+    from test_fuzz import draw_routing, wire_rounding
+
+    import jax_ep
+    from jax_ep.tools import reference
+
+    rng = np.random.default_rng()
+    R = 2 if jax_ep.backends.resolve("auto") == "xla" or jax_ep.runtime.is_initialized() else 1
+    T, K, E, H = 11, 3, 3 * R, 128
+    expert_major = bool(rng.integers(2))
+    weighted = bool(rng.integers(2))
+    dtype = (ml_dtypes.bfloat16, np.float16, np.float32)[int(rng.integers(3))]
+    idx, w = draw_routing(rng, R, T, K, E)
+    x = rng.standard_normal((R, T, H)).astype(dtype)
+    kw = dict(num_experts=E, expert_major=expert_major)
+    cap = reference.dispatch(x, idx, w, **kw)["x"].shape[1]
+    y = (rng.standard_normal((R, cap, H)) * 2).astype(dtype)
+    y[0, rng.integers(cap), rng.integers(H)] = np.nan
+    yw = rng.random((R, cap)).astype(F32) if weighted else None
+    d_out = rng.standard_normal((R, T, H)).astype(dtype)
+    grad_format = (None, *quant.FORMATS)[int(rng.integers(len(quant.FORMATS) + 1))]
+
+    def per_shard(x, idx, w, y, yw, d_out):
+        _, handle = jax_ep.dispatch(x, idx, w, on_invalid="mask", **kw)
+
+        def forward(y, yw):
+            return jax_ep.combine(y, handle, topk_weights=yw, wire_format=format,
+                                  grad_wire_format=grad_format)
+
+        out, vjp = jax.vjp(forward, y, yw)
+        return out, vjp(d_out)
+
+    out, (dy, dyw) = to_numpy(sharded(per_shard, R)(x, idx, w, y, yw, d_out))
+
+    want = reference.combine(y, idx, weights=yw, wire=wire_rounding(format), **kw)
+    assert_bytes(out, want, f"{format} combine")
+    sent = d_out if grad_format is None else np.asarray(
+        quant.dequantize(quant.quantize(jnp.asarray(d_out), grad_format), dtype))
+    want_dy, want_dyw = reference.combine_vjp(sent, y, idx, weights=yw, **kw)
+    tol = 1e-6 if dtype == np.float32 else 1e-2
+    finite = np.isfinite(want_dy)
+    np.testing.assert_allclose(dy.astype(F32)[finite], want_dy.astype(F32)[finite],
+                               rtol=tol, atol=tol)
+    if weighted:
+        finite = np.isfinite(want_dyw)
+        np.testing.assert_allclose(dyw[finite], want_dyw[finite], rtol=1e-3, atol=1e-3)
+
+
+def test_combine_wire_format_errors():
+    from harness import sharded
+
+    import jax_ep
+
+    idx, w = np.zeros((1, 2, 1), np.int32), np.ones((1, 2, 1), np.float32)
+    x = np.ones((1, 2, 40), np.float32)
+
+    def call(**kw):
+        def per_shard(x, idx, w):
+            _, handle = jax_ep.dispatch(x, idx, w, num_experts=1, expert_major=True)
+            return jax_ep.combine(jnp.ones((handle.capacity, 40)), handle, **kw)
+
+        return sharded(per_shard, 1)(x, idx, w)
+
+    with pytest.raises(ValueError, match="wire_format must be one of"):
+        call(wire_format="fp4")
+    with pytest.raises(ValueError, match=r"blocks of 32 channels: y's hidden size \(40\)"):
+        call(wire_format="mxfp8")
+    with pytest.raises(ValueError, match="partial_dtype or wire_format, not both"):
+        call(wire_format="nvfp4", partial_dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"grad_wire_format 'mxfp8' quantizes blocks of 32"):
+        call(grad_wire_format="mxfp8")
 
 
 def test_dispatch_wire_format_errors():
@@ -495,6 +582,14 @@ def test_dispatch_wire_format_errors():
         call(wire_format="fp4")
     with pytest.raises(TypeError, match="dequantize must be a bool"):
         call(wire_format="mxfp8", dequantize=1)
+    with pytest.raises(ValueError, match="grad_wire_format must be one of"):
+        call(grad_wire_format="e5m2")
+    with pytest.raises(ValueError, match="grad_wire_format needs dequantize=True"):
+        call(wire_format="e4m3", grad_wire_format="e4m3", dequantize=False)
+    with pytest.raises(ValueError, match=r"blocks of 32 channels: x's hidden size \(40\)"):
+        sharded(lambda x, i, w: jax_ep.dispatch(x[:, :40], i, w, num_experts=2,
+                                                grad_wire_format="mxfp8")[0].num_tokens,
+                2)(x, idx, w)
     with pytest.raises(TypeError, match="x must be \\[T, H\\] in bfloat16, float16 or float32"):
         sharded(lambda x, i, w: jax_ep.dispatch(x.astype(jnp.int32), i, w, num_experts=2,
                                                 wire_format="e4m3")[0].num_tokens, 2)(x, idx, w)

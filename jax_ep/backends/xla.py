@@ -225,6 +225,38 @@ def combine(y: jax.Array, weights: jax.Array | None, handle: DispatchHandle, *,
     return sum_in_order(num_ranks, lambda d: parts[d]).astype(y.dtype)
 
 
+def combine_on_wire(y: jax.Array, weights: jax.Array | None, handle: DispatchHandle,
+                    wire_format: str) -> jax.Array:
+    """combine whose rows travel as `wire_format`: each rank's float32 row for a token (the
+    weighted sum of its entries expert-major, the weighted row rank-major) quantized before
+    it leaves, dequantized at home and summed there in float32 in rank order, cast to y's
+    dtype. Over XLA's collectives whichever backend dispatched: a handle's src_row and
+    row_entries mean the same on every backend."""
+    if handle.expert_major:
+        terms = y if weights is None else products(y, weights[:, None])
+        rows = sum_in_order(handle.top_k,
+                            lambda k: gather_rows(terms, handle.row_entries[:, k]))
+    else:
+        rows = y.astype(jnp.float32) if weights is None else products(y, weights[:, None])
+    sent = quant.quantize(rows, wire_format)
+    data, words = quant.to_rows(sent)
+    if handle.ragged is not None:
+        arrived = quant.from_rows(ragged._home(data, handle), ragged._home(words, handle), sent)
+        return ragged._sum_over_ranks(quant.dequantize(arrived), handle).astype(y.dtype)
+    R, T = handle.num_ranks, handle.num_tokens
+
+    def home(a):
+        blocks = gather_rows(a, handle.src_row)
+        return _to_home(blocks.reshape(R, T, *a.shape[1:]), handle.axis_name)
+
+    # A rank that holds no row of a token sends zero bytes, which some formats do not
+    # dequantize to zero: its term is left out (+0.0).
+    present = _to_home((handle.src_row >= 0).reshape(R, T), handle.axis_name)
+    arrived = quant.dequantize(quant.from_rows(home(data), home(words), sent))
+    arrived = jnp.where(present[..., None], arrived, 0.0)
+    return sum_in_order(R, lambda d: arrived[d]).astype(y.dtype)
+
+
 def rows_for_receivers(values: jax.Array, handle: DispatchHandle, *,
                        placement: Placement = ANYWHERE) -> jax.Array:
     """Per-token `values` [T, ...] delivered to the rows (entries) of the dispatch: [N, ...].
@@ -240,6 +272,17 @@ def rows_for_receivers(values: jax.Array, handle: DispatchHandle, *,
     if handle.expert_major:
         src = gather_rows(handle.recv_src, handle.entry_row, fill=-1)
     return gather_rows(all_values, src)
+
+
+def rows_for_receivers_on_wire(values: jax.Array, handle: DispatchHandle,
+                               wire_format: str) -> jax.Array:
+    """rows_for_receivers of `values` [T, H] quantized to `wire_format` at home, dequantized
+    to values' dtype on arrival (the slots that hold no row get zero bytes: zeros)."""
+    sent = quant.quantize(values, wire_format)
+    data, words = quant.to_rows(sent)
+    arrived = quant.from_rows(rows_for_receivers(data, handle),
+                              rows_for_receivers(words, handle), sent)
+    return quant.dequantize(arrived, values.dtype)
 
 
 def weights_to_sources(d_weights: jax.Array, received_idx: jax.Array, handle: DispatchHandle,

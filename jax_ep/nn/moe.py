@@ -172,6 +172,9 @@ class MoE(nnx.Module):
         "e4m3_ue8m0", "mxfp8", "nvfp4"; `jax_ep.dispatch`'s): they arrive dequantized in
         the computation dtype, and their gradients go back straight through the rounding in
         that dtype.
+      grad_wire_format: the output's gradients travel to the experts as this format (the
+        combine's backward, a dispatch: `jax_ep.combine`'s grad_wire_format; DeepSeek-V3
+        sends them in FP8); the combines stay in the computation dtype.
       fp8_dispatch: deprecated: wire_format="e4m3" (the same bits), which it warns of.
       bias_rate: step of the auxiliary-loss-free bias update.
       redundant_experts: extra physical experts holding copies of hot ones (EPLB); E plus
@@ -210,6 +213,7 @@ class MoE(nnx.Module):
                  capacity_factor: float | None = None, expert_alignment: int | None = None,
                  drop_order: Literal["expert", "source"] | None = None,
                  partial_dtype=None, wire_format: str | None = None,
+                 grad_wire_format: str | None = None,
                  fp8_dispatch: bool = False, bias_rate: float = 1e-3,
                  overlap: bool = False,
                  redundant_experts: int = 0, num_nodes: int = 1,
@@ -242,13 +246,15 @@ class MoE(nnx.Module):
                           "same rounding, gradients straight through it).", DeprecationWarning,
                           stacklevel=2)
             wire_format = "e4m3"
-        if wire_format is not None:
-            _checks.check_choice("MoE", "wire_format", wire_format, quant.FORMATS)
-        if wire_format is not None and hidden % quant.BLOCKS[wire_format]:
-            raise ValueError(f"MoE(wire_format={wire_format!r}): the hidden size ({hidden}) "
-                             f"must be a multiple of {quant.BLOCKS[wire_format]} (the format "
-                             f"quantizes blocks of that many channels).")
-        self.wire_format = wire_format
+        for name, f in (("wire_format", wire_format), ("grad_wire_format", grad_wire_format)):
+            if f is None:
+                continue
+            _checks.check_choice("MoE", name, f, quant.FORMATS)
+            if hidden % quant.BLOCKS[f]:
+                raise ValueError(f"MoE({name}={f!r}): the hidden size ({hidden}) must be a "
+                                 f"multiple of {quant.BLOCKS[f]} (the format quantizes blocks "
+                                 f"of that many channels).")
+        self.wire_format, self.grad_wire_format = wire_format, grad_wire_format
         self.dtype, self.param_dtype = dtype, param_dtype
         if router_fn is not None and not callable(router_fn):
             raise TypeError(f"MoE: router_fn must be a function of the router's logits "
@@ -372,7 +378,9 @@ class MoE(nnx.Module):
             def combine(c):
                 recv, handle = c.pop("recv"), c.pop("handle")
                 out = jax_ep.combine(c.pop("y"), handle, topk_weights=recv.topk_weights,
-                                     partial_dtype=self.partial_dtype, backend=self.backend,
+                                     partial_dtype=self.partial_dtype,
+                                     grad_wire_format=self.grad_wire_format,
+                                     backend=self.backend,
                                      num_sms=self.num_sms, stream=stream)
                 return {**c, "out": out, "dropped": recv.num_dropped[None],
                         "received": jnp.sum(recv.tokens_per_expert)[None]}

@@ -19,6 +19,7 @@ Conventions shared by all functions:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -376,17 +377,20 @@ def _row_weights(weights, plan: _Plan) -> np.ndarray | None:
     return w.astype(np.float32)
 
 
-def _combine_plan(y: np.ndarray, plan: _Plan, weights: np.ndarray | None) -> np.ndarray:
-    """The combine rule of the contract for a plan; returns ``[R, T, H]`` in ``y.dtype``."""
+def _combine_plan(y: np.ndarray, plan: _Plan, weights: np.ndarray | None,
+                  wire: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
+    """The combine rule of the contract for a plan; returns ``[R, T, H]`` in ``y.dtype``.
+    ``wire`` maps the float32 rows that travel (expert-major partial sums, rank-major
+    weighted rows) ``[N, H]`` to what arrives (expert-major default: cast to y.dtype)."""
     r = plan.routing
     H = y.shape[2]
 
     # contributions[(s, t)] = [(d, float32 row)] with d increasing: the value that home token
-    # t of rank s receives back from rank d.
+    # t of rank s receives back from rank d, before it travels.
     contributions: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}
     for d in range(r.R):
         if plan.expert_major:
-            # Per rank-major row: sum of its kept entries in sorted order, cast to y.dtype.
+            # Per rank-major row: sum of its kept entries in sorted order.
             partial = [np.zeros(H, np.float32) for _ in plan.rows[d]]
             for e, slot in enumerate(plan.kept[d]):
                 term = y[d, e].astype(np.float32)
@@ -394,7 +398,6 @@ def _combine_plan(y: np.ndarray, plan: _Plan, weights: np.ndarray | None) -> np.
                     term = term * weights[d, e]
                 partial[slot.row] = partial[slot.row] + term
             for (s, t), p in zip(plan.rows[d], partial, strict=True):
-                p = p.astype(y.dtype).astype(np.float32)
                 contributions.setdefault((s, t), []).append((d, p))
         else:
             for i, slot in enumerate(plan.kept[d]):
@@ -402,6 +405,15 @@ def _combine_plan(y: np.ndarray, plan: _Plan, weights: np.ndarray | None) -> np.
                 if weights is not None:
                     term = term * weights[d, i]
                 contributions.setdefault((slot.s, slot.t), []).append((d, term))
+    if wire is None and plan.expert_major:
+        def wire(rows):
+            return rows.astype(y.dtype).astype(np.float32)
+    if wire is not None and contributions:
+        keys = [(home, i) for home, terms in contributions.items() for i in range(len(terms))]
+        arrived = np.asarray(wire(np.stack([contributions[h][i][1] for h, i in keys])),
+                             np.float32)
+        for (home, i), row in zip(keys, arrived, strict=True):
+            contributions[home][i] = (contributions[home][i][0], row)
 
     out = np.zeros((r.R, r.T, H), dtype=y.dtype)
     for (s, t), terms in contributions.items():
@@ -421,6 +433,7 @@ def combine(
     expert_major: bool = False,
     weights=None,
     drop_order: str | None = None,
+    wire: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> np.ndarray:
     """Reference of ``combine`` on every rank.
 
@@ -431,6 +444,9 @@ def combine(
         capacity: as given to ``dispatch``.
         expert_major, drop_order: as given to ``dispatch``.
         weights: optional ``[R, cap]`` float32, one weight per received row / entry.
+        wire: what travelling does to the float32 rows a rank sends home, ``[N, H] -> [N, H]``
+            (a wire format: quantize, then dequantize to float32); default: rank-major rows
+            arrive as they are, expert-major partial sums cast to ``y.dtype``.
 
     Returns:
         ``[R, T, H]`` in ``y.dtype``: per home token, the float32 sum over ranks ``d = 0..R-1``
@@ -441,7 +457,7 @@ def combine(
     if y.ndim != 3:
         raise ValueError(f"y must have shape [R, capacity, H], got shape {y.shape}")
     _check_received("y", y, plan)
-    return _combine_plan(y, plan, _row_weights(weights, plan))
+    return _combine_plan(y, plan, _row_weights(weights, plan), wire)
 
 
 def dispatch_vjp(

@@ -311,8 +311,9 @@ def footnote(bandwidth: float, shared: bool, backends: list[str], on_cpu: bool,
         "same; round trip both. layout: topk_idx read + outputs written.",
         "GB/s: bytes/rank / time.",
         f"floor: time to read and write those bytes once at this machine's copy bandwidth "
-        f"({bandwidth / 1e9:.1f} GB/s counting read + write; {scope}); of floor = floor / time "
-        f"(1.0 = at the floor).",
+        f"({bandwidth / 1e9:.1f} GB/s counting read + write; {scope}; "
+        f"{'a NumPy copy' if on_cpu else '16 copies of 1 GiB in one program, timed together'}"
+        f"); of floor = floor / time (1.0 = at the floor).",
         "vs xla: time / the xla backend's time for the same op (below 1 = faster than xla).",
         f"model: jax_ep.tools.perfmodel's prediction for {hardware.name} (uniform routing; "
         "docs/perfmodel.md; --model picks the hardware).",

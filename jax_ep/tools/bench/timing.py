@@ -53,34 +53,65 @@ def time_calls(fn: Callable[..., Any], args: tuple, *, warmup: int, repeat: int)
     return Timing.of(_seconds(lambda: jax.block_until_ready(fn(*args)), repeat))
 
 
-def copy_bandwidth(device: jax.Device, nbytes: int = 256 << 20, repeat: int = 7) -> float:
+# The accelerator's copy: COPIES copies of COPY_BYTES in one program (an H200 takes about 8
+# ms for them, against some 10-50 us to launch and wait for a program).
+COPY_BYTES, COPIES = 1 << 30, 16
+
+
+def copy_bandwidth(device: jax.Device, nbytes: int | None = None, copies: int = COPIES,
+                   repeat: int = 5) -> float:
     """Bytes per second of a large memory copy, counting the bytes read plus those written.
 
     On CPU the copy is NumPy's (one core streaming through the memory that all virtual devices
-    share); on an accelerator it is a jitted elementwise op on `device`, which reads and writes
-    every byte once (`a + 1`: XLA may drop a plain copy or `a + 0`, leaving nothing to time).
+    share). On an accelerator it is `device_copy_rate`: many copies in one program, so that
+    the program's launch and wait are under 1 % of what is timed (one `a + 1` of 256 MB is
+    0.13 ms on an H200, and timed alone by wall clock it read half the rate: docs/gpu).
 
     Args:
       device: the device whose memory is measured.
-      nbytes: size of the array copied.
-      repeat: timed copies; the median is used.
+      nbytes: size of the array copied (default 256 MiB on CPU, COPY_BYTES on an
+        accelerator).
+      copies: copies per timed program (accelerator).
+      repeat: timed calls; the median is used.
 
     Returns:
       2 * nbytes / (median seconds per copy).
     """
-    if device.platform == "cpu":
-        src = np.ones(nbytes // 4, np.float32)
-        dst = np.empty_like(src)
+    if device.platform != "cpu":
+        return device_copy_rate(device, nbytes or COPY_BYTES, copies, repeat)
+    nbytes = nbytes or 256 << 20
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
 
-        def run() -> None:
-            np.copyto(dst, src)
+    def run() -> None:
+        np.copyto(dst, src)
 
-    else:
-        src = jax.device_put(np.ones(nbytes // 4, np.float32), device)
-        plus_one = jax.jit(lambda a: a + 1.0)
-
-        def run() -> None:
-            jax.block_until_ready(plus_one(src))
-
-    run()  # first touch of the pages, or compilation
+    run()  # first touch of the pages
     return 2 * nbytes / statistics.median(_seconds(run, repeat))
+
+
+def copy_program(copies: int) -> Callable[[jax.Array], jax.Array]:
+    """A jitted program of `copies` elementwise copies of its input, one after another, each
+    reading and writing every byte once: `a + 1` (XLA may drop a plain copy or `a + 0`), each
+    behind an optimization barrier so that XLA cannot fuse them into one pass."""
+
+    def program(a: jax.Array) -> jax.Array:
+        for _ in range(copies):
+            a = jax.lax.optimization_barrier(a + 1.0)
+        return a
+
+    return jax.jit(program)
+
+
+def device_copy_rate(device: jax.Device, nbytes: int, copies: int, repeat: int) -> float:
+    """2 * nbytes * copies / (median wall time of `copy_program(copies)` on a float32 array
+    of nbytes on `device`), in bytes per second: each call launches and waits once for
+    `copies` copies, so the copies' device time dominates what is timed."""
+    src = jax.device_put(np.ones(nbytes // 4, np.float32), device)
+    program = copy_program(copies)
+
+    def run() -> None:
+        jax.block_until_ready(program(src))
+
+    run()  # compilation
+    return 2 * nbytes * copies / statistics.median(_seconds(run, repeat))
