@@ -381,9 +381,8 @@ def _dispatch_on_wire(op: str, x, topk_idx, topk_weights, wire_format: str | Non
     topk_weights differentiated as always), and x's gradient straight through the rounding:
     the unweighted combine of the rows' gradient, as without the wire format, travelling as
     grad_wire_format."""
-    for name, f in (("wire_format", wire_format), ("grad_wire_format", grad_wire_format)):
-        if f is not None:
-            _checks.check_choice(op, name, f, quant.FORMATS)
+    if wire_format is not None:
+        _checks.check_choice(op, "wire_format", wire_format, quant.FORMATS)
     if not isinstance(dequantize, bool):
         raise TypeError(f"{op}: dequantize must be a bool; got {dequantize!r}.")
     which = "wire_format" if wire_format is not None else "grad_wire_format"
@@ -397,10 +396,9 @@ def _dispatch_on_wire(op: str, x, topk_idx, topk_weights, wire_format: str | Non
     if grad_wire_format is not None and not dequantize:
         raise ValueError(f"{op}: grad_wire_format needs dequantize=True (the received "
                          f"Quantized rows are not differentiated).")
-    if grad_wire_format is not None and x.shape[1] % quant.BLOCKS[grad_wire_format]:
-        raise ValueError(f"{op}: grad_wire_format {grad_wire_format!r} quantizes blocks of "
-                         f"{quant.BLOCKS[grad_wire_format]} channels: x's hidden size "
-                         f"({x.shape[1]}) must be a multiple of it.")
+    if grad_wire_format is not None:
+        quant.check_format(op, "grad_wire_format", grad_wire_format, x.shape[1],
+                           "x's hidden size")
     sent = jax.lax.stop_gradient(x)
     if wire_format is not None:
         sent = quant.quantize(sent, wire_format)
@@ -597,13 +595,8 @@ def combine(
         raise ValueError(f"{op}: pass partial_dtype or wire_format, not both (the wire "
                          f"format's rows are quantized from float32).")
     for name, f in (("wire_format", wire_format), ("grad_wire_format", grad_wire_format)):
-        if f is None:
-            continue
-        _checks.check_choice(op, name, f, quant.FORMATS)
-        if y.shape[1] % quant.BLOCKS[f]:
-            raise ValueError(f"{op}: {name} {f!r} quantizes blocks of {quant.BLOCKS[f]} "
-                             f"channels: y's hidden size ({y.shape[1]}) must be a multiple "
-                             f"of it.")
+        if f is not None:
+            quant.check_format(op, name, f, y.shape[1], "y's hidden size")
     if handle.num_tokens == 0:  # a dispatch of no tokens: nothing comes home
         return jax.lax.full_like(y, 0, shape=(0, y.shape[1]))
     if handle.alignment is not None:

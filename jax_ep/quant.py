@@ -83,6 +83,16 @@ def _expected_fields(format: str, lead: tuple[int, ...], hidden: int, packed: bo
     }[format]
 
 
+def check_format(op: str, name: str, format: str, hidden: int, what: str) -> None:
+    """Raises, naming the argument, unless `format` is one of FORMATS and `hidden` (the
+    hidden size of `what`) a multiple of its block."""
+    _checks.check_choice(op, name, format, FORMATS)
+    block = BLOCKS[format]
+    if hidden % block:
+        raise ValueError(f"{op}: {name} {format!r} quantizes blocks of {block} channels: "
+                         f"{what} ({hidden}) must be a multiple of {block}.")
+
+
 def check(op: str, name: str, q: Any) -> None:
     """Raises, naming the field and what it must be, unless `q` is a Quantized as `quantize`
     makes them: a known format, and data, scales and global_scale of that format's dtypes and

@@ -539,8 +539,9 @@ def test_wire_format_forward_and_gradients():
     with pytest.raises(ValueError, match="pass wire_format or fp8_dispatch, not both"):
         MoE(128, 32, cfg, mesh=mesh, wire_format="e4m3", fp8_dispatch=True, rngs=nnx.Rngs(0))
     block = quant.BLOCKS[fmt]
-    with pytest.raises(ValueError, match=rf"^MoE\(wire_format='{fmt}'\): the hidden size "
-                       rf"\({block + 8}\) must be a multiple of {block}"):
+    with pytest.raises(ValueError, match=rf"^MoE: wire_format '{fmt}' quantizes blocks of "
+                       rf"{block} channels: the hidden size \({block + 8}\) must be a "
+                       rf"multiple of {block}\."):
         MoE(block + 8, 12, cfg, mesh=mesh, wire_format=fmt, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="wire_format"):
         MoE(128, 12, cfg, mesh=mesh, wire_format="fp8", rngs=nnx.Rngs(0))

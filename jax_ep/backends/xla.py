@@ -199,12 +199,19 @@ def dispatch(
     return received, handle, needed
 
 
-def _reduce_entries(y: jax.Array, weights: jax.Array | None, handle: DispatchHandle) -> jax.Array:
-    """Expert-major rows -> one partial per rank-major row, summed in entry order, in y.dtype."""
+def _partial_sums(y: jax.Array, weights: jax.Array | None, handle: DispatchHandle) -> jax.Array:
+    """Expert-major rows -> one float32 partial per rank-major row, summed in entry order."""
     terms = y if weights is None else products(y, weights[:, None])
     # The entries of a row are sorted; its -1 slots add exact zeros.
-    rows = sum_in_order(handle.top_k, lambda k: gather_rows(terms, handle.row_entries[:, k]))
-    return rows.astype(y.dtype)
+    return sum_in_order(handle.top_k, lambda k: gather_rows(terms, handle.row_entries[:, k]))
+
+
+def _on_wire(values: jax.Array, wire_format: str, move, dtype=jnp.float32) -> jax.Array:
+    """`values` [N, H] quantized to `wire_format`, its data and other bytes each moved by
+    `move` (a transport of rows), dequantized to `dtype` where they arrive."""
+    sent = quant.quantize(values, wire_format)
+    data, words = quant.to_rows(sent)
+    return quant.dequantize(quant.from_rows(move(data), move(words), sent), dtype)
 
 
 def combine(y: jax.Array, weights: jax.Array | None, handle: DispatchHandle, *,
@@ -212,7 +219,7 @@ def combine(y: jax.Array, weights: jax.Array | None, handle: DispatchHandle, *,
     """Sum each token's rows over the ranks that received it, in rank order (float32)."""
     num_ranks, num_tokens = handle.num_ranks, handle.num_tokens
     if handle.expert_major:
-        y, weights = _reduce_entries(y, weights, handle), None
+        y, weights = _partial_sums(y, weights, handle).astype(y.dtype), None
     if handle.ragged is not None:
         return ragged.combine(y, weights, handle)
     # Gathers rather than scatters: the same data movement, and much faster on XLA:CPU.
@@ -233,16 +240,12 @@ def combine_on_wire(y: jax.Array, weights: jax.Array | None, handle: DispatchHan
     dtype. Over XLA's collectives whichever backend dispatched: a handle's src_row and
     row_entries mean the same on every backend."""
     if handle.expert_major:
-        terms = y if weights is None else products(y, weights[:, None])
-        rows = sum_in_order(handle.top_k,
-                            lambda k: gather_rows(terms, handle.row_entries[:, k]))
+        rows = _partial_sums(y, weights, handle)
     else:
         rows = y.astype(jnp.float32) if weights is None else products(y, weights[:, None])
-    sent = quant.quantize(rows, wire_format)
-    data, words = quant.to_rows(sent)
     if handle.ragged is not None:
-        arrived = quant.from_rows(ragged._home(data, handle), ragged._home(words, handle), sent)
-        return ragged._sum_over_ranks(quant.dequantize(arrived), handle).astype(y.dtype)
+        arrived = _on_wire(rows, wire_format, lambda a: ragged._home(a, handle))
+        return ragged._sum_over_ranks(arrived, handle).astype(y.dtype)
     R, T = handle.num_ranks, handle.num_tokens
 
     def home(a):
@@ -252,8 +255,7 @@ def combine_on_wire(y: jax.Array, weights: jax.Array | None, handle: DispatchHan
     # A rank that holds no row of a token sends zero bytes, which some formats do not
     # dequantize to zero: its term is left out (+0.0).
     present = _to_home((handle.src_row >= 0).reshape(R, T), handle.axis_name)
-    arrived = quant.dequantize(quant.from_rows(home(data), home(words), sent))
-    arrived = jnp.where(present[..., None], arrived, 0.0)
+    arrived = jnp.where(present[..., None], _on_wire(rows, wire_format, home), 0.0)
     return sum_in_order(R, lambda d: arrived[d]).astype(y.dtype)
 
 
@@ -278,11 +280,7 @@ def rows_for_receivers_on_wire(values: jax.Array, handle: DispatchHandle,
                                wire_format: str) -> jax.Array:
     """rows_for_receivers of `values` [T, H] quantized to `wire_format` at home, dequantized
     to values' dtype on arrival (the slots that hold no row get zero bytes: zeros)."""
-    sent = quant.quantize(values, wire_format)
-    data, words = quant.to_rows(sent)
-    arrived = quant.from_rows(rows_for_receivers(data, handle),
-                              rows_for_receivers(words, handle), sent)
-    return quant.dequantize(arrived, values.dtype)
+    return _on_wire(values, wire_format, lambda a: rows_for_receivers(a, handle), values.dtype)
 
 
 def weights_to_sources(d_weights: jax.Array, received_idx: jax.Array, handle: DispatchHandle,

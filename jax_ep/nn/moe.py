@@ -247,13 +247,8 @@ class MoE(nnx.Module):
                           stacklevel=2)
             wire_format = "e4m3"
         for name, f in (("wire_format", wire_format), ("grad_wire_format", grad_wire_format)):
-            if f is None:
-                continue
-            _checks.check_choice("MoE", name, f, quant.FORMATS)
-            if hidden % quant.BLOCKS[f]:
-                raise ValueError(f"MoE({name}={f!r}): the hidden size ({hidden}) must be a "
-                                 f"multiple of {quant.BLOCKS[f]} (the format quantizes blocks "
-                                 f"of that many channels).")
+            if f is not None:
+                quant.check_format("MoE", name, f, hidden, "the hidden size")
         self.wire_format, self.grad_wire_format = wire_format, grad_wire_format
         self.dtype, self.param_dtype = dtype, param_dtype
         if router_fn is not None and not callable(router_fn):
