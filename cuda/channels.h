@@ -115,11 +115,27 @@ JAX_EP_HOST_DEVICE void set_counter(const Peers& peers, uint64_t* slot, int rank
   }
 }
 
-// Sender warps per channel of a streaming launch on a GPU, and as many receivers (dispatch):
-// one sender reads a token's row once for up to kFanOut of its rings (warps that split a
-// token's destinations would each read it). The CPU's grid runs its warps per channel instead,
-// so that the split of a channel's rings between warps runs too.
-constexpr int kGpuChannelWarps = 1;
+// Warps per role per channel of a streaming launch (Rings::warps; 0 takes the platform's
+// default): the dispatch's senders, which split a token's destinations (each reads the row
+// once per kFanOut of its rings, so w senders read it up to w times: local reads, a fraction
+// of what crosses the link) and as many receivers, which split the rings; the combine's
+// senders, which split the homes (each row goes to one home: no read is repeated), beside
+// one receiver that sums the channel's tokens in order. On a GPU by default 4 and 8, enough
+// bytes in flight for NVLink with 8 loads in flight per lane (kStreamWordsInFlight; the
+// account's bound, docs/cuda.md); on the CPU the grid's warps, so that the split runs in CI.
+// Never more than a role has rings to split.
+constexpr int kGpuDispatchWarps = 4;
+constexpr int kGpuCombineSenders = 8;
+constexpr int kMaxChannelWarps = 64;  // what Rings::warps may ask for
+// Blocks of a streaming launch one SM holds: its kernel is built for 2 (at most 128 registers a
+// thread), so that an op's num_sms holds twice the warps of one block per SM
+// (jax_ep.runtime.stream_plan sizes the channels by it).
+constexpr int kStreamBlocksPerSm = 2;
+// The warps of a role that splits `rings` rings, for `wanted`: at least 1, at most one a ring.
+JAX_EP_HOST_DEVICE int role_warps(int wanted, int rings) {
+  const int most = rings > 1 ? rings : 1;
+  return wanted < 1 ? 1 : wanted < most ? wanted : most;
+}
 
 // The tail's bit that says the sender wrote its last slot.
 constexpr uint64_t kRingClosed = uint64_t{1} << 63;
@@ -132,6 +148,7 @@ enum class RingWaitKind { kSpace, kData };
 
 struct Rings {
   int channels = 0;  // 0: the op runs in phases (no rings)
+  int warps = 0;     // warps per role per channel (see kGpuDispatchWarps); 0: the default
   int chunk_tokens = 0, ring_chunks = 0;
   int links = 0;  // rings per channel: one per peer (one node), see RingLink
   int64_t slot_bytes = 0;

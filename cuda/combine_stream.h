@@ -76,7 +76,8 @@ JAX_EP_HOST_DEVICE void combine_stream_send(const CombineArgs<T>& a, const Peers
         const int64_t n = g.sent(c, s);
         char* slot = ring_write_slot(g, peers, c, l, n);
         w.each([&](int lane) {
-          copy_row(slot, y + row * H, H * static_cast<int64_t>(sizeof(T)), lane, w.lanes);
+          copy_row<kStreamWordsInFlight>(slot, y + row * H, H * static_cast<int64_t>(sizeof(T)),
+                                         lane, w.lanes);
           if (lane == 0) {
             *slot_weight(a, slot) = weights ? weights[row] : 0.0f;
             *slot_token(a, slot) = static_cast<int32_t>(t);
@@ -132,6 +133,34 @@ JAX_EP_HOST_DEVICE bool combine_ring_ready(const Rings& g, int c, int r, const W
   return false;
 }
 
+// The slots a receiver sums for one token: the rings whose next slot holds it, in rank order,
+// found once per token by the leader and read by every lane for each pack of the row
+// (sum_rows collects its terms per pack, and testing every ring there costs 3 loads per ring
+// and pack: at EP64 the receiver's work). A token has a row on at most top_k ranks, and
+// dispatch takes top_k <= 32, so kTokenSlots of them hold every token of a handle it made; one
+// with more (another handle) is summed by testing the rings per pack. On the GPU a table of
+// the warp in shared memory (lane 0 writes it, the lanes read it after a warp barrier); on
+// the CPU the receiver's own.
+#ifndef JAX_EP_TOKEN_SLOTS  // the C++ test makes it small, so that both ways run there
+#define JAX_EP_TOKEN_SLOTS 32
+#endif
+constexpr int kTokenSlots = JAX_EP_TOKEN_SLOTS;
+struct TokenSlots {  // trivial, as shared memory requires; the leader sets every field it reads
+  char* slot[kTokenSlots];
+  float weight[kTokenSlots];
+  int rank[kTokenSlots];
+  int n;     // slots listed
+  bool all;  // whether they are every slot of the token
+};
+JAX_EP_HOST_DEVICE TokenSlots& token_slots_table(TokenSlots& own) {
+#if defined(__CUDA_ARCH__)
+  __shared__ TokenSlots tables[kBlockWarps];
+  return tables[threadIdx.x / 32];
+#else
+  return own;
+#endif
+}
+
 // The receiver warp of channel c: the channel's tokens of this rank, one after another, each
 // summed over the ranks whose next slot is that token, in rank order, into XLA's result.
 template <typename T, typename Peers, typename Watch>
@@ -150,32 +179,59 @@ JAX_EP_HOST_DEVICE void combine_stream_receive(const CombineArgs<T>& a, const Pe
     return n < (g.at(c, r, Rings::kSeen) & ~static_cast<int64_t>(kRingClosed)) &&
            *slot_token(a, g.slot(g.recv, c, r, n)) == t;
   };
+  TokenSlots own;
+  TokenSlots& held = token_slots_table(own);
   const int end = g.first_token(c + 1, Tn);
   for (int t = g.first_token(c, Tn); t < end; ++t) {
     for (int r = 0; r < R; ++r) {
       if (!combine_ring_ready(g, c, r, w, watch)) return;
     }
+    if (w.leader()) {
+      held.n = 0;
+      held.all = true;
+      for (int r = 0; r < R && held.all; ++r) {
+        if (!holds(r, t)) continue;
+        if (held.n == kTokenSlots) {
+          held.all = false;
+        } else {
+          char* slot = g.slot(g.recv, c, r, g.consumed(c, r));
+          held.slot[held.n] = slot;
+          held.weight[held.n] = *slot_weight(a, slot);
+          held.rank[held.n++] = r;
+        }
+      }
+    }
+    w.sync();  // the lanes read the table after its writes
+    const bool listed = held.all;
     T* out = a.out + (a.local(me) * Tn + t) * H;
     w.each([&](int lane) {
-      sum_rows(out, H, a.weights != nullptr, R,
-               [&](Terms<T>& terms, int r) {
-                 for (; r < R && !terms.full(); ++r) {
-                   if (!holds(r, t)) continue;
-                   char* slot = g.slot(g.recv, c, r, g.consumed(c, r));
+      sum_rows(out, H, a.weights != nullptr, listed ? held.n : R,
+               [&](Terms<T>& terms, int i) {
+                 for (; listed && i < held.n && !terms.full(); ++i) {
+                   terms.add(reinterpret_cast<const T*>(held.slot[i]), held.weight[i]);
+                 }
+                 for (; !listed && i < R && !terms.full(); ++i) {
+                   if (!holds(i, t)) continue;
+                   char* slot = g.slot(g.recv, c, i, g.consumed(c, i));
                    terms.add(reinterpret_cast<const T*>(slot), *slot_weight(a, slot));
                  }
-                 return r;
+                 return i;
                },
                lane, w.lanes);
     });
-    for (int r = 0; r < R; ++r) {
-      if (!holds(r, t)) continue;
+    // Each summed ring's slot consumed: the table's, or the rings that hold the token.
+    auto consume = [&](int r) {
       const int64_t n = g.consumed(c, r) + 1;
       w.sync();
       if (w.leader()) g.consumed(c, r) = n;
       w.sync();
       if (n % g.chunk_tokens == 0) ring_release(g, peers, c, flat_link(me, r), w);
+    };
+    for (int i = 0; listed && i < held.n; ++i) consume(held.rank[i]);
+    for (int r = 0; !listed && r < R; ++r) {
+      if (holds(r, t)) consume(r);
     }
+    w.sync();  // every lane read the table before the leader fills it again
   }
   for (int r = 0; r < R; ++r) ring_release(g, peers, c, flat_link(me, r), w);
 }

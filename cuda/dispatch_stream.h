@@ -90,7 +90,7 @@ JAX_EP_HOST_DEVICE void fill_slots(const DispatchArgs& a, const SlotBatch& b, co
       rows.add(b.slot[i]);
       if (S > 0) scale_rows.add(b.slot[i] + a.slot_row_bytes());
     }
-    fan_out_row(rows, x, a.row_bytes, lane, w.lanes);
+    fan_out_row<kStreamWordsInFlight>(rows, x, a.row_bytes, lane, w.lanes);
     if (S > 0) fan_out_row(scale_rows, scales, S * 4, lane, w.lanes);
     for (int i = 0; i < b.n; ++i) {
       const RingMeta meta = ring_meta(a, b.slot[i]);
@@ -127,6 +127,11 @@ constexpr int kForwarders = 2;
 
 JAX_EP_HOST_DEVICE int forwarders(const DispatchArgs& a) {
   return a.nodes() > 1 ? kForwarders : 0;
+}
+// Sender warps per channel (and as many receivers) for `wanted` per role: at most the
+// destinations a source's tokens have (the ranks of a node, and node-aware the nodes).
+JAX_EP_HOST_DEVICE int dispatch_channel_warps(const DispatchArgs& a, int wanted) {
+  return role_warps(wanted, a.node_ranks() + (a.nodes() > 1 ? a.nodes() : 0));
 }
 JAX_EP_HOST_DEVICE int node_links(const DispatchArgs& a) {
   return a.node_ranks() * (1 + forwarders(a));
@@ -274,7 +279,7 @@ JAX_EP_HOST_DEVICE void dispatch_stream_unpack(const DispatchArgs& a, const char
   const int64_t row = *meta.row;
   const DispatchArgs::Results& o = a.out;
   w.each([&](int lane) {
-    copy_row(o.x + row * a.row_bytes, slot, a.row_bytes, lane, w.lanes);
+    copy_row<kStreamWordsInFlight>(o.x + row * a.row_bytes, slot, a.row_bytes, lane, w.lanes);
     if (S > 0) copy_row(o.scales + row * S, slot + a.slot_row_bytes(), S * 4, lane, w.lanes);
     for (int k = lane; k < K; k += w.lanes) {
       const int32_t e = local_expert(meta.ids[k], d, El);

@@ -352,9 +352,9 @@ class HostPlatform {
     for (int i = 0; i < meet.waits(); ++i) meter_barrier();
     host_per_unit(body, me_, 1, body.units(), grid_, Flags{this, meet});
   }
-  // Sender warps per channel of a streaming launch: the grid's warps (several on a GPU-shaped
-  // grid, so that the split of a channel's rings between senders runs too).
-  int senders_per_channel() const { return grid_.warps; }
+  // Warps per role per channel of a streaming launch, unless the rings name theirs: the grid's
+  // warps (several on a GPU-shaped grid, so that the split of a channel's rings runs too).
+  int channel_warps(bool /*combine*/) const { return grid_.warps; }
   PeerError result(int /*op*/) const { return error_; }
 
  private:

@@ -140,7 +140,10 @@ class LocalPlatform {
     status_ = launch_units(body, meet, LocalNet{peers()}, false, reinterpret_cast<uint64_t*>(symmetric()),
                            op_, axis_index_, stream_, state());
   }
-  int senders_per_channel() const { return kGpuChannelWarps; }
+  // Warps per role per channel of a streaming launch, unless the rings name theirs.
+  int channel_warps(bool combine) const {
+    return combine ? kGpuCombineSenders : kGpuDispatchWarps;
+  }
   PeerError result(int op) const { return launch_error(op, status_); }
 
  private:

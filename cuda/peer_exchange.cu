@@ -239,7 +239,10 @@ class DevicePlatform {
     status_ = launch_units(body, meet, NvshmemNet{pes()}, puts(), reinterpret_cast<uint64_t*>(symmetric()),
                            op_, axis_index_, stream_, state());
   }
-  int senders_per_channel() const { return kGpuChannelWarps; }
+  // Warps per role per channel of a streaming launch, unless the rings name theirs.
+  int channel_warps(bool combine) const {
+    return combine ? kGpuCombineSenders : kGpuDispatchWarps;
+  }
   PeerError result(int op) const { return launch_error(op, status_); }
 
  private:

@@ -520,6 +520,13 @@ int ranks_per_node(const Platform& p, int num_ranks) {
   }
 }
 
+// Warps per role per channel of a streaming launch (cuda/channels.h): the rings' own, or the
+// platform's default for the op.
+template <typename Platform>
+int stream_warps(const Platform& p, const Rings& g, bool combine) {
+  return g.warps > 0 ? g.warps : p.channel_warps(combine);
+}
+
 // f(peers) with the view the platform reaches its peers with.
 template <typename Platform, typename F>
 PeerError with_peers(Platform& p, const F& f) {
@@ -554,7 +561,8 @@ PeerError run_op(Platform& p, int op, const DispatchArgs& out) {
       // from this rank's own arrays, and its arrival frees this rank's buffer.
       p.per_warp(DispatchCount{a}, a.num_chunks, Meet{Wait::kStart, true, Wait::kStart},
                  DispatchTail<Peers>{a, a.first_rank, 1, peers});
-      const int senders = p.senders_per_channel(), receivers = senders;
+      const int senders = dispatch_channel_warps(a, stream_warps(p, a.rings, false));
+      const int receivers = senders;
       if (a.nodes() == 1) {
         p.per_unit(DispatchStream<Peers, Peers>{a, peers, peers, senders, receivers},
                    Meet{{}, true, {}});
@@ -615,8 +623,8 @@ PeerError run_op(Platform& p, int op, const CombineArgs<T>& in) {
       using Peers = std::decay_t<decltype(peers)>;
       const RingsZero zero{a.rings};
       p.per_warp(zero, zero.items(), Meet{Wait::kStart, true, Wait::kStart});
-      p.per_unit(CombineStream<T, Peers>{a, peers, p.senders_per_channel()},
-                 Meet{{}, true, {}});
+      const int senders = role_warps(stream_warps(p, a.rings, true), a.num_ranks);
+      p.per_unit(CombineStream<T, Peers>{a, peers, senders}, Meet{{}, true, {}});
       return p.result(op);
     });
   }

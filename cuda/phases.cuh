@@ -125,7 +125,7 @@ cudaError_t per_warp(const Phase& phase, int first_rank, int ranks, int64_t item
 // [first_rank, first_rank + ranks) x [0, units), one warp each, every lane calling it; the
 // blocks meet the peers as per_warp_kernel's do (no tail).
 template <typename Body, typename Meeting, typename Watch>
-__global__ void __launch_bounds__(kPhaseThreads)
+__global__ void __launch_bounds__(kPhaseThreads, kStreamBlocksPerSm)
     per_unit_kernel(Body body, Meeting meet, Watch watch, unsigned* ticket, int first_rank,
                     int ranks, int64_t units) {
   meet.first();

@@ -76,16 +76,19 @@ struct alignas(16) Word {
 JAX_EP_HOST_DEVICE int64_t word_padded(int64_t bytes) { return (bytes + 15) / 16 * 16; }
 
 // Words each lane loads before it stores any: the loads of a copy that are in flight at once.
+// The phases' copies keep 4 (their kernels fit 64 registers, 4 blocks per SM); a streaming
+// launch has fewer warps, each with a channel's rows to move, and keeps 8 (cuda/channels.h).
 constexpr int kWordsInFlight = 4;
+constexpr int kStreamWordsInFlight = 8;
 
 // Warps per block of the phase kernels (cuda/phases.cuh): the number of shared fan tables.
 constexpr int kBlockWarps = 8;
 
-// Calls f(i, u) for the indices i of the words [first, first + lanes * kWordsInFlight) of a
-// copy that lane `lane` moves (those below `words`), u = 0, 1, ... in each lane's order.
-template <typename F>
+// Calls f(i, u) for the indices i of the words [first, first + lanes * kWords) of a copy that
+// lane `lane` moves (those below `words`), u = 0, 1, ... in each lane's order.
+template <int kWords, typename F>
 JAX_EP_HOST_DEVICE void each_word(int first, int words, int lane, int lanes, const F& f) {
-  JAX_EP_UNROLL for (int u = 0; u < kWordsInFlight; ++u) {
+  JAX_EP_UNROLL for (int u = 0; u < kWords; ++u) {
     const int i = first + u * lanes + lane;
     if (i < words) f(i, u);
   }
@@ -119,8 +122,9 @@ JAX_EP_HOST_DEVICE void copy_unit_at(char* d, const char* s, int64_t i, int shif
 }
 
 // Copies `bytes` from src to dst with `lanes` cooperating lanes, in the widest units the
-// pointers and the size allow (copy_shift): 16-byte words, each lane loading kWordsInFlight of
-// them before storing any; narrower units one at a time (rows of unusual sizes only).
+// pointers and the size allow (copy_shift): 16-byte words, each lane loading kWords of them
+// before storing any; narrower units one at a time (rows of unusual sizes only).
+template <int kWords = kWordsInFlight>
 JAX_EP_HOST_DEVICE void copy_row(void* dst, const void* src, int64_t bytes, int lane, int lanes) {
   if (lane == 0) meter_rows(bytes, bytes);
   const int shift = copy_shift(reinterpret_cast<uintptr_t>(dst) |
@@ -129,10 +133,10 @@ JAX_EP_HOST_DEVICE void copy_row(void* dst, const void* src, int64_t bytes, int 
     Word* d = static_cast<Word*>(dst);
     const Word* s = static_cast<const Word*>(src);
     const int words = static_cast<int>(bytes / 16);  // a row holds fewer than 2^31 words
-    for (int first = 0; first < words; first += lanes * kWordsInFlight) {
-      Word w[kWordsInFlight];
-      each_word(first, words, lane, lanes, [&](int i, int u) { w[u] = s[i]; });
-      each_word(first, words, lane, lanes, [&](int i, int u) { d[i] = w[u]; });
+    for (int first = 0; first < words; first += lanes * kWords) {
+      Word w[kWords];
+      each_word<kWords>(first, words, lane, lanes, [&](int i, int u) { w[u] = s[i]; });
+      each_word<kWords>(first, words, lane, lanes, [&](int i, int u) { d[i] = w[u]; });
     }
   } else {
     char* d = static_cast<char*>(dst);
@@ -209,9 +213,10 @@ class Fan {
 };
 
 // Copies `bytes` from src to every destination of the fan, reading src once, and empties the
-// fan. Like copy_row: 16-byte words when every pointer and the size allow (kWordsInFlight
-// loads per lane, then their stores to each destination), else the widest narrower unit.
-// Every lane of the warp calls it with the same fan.
+// fan. Like copy_row: 16-byte words when every pointer and the size allow (kWords loads per
+// lane, then their stores to each destination), else the widest narrower unit. Every lane of
+// the warp calls it with the same fan.
+template <int kWords = kWordsInFlight>
 JAX_EP_HOST_DEVICE void fan_out_row(Fan<char>& fan, const void* src, int64_t bytes, int lane,
                                     int lanes) {
   const int n = fan.size();
@@ -223,12 +228,12 @@ JAX_EP_HOST_DEVICE void fan_out_row(Fan<char>& fan, const void* src, int64_t byt
   if (shift == 4) {
     const Word* s = static_cast<const Word*>(src);
     const int words = static_cast<int>(bytes / 16);  // a row holds fewer than 2^31 words
-    for (int first = 0; first < words; first += lanes * kWordsInFlight) {
-      Word w[kWordsInFlight];
-      each_word(first, words, lane, lanes, [&](int i, int u) { w[u] = s[i]; });
+    for (int first = 0; first < words; first += lanes * kWords) {
+      Word w[kWords];
+      each_word<kWords>(first, words, lane, lanes, [&](int i, int u) { w[u] = s[i]; });
       JAX_EP_NO_UNROLL for (int j = 0; j < n; ++j) {
         Word* d = reinterpret_cast<Word*>(fan[j]);
-        each_word(first, words, lane, lanes, [&](int i, int u) { d[i] = w[u]; });
+        each_word<kWords>(first, words, lane, lanes, [&](int i, int u) { d[i] = w[u]; });
       }
     }
   } else {

@@ -497,7 +497,8 @@ xffi::Error LowLatencyBuffer(std::string_view op, const xffi::Dictionary& attrs,
 }
 
 // The optional attributes `channels`, `chunk_tokens` and `ring_chunks` (cuda/channels.h):
-// absent or channels 0, the normal dispatch or combine runs in phases.
+// absent or channels 0, the normal dispatch or combine runs in phases; with them, the optional
+// `channel_warps` (warps per role per channel; absent or 0, the platform's default).
 xffi::Error ParseChannels(std::string_view op, const xffi::Dictionary& attrs, Rings* rings) {
   if (!attrs.contains("channels")) return xffi::Error::Success();
   int64_t values[3] = {0, 0, 0};
@@ -513,6 +514,15 @@ xffi::Error ParseChannels(std::string_view op, const xffi::Dictionary& attrs, Ri
   rings->channels = static_cast<int>(values[0]);
   rings->chunk_tokens = static_cast<int>(values[1]);
   rings->ring_chunks = static_cast<int>(values[2]);
+  if (attrs.contains("channel_warps")) {
+    int64_t warps = 0;
+    JAX_EP_RETURN_IF_ERROR(Attr(op, attrs, "channel_warps", &warps));
+    if (warps < 0 || warps > kMaxChannelWarps) {
+      return Invalid(op, "channel_warps must be in [0, " + std::to_string(kMaxChannelWarps) +
+                             "] (0: the platform's default); got " + std::to_string(warps));
+    }
+    rings->warps = static_cast<int>(warps);
+  }
   return xffi::Error::Success();
 }
 

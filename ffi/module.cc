@@ -136,7 +136,12 @@ nb::dict KernelParameters() {
   out["word_bytes"] = static_cast<int>(sizeof(jax_ep::Word));
   out["phase_warps"] = jax_ep::kBlockWarps;
   out["copy_blocks_per_sm"] = jax_ep::kCopyBlocksPerSm;  // Hopper's (the host's value)
-  out["channel_warps"] = jax_ep::kGpuChannelWarps;
+  out["stream_words_in_flight"] = jax_ep::kStreamWordsInFlight;
+  out["sum_batch"] = jax_ep::kSumBatch;
+  out["stream_blocks_per_sm"] = jax_ep::kStreamBlocksPerSm;
+  out["dispatch_channel_warps"] = jax_ep::kGpuDispatchWarps;
+  out["combine_channel_senders"] = jax_ep::kGpuCombineSenders;
+  out["max_channel_warps"] = jax_ep::kMaxChannelWarps;
   out["forwarders"] = jax_ep::kForwarders;
   out["fan_out"] = jax_ep::kFanOut;
   return out;

@@ -103,31 +103,21 @@ def _attrs(**attrs) -> dict:
     return {k: np.int64(int(v)) for k, v in attrs.items() if v is not None}
 
 
-# A streaming launch's units on a GPU (cuda/phases.cuh, per_unit): one warp each, in blocks of
-# BLOCK_WARPS; per channel a sender and a receiver, and in a node-aware dispatch FORWARDERS
-# (cuda/dispatch_stream.h).
-BLOCK_WARPS = 8
-FORWARDERS = 2
-
-
 def _rings(op: str, axis_name: str | None, placement: Placement, expert_major: bool,
            num_ranks: int) -> dict:
     """Between devices, the rank-major normal ops stream through the buffer's rings, if it has
     them (runtime.channels(); cuda/peer_ops.h). The streaming launch's blocks are resident at
-    once, each on an SM of its own: an op whose num_sms holds fewer blocks streams through
-    fewer of the rings' channels (every rank runs the same program, so all agree)."""
+    once: an op whose num_sms holds fewer blocks streams through fewer of the rings' channels
+    (runtime.stream_plan; every rank runs the same program, so all agree)."""
     rings = runtime.channels() if axis_name is not None and not expert_major else None
     if rings is None:
         return {}
     state = runtime.state() or {}
-    nodes = state.get("ranks_per_node", 0)
-    aware = op == "dispatch" and state.get("peer_access") == "put" and 0 < nodes < num_ranks
-    warps = 2 + (FORWARDERS if aware else 0)
-    channels = rings.channels
-    if placement.num_sms is not None:
-        channels = min(channels, max(placement.num_sms * BLOCK_WARPS // warps, 1))
-    return dict(channels=channels, chunk_tokens=rings.chunk_tokens,
-                ring_chunks=rings.ring_chunks)
+    nodes = state.get("ranks_per_node", 0) if state.get("peer_access") == "put" else 0
+    plan = runtime.stream_plan(op, rings, num_ranks, ranks_per_node=nodes,
+                               num_sms=placement.num_sms)
+    return dict(channels=plan.channels, chunk_tokens=rings.chunk_tokens,
+                ring_chunks=rings.ring_chunks, channel_warps=rings.warps)
 
 
 def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, capacity,

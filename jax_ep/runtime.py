@@ -76,21 +76,30 @@ class Channels:
     senders and receivers run at once. Expert-major calls still run in phases.
 
     Attributes:
-      channels: token ranges per rank, each with its own rings and, on a GPU, its own warps:
-        a sender, a receiver and, node-aware, two forwarders of a relay's chunks (dispatch),
-        a sender and a receiver (combine), packed into blocks of 8 warps resident at once,
-        each on an SM of its own. The default 32 takes 8 SMs (16 node-aware); an op whose
-        `num_sms` (default 20) holds fewer blocks streams through fewer channels.
+      channels: token ranges per rank, each with its own rings and, on a GPU, its own warps
+        (`warps`): the dispatch's senders and receivers and, node-aware, two forwarders of a
+        relay's chunks; the combine's senders and one receiver; packed into blocks of 8 warps,
+        2 blocks per SM, resident at once. The default 40 fills the default `num_sms` (20)
+        with the dispatch's 8 warps per channel; an op whose num_sms holds fewer streams
+        through fewer channels (`stream_plan`).
       chunk_tokens: slots a sender fills before it publishes them (one put per chunk and
         destination over puts: 4 rows of 14 KB are a 57 KB message).
       ring_chunks: chunks per ring (2 or more let a sender fill one while the receiver drains
-        another). Slots per (channel, peer) pair: chunk_tokens x ring_chunks; the symmetric
-        bytes grow with channels x slots x peers, not with the tokens.
+        another; the default 3 keeps one more in flight). Slots per (channel, peer) pair:
+        chunk_tokens x ring_chunks; the symmetric bytes grow with channels x slots x peers, not
+        with the tokens (the default's 40 x 12 slots per peer: EP64 over puts under 1 GiB).
+      warps: warps per role per channel: the dispatch's senders, which split a token's
+        destinations (each reads the row once per 8 of its rings, so w senders read it up to w
+        times, locally), and as many receivers, which split the rings; the combine's senders,
+        which split the homes. 0, the default: on a GPU 4 for the dispatch and 8 for the
+        combine (DISPATCH_CHANNEL_WARPS, COMBINE_CHANNEL_SENDERS), on CPU devices the warps of
+        $JAX_EP_CPU_GRID's blocks. Never more than a role has rings to split.
     """
 
-    channels: int = 32
+    channels: int = 40
     chunk_tokens: int = 4
-    ring_chunks: int = 4
+    ring_chunks: int = 3
+    warps: int = 0
 
     def check(self) -> None:
         for name in ("channels", "chunk_tokens", "ring_chunks"):
@@ -99,26 +108,76 @@ class Channels:
                     not 1 <= value <= 1 << 20:
                 raise ValueError(f"Channels.{name} must be an int in [1, 2^20] (1 is the "
                                  f"smallest that makes progress); got {value!r}.")
+        w = self.warps
+        if not isinstance(w, (int, np.integer)) or isinstance(w, bool) or \
+                not 0 <= w <= MAX_CHANNEL_WARPS:
+            raise ValueError(f"Channels.warps must be an int in [0, {MAX_CHANNEL_WARPS}] "
+                             f"(0: the platform's default); got {w!r}.")
 
     def slots(self) -> int:
         """Slots per ring."""
         return self.chunk_tokens * self.ring_chunks
 
 
+# A streaming launch on a GPU (cuda/channels.h, cuda/phases.cuh; tests/test_account.py checks
+# these against jax_ep._ext.kernel_parameters()): blocks of STREAM_BLOCK_WARPS warps,
+# STREAM_BLOCKS_PER_SM of them per SM; per channel, by default, DISPATCH_CHANNEL_WARPS
+# senders and as many receivers (and node-aware FORWARDERS) for the dispatch,
+# COMBINE_CHANNEL_SENDERS senders and one receiver for the combine.
+STREAM_BLOCK_WARPS, STREAM_BLOCKS_PER_SM = 8, 2
+DISPATCH_CHANNEL_WARPS, COMBINE_CHANNEL_SENDERS, FORWARDERS = 4, 8, 2
+MAX_CHANNEL_WARPS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamPlan:
+    """A streaming launch of one op on a GPU: `channels` of `warps` warps per role, `per_channel`
+    warps in all per channel."""
+
+    channels: int
+    warps: int
+    per_channel: int
+
+
+def stream_plan(op: str, rings: Channels, num_ranks: int, *, ranks_per_node: int = 0,
+                num_sms: int | None = None) -> StreamPlan:
+    """How `op` ("dispatch" or "combine") streams through `rings` on a GPU: the warps per role
+    (rings.warps, or the GPU's default, at most the rings a role splits: a dispatch source's
+    destinations, the ranks of its node and, node-aware with ranks_per_node < num_ranks, the
+    nodes; the combine's homes), and the channels, fewer where num_sms's blocks (each SM holds
+    STREAM_BLOCKS_PER_SM) cannot hold them all at once. Every rank plans the same; the CPU
+    devices' host peers stream through the same channels (with their grid's warps unless
+    rings.warps names them)."""
+    aware = 0 < ranks_per_node < num_ranks
+    if op == "dispatch":
+        nodes = -(-num_ranks // ranks_per_node) if aware else 0
+        rings_split = (ranks_per_node if aware else num_ranks) + nodes
+        warps = min(rings.warps or DISPATCH_CHANNEL_WARPS, max(rings_split, 1))
+        per_channel = 2 * warps + (FORWARDERS if aware else 0)
+    else:
+        warps = min(rings.warps or COMBINE_CHANNEL_SENDERS, max(num_ranks, 1))
+        per_channel = warps + 1
+    channels = rings.channels
+    if num_sms is not None:
+        most = num_sms * STREAM_BLOCKS_PER_SM * STREAM_BLOCK_WARPS // per_channel
+        channels = min(channels, max(most, 1))
+    return StreamPlan(channels, warps, per_channel)
+
+
 def channels_from_env(default: Channels | None = None) -> Channels | None:
     """`$JAX_EP_CHANNELS` when set, over `default` (the config's): "channels,chunk_tokens,
-    ring_chunks" (e.g. "32,4,4") streams dispatch and combine through rings of that shape,
-    "off" runs them in phases."""
+    ring_chunks[,warps]" (e.g. "40,4,3") streams dispatch and combine through rings of that
+    shape, "off" runs them in phases."""
     text = os.environ.get("JAX_EP_CHANNELS", "").strip()
     if not text:
         return default
     if text.lower() == "off":
         return None
     parts = text.split(",")
-    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+    if len(parts) not in (3, 4) or not all(p.strip().isdigit() for p in parts):
         raise ValueError(f"$JAX_EP_CHANNELS={text!r} is not \"channels,chunk_tokens,"
-                         f"ring_chunks\" (e.g. \"32,4,4\") or \"off\" (in phases); unset it "
-                         f"for the buffer's Channels.")
+                         f"ring_chunks[,warps]\" (e.g. \"40,4,3\") or \"off\" (in phases); "
+                         f"unset it for the buffer's Channels.")
     channels = Channels(*(int(p) for p in parts))
     channels.check()
     return channels
@@ -454,12 +513,12 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
 def _check_host_threads(op: str, rings: Channels) -> None:
     """On CPU devices the host peers run every warp of a streaming launch on a thread of its
     own (its warps wait for each other): refuses channels whose launch would need more than
-    the extension allows (a sender, a receiver and, node-aware, the relay's forwarders per
-    channel, on the default one-warp grid; a GPU-shaped $JAX_EP_CPU_GRID has more per channel,
-    and its launch refuses what passes this)."""
+    the extension allows (per channel the `warps` senders and receivers, one of each on the
+    default one-warp grid, and, node-aware, the relay's forwarders; a GPU-shaped
+    $JAX_EP_CPU_GRID has more per channel, and its launch refuses what passes this)."""
     from jax_ep import _ffi
 
-    warps = 2 + _ffi.EXT.kernel_parameters()["forwarders"]
+    warps = 2 * max(rings.warps, 1) + _ffi.EXT.kernel_parameters()["forwarders"]
     most = _ffi.EXT.host_max_units // warps
     if rings.channels > most:
         raise ValueError(

@@ -33,8 +33,8 @@ def _eight_devices():
 HOST_PEER_BYTES = 64 << 20  # per rank: more than any test's largest call ...
 HOST_PEER_LOW_LATENCY_BYTES = 16 << 20  # ... and low-latency call
 # The rings the tests' host peers stream through unless $JAX_EP_CHANNELS names others: 5
-# channels of 2 x 2 slots, which wrap in nearly every call, on a sixth of the threads of the
-# default Channels() (32 x 4 x 4: tests/test_host_peers.py runs that one too).
+# channels of 2 x 2 slots, which wrap in nearly every call, on an eighth of the threads of the
+# default Channels() (40 x 4 x 3: tests/test_host_peers.py runs that one too).
 TEST_CHANNELS = "5,2,2"
 
 

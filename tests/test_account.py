@@ -260,10 +260,11 @@ def test_between_devices_low_latency(R):
     assert_counts(counted, functools.reduce(operator.add, parts), ranks_running=R)
 
 
-def cpu_channel_senders() -> int:
-    """Sender warps per channel of a streaming launch on the CPU: the grid's warps."""
+def cpu_channel_warps(rings: runtime.Channels) -> int:
+    """Warps per role per channel of a streaming launch on the CPU: the rings' own, or the
+    grid's warps."""
     grid = os.environ.get("JAX_EP_CPU_GRID", "")
-    return int(grid.split(",")[1]) if grid else 1
+    return rings.warps or (int(grid.split(",")[1]) if grid else 1)
 
 
 @pytest.mark.parametrize("R", [3, 4])
@@ -292,7 +293,7 @@ def test_streamed_ops(streamed_peers, R):  # noqa: F811
     state = runtime.state()
     puts = over_puts()
     shared = dict(num_experts=E, row_bytes=2 * H, capacity=capacity, between=True, puts=puts,
-                  channels=state["channels"], channel_senders=cpu_channel_senders())
+                  channels=state["channels"], channel_warps=cpu_channel_warps(state["channels"]))
     want = [account.dispatch(idx, ranks_per_node=state["ranks_per_node"], **shared)]
     want.append(want[0] + account.combine(idx, **shared))
     for got, wanted in zip(counted, want, strict=True):
@@ -439,36 +440,57 @@ def test_low_latency_rows_fill_the_gpu_at_decode_sizes():
 def test_bytes_in_flight_follow_the_kernels_launch_parameters():
     """The account's bytes in flight rest on the kernels' own numbers (jax_ep._ext.
     kernel_parameters(): loads in flight per lane and their bytes, warps per block, the copy
-    kernels' blocks per SM, sender warps per channel on a GPU, forwarders, destinations per
-    read), so they cannot drift from the code."""
+    kernels' blocks per SM, a streaming launch's loads, blocks per SM and warps per channel on a
+    GPU, forwarders, destinations per read), so they cannot drift from the code."""
     p = _ffi.EXT.kernel_parameters()
     assert (p["words_in_flight"], p["word_bytes"]) == (account.WORDS_IN_FLIGHT,
                                                        account.WORD_BYTES)
     assert (p["phase_warps"], p["copy_blocks_per_sm"]) == (account.PHASE_WARPS,
                                                            account.COPY_BLOCKS_PER_SM)
-    assert (p["channel_warps"], p["forwarders"], p["fan_out"]) == (
-        account.CHANNEL_SENDERS, account.FORWARDERS, account.FAN_OUT)
+    assert (p["stream_words_in_flight"], p["sum_batch"]) == (account.STREAM_WORDS_IN_FLIGHT,
+                                                             account.SUM_BATCH)
+    assert (p["phase_warps"], p["stream_blocks_per_sm"]) == (runtime.STREAM_BLOCK_WARPS,
+                                                             runtime.STREAM_BLOCKS_PER_SM)
+    assert (p["dispatch_channel_warps"], p["combine_channel_senders"],
+            p["max_channel_warps"]) == (runtime.DISPATCH_CHANNEL_WARPS,
+                                        runtime.COMBINE_CHANNEL_SENDERS,
+                                        runtime.MAX_CHANNEL_WARPS)
+    assert (p["forwarders"], p["fan_out"]) == (runtime.FORWARDERS, account.FAN_OUT)
 
 
 def test_bytes_in_flight_bound_each_op_s_copy_rate():
     """Little's law per op: its least parallel row-moving launch's warps (at most what its SM
     budget holds at once) x 32 lanes x the loads in flight, over a load's latency (NVLink
-    between GPUs, HBM with virtual ranks). The streaming launch keeps 2 warps per channel
-    moving rows (a sender and a receiver); a phased send is capped by num_sms."""
+    between GPUs, HBM with virtual ranks). Every warp of a streaming launch moves rows, 8
+    loads per lane (the combine's receiver 4 rows' loads), in the channels its num_sms holds
+    (2 blocks of 8 warps per SM); a phased send is capped by num_sms (4 blocks per SM)."""
     rng = np.random.default_rng()
     R, T, K, E = 8, int(rng.integers(600, 900)), 8, 64
     idx = account.uniform_routing(rng, R, T, K, E)
     per_warp = account.LANES * account.WORDS_IN_FLIGHT * account.WORD_BYTES
+    per_stream_warp = account.LANES * account.STREAM_WORDS_IN_FLIGHT * account.WORD_BYTES
     channels = runtime.Channels()
     streamed = account.dispatch(idx, num_experts=E, row_bytes=1024, between=True,
                                 channels=channels)
     f = account.flight(streamed, between=True)
-    assert f.warps == channels.channels * 2 * account.CHANNEL_SENDERS
-    assert f.bytes == f.warps * per_warp and f.latency_s == account.NVLINK_LATENCY_S
-    assert f.bound_bps == pytest.approx(f.bytes / 2e-6)
+    # 4 senders and 4 receivers per channel; 40 channels fill the default 20 SMs' 2 blocks
+    assert f.warps == channels.channels * 2 * runtime.DISPATCH_CHANNEL_WARPS == 20 * 2 * 8
+    assert f.bytes == f.warps * per_stream_warp and f.latency_s == account.NVLINK_LATENCY_S
+    assert f.bound_bps == pytest.approx(f.bytes / 2e-6) and f.meets
+    # The combine: 8 senders (one per home) and a receiver summing 4 rows at once, in the
+    # 35 channels that 20 SMs hold.
+    f = account.flight(account.combine(idx, num_experts=E, row_bytes=1024, between=True,
+                                       channels=channels), between=True)
+    assert f.warps == 35 * 9
+    assert f.bytes == 35 * (8 * per_stream_warp + account.SUM_BATCH * 16 * 32) and f.meets
+    # A smaller budget streams through fewer channels.
+    f = account.flight(account.dispatch(idx, num_experts=E, row_bytes=1024, between=True,
+                                        channels=channels, num_sms=5), between=True)
+    assert f.warps == 5 * 2 * 8 and not f.meets
     phased = account.dispatch(idx, num_experts=E, row_bytes=1024, between=True)
     f = account.flight(phased, between=True, num_sms=5)
     assert f.warps == 5 * account.COPY_BLOCKS_PER_SM * account.PHASE_WARPS  # T warps, capped
+    assert f.bytes == f.warps * per_warp
     assert account.flight(phased, between=True, num_sms=200).warps == min(
         phased.row_warps, 200 * account.COPY_BLOCKS_PER_SM * account.PHASE_WARPS)
     virtual = account.flight(account.dispatch(idx, num_experts=E, row_bytes=1024),

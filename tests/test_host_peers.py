@@ -417,12 +417,14 @@ def test_peer_access_sizes_the_send_areas(monkeypatch):
 # runs in phases beside them.
 
 
-@pytest.fixture(params=[("store", "2,1,2", 0), ("put", "3,2,2", 0), ("put", "1,3,1", 0),
-                        ("put", "2,1,2", 3), ("put", "1,2,2", 2)],
+@pytest.fixture(params=[("store", "2,1,2", 0), ("put", "3,2,2", 0), ("put", "1,3,1,3", 0),
+                        ("put", "2,1,2", 3), ("put", "1,2,2,4", 2)],
                 ids=lambda p: f"{p[0]}s, rings {p[1]}" + (f", nodes of {p[2]}" if p[2] else ""))
 def streamed_peers(request, monkeypatch):
     """Host peers whose dispatch streams through tiny rings, over stores or puts, in one node
-    or through relays in nodes of 2 or 3."""
+    or through relays in nodes of 2 or 3; with the grid's warps per role and channel, or 3 or
+    4 of them (Channels.warps: senders that split a token's destinations unevenly, receivers
+    that split the rings, combine senders that split the homes)."""
     access, rings, nodes = request.param
     with host_peers_with(monkeypatch, JAX_EP_PEER_ACCESS=access, JAX_EP_CHANNELS=rings,
                          **({"JAX_EP_RANKS_PER_NODE": str(nodes)} if nodes else {})) as state:
@@ -515,7 +517,7 @@ def test_streamed_ops_send_one_message_per_chunk(monkeypatch):
 
 @pytest.mark.parametrize("access", ["store", "put"])
 def test_the_default_channels_match_portable_backend(monkeypatch, access):
-    """The default Channels() (32 x 4 x 4; the suite's host peers stream through smaller
+    """The default Channels() (40 x 4 x 3; the suite's host peers stream through smaller
     rings, conftest.TEST_CHANNELS): dispatch, FP8 dispatch and combine at R 8, bit for bit."""
     R, T, K, E, H = 8, 37, 4, 16, 128  # more tokens than channels: some hold 2
     rng = np.random.default_rng()
@@ -534,7 +536,7 @@ def test_the_default_channels_match_portable_backend(monkeypatch, access):
 
         return per_shard
 
-    with host_peers_with(monkeypatch, JAX_EP_PEER_ACCESS=access, JAX_EP_CHANNELS="32,4,4"):
+    with host_peers_with(monkeypatch, JAX_EP_PEER_ACCESS=access, JAX_EP_CHANNELS="40,4,3"):
         assert runtime.channels() == runtime.Channels()
         got, want = both_backends(program, R, x, *pair, idx, w)
     assert_trees_bitwise(got, want)
@@ -542,9 +544,11 @@ def test_the_default_channels_match_portable_backend(monkeypatch, access):
 
 def test_the_sm_budget_bounds_the_channels(monkeypatch):
     """A streaming launch's blocks (8 warps: per channel a sender and a receiver) are resident
-    at once, each on an SM of its own: an op whose num_sms holds fewer blocks than the rings'
-    channels streams through fewer (num_sms x 8 / 2, at least 1), with the same results;
-    expert-major calls (in phases) and num_sms=None are not bounded."""
+    at once, 2 to an SM: an op whose num_sms holds fewer warps than the rings' channels need
+    streams through fewer (num_sms x 16 / the warps of a channel, at least 1), with the same
+    results; expert-major calls (in phases) and num_sms=None are not bounded. At R 2 a
+    channel's dispatch has 2 senders and 2 receivers (one per destination), its combine 2
+    senders and a receiver; with Channels.warps 1, 2 and 2."""
     R, T, K, E, H = 2, 8, 2, 4, 128
     rng = np.random.default_rng()
     idx, w = routing(rng, R, T, K, E, "uniform")
@@ -564,12 +568,15 @@ def test_the_sm_budget_bounds_the_channels(monkeypatch):
         return re.findall(r"channels = (\d+)", text)
 
     with host_peers_with(monkeypatch, JAX_EP_CHANNELS="9,2,2"):
-        assert channels(1) == ["4", "4"]  # dispatch and combine: 1 SM holds 4 channels of 2
+        assert channels(1) == ["4", "5"]  # 1 SM holds 16 warps: 4 channels of 4, 5 of 3
         assert channels(None) == ["9", "9"]
         want = to_numpy(sharded(program(None), R)(x, idx, w))
         for num_sms in (1, 2, 3):
             assert_trees_bitwise(to_numpy(sharded(program(num_sms), R)(x, idx, w)), want)
         jax.block_until_ready(sharded(program(1, expert_major=True), R)(x, idx, w))
+    with host_peers_with(monkeypatch, JAX_EP_CHANNELS="20,2,2,1"):
+        assert channels(1) == ["8", "8"]  # 1 SM's 16 warps: 8 channels of 2
+        assert_trees_bitwise(to_numpy(sharded(program(1), R)(x, idx, w)), want)
 
 
 def test_channels_keep_the_normal_region_flat_in_the_tokens(monkeypatch):
@@ -619,10 +626,13 @@ def test_channels_keep_the_normal_region_flat_in_the_tokens(monkeypatch):
         monkeypatch.delenv("JAX_EP_CHANNELS")
     with pytest.raises(ValueError, match=r"Channels.chunk_tokens must be an int in \[1, 2\^20\]"):
         jax_ep.BufferConfig(channels=runtime.Channels(2, 0, 2)).check()
+    with pytest.raises(ValueError, match=r"Channels.warps must be an int in \[0, 64\]"):
+        jax_ep.BufferConfig(channels=runtime.Channels(2, 2, 2, 65)).check()
     monkeypatch.setenv("JAX_EP_CHANNELS", "8,16")
     with pytest.raises(ValueError, match=r"\$JAX_EP_CHANNELS='8,16' is not .* or \"off\""):
         runtime.channels_from_env()
-    for text, want in (("off", None), ("OFF", None), ("3,2,1", runtime.Channels(3, 2, 1))):
+    for text, want in (("off", None), ("OFF", None), ("3,2,1", runtime.Channels(3, 2, 1)),
+                       ("3,2,1,5", runtime.Channels(3, 2, 1, 5))):
         monkeypatch.setenv("JAX_EP_CHANNELS", text)
         assert runtime.channels_from_env(runtime.Channels()) == want
 

@@ -46,8 +46,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jax_ep import quant
-from jax_ep.dispatch import default_capacity
+from jax_ep import quant, runtime
+from jax_ep.dispatch import DEFAULT_NUM_SMS, default_capacity
 from jax_ep.fp8 import BLOCK
 
 SCALE_BYTES = 4  # one float32 scale per BLOCK channels
@@ -69,6 +69,9 @@ class Account:
     # Over puts: the puts and value puts of every rank (each a work request on a NIC); None
     # where the peers are reached with stores (or all ranks are in one call).
     messages: int | None = None
+    # The bytes the row-moving launch's loads keep in flight where its warps keep other than
+    # WORDS_IN_FLIGHT per lane (a streaming launch); None: row_warps x a phase warp's.
+    flight_bytes: int | None = None
 
     @property
     def bytes(self) -> int:
@@ -87,6 +90,7 @@ class Account:
         def least(a, b):
             return min(a, b) if a is not None and b is not None else (a if b is None else b)
 
+        row_warps = least(self.row_warps, other.row_warps)
         return Account(
             f"{self.op}+{other.op}",
             self.launches + other.launches,
@@ -95,9 +99,10 @@ class Account:
             self.written + other.written,
             self.minimum + other.minimum,
             least(self.warps, other.warps),
-            least(self.row_warps, other.row_warps),
+            row_warps,
             None if self.messages is None or other.messages is None
             else self.messages + other.messages,
+            (self if row_warps == self.row_warps else other).flight_bytes,
         )
 
 
@@ -148,10 +153,21 @@ def messages(topk_idx: np.ndarray, num_experts: int) -> np.ndarray:
 
 # Destinations a source row is written to per read of it (cuda/primitives.h, kFanOut).
 FAN_OUT = 8
-# Sender warps per channel of a streaming launch on a GPU (cuda/channels.h, kGpuChannelWarps;
-# on the CPU the grid's warps), and as many receivers (dispatch; the combine has one).
-CHANNEL_SENDERS = 1
-FORWARDERS = 2  # node-aware forwarder warps per channel (cuda/dispatch_stream.h)
+FORWARDERS = runtime.FORWARDERS  # node-aware forwarder warps per channel
+
+
+def _stream_plan(op: str, channels, num_ranks: int, ranks_per_node: int,
+                 warps: int | None, num_sms: int | None) -> runtime.StreamPlan:
+    """The streaming launch of `op`: runtime.stream_plan's channels (a GPU's, which the CPU's
+    host peers stream through too), with `warps` per role where they run other than a GPU's
+    (the CPU grid's; at most what a role splits)."""
+    plan = runtime.stream_plan(op, channels, num_ranks, ranks_per_node=ranks_per_node,
+                               num_sms=num_sms)
+    if warps is None:
+        return plan
+    ran = runtime.stream_plan(op, dataclasses.replace(channels, warps=warps), num_ranks,
+                              ranks_per_node=ranks_per_node)
+    return dataclasses.replace(ran, channels=plan.channels)
 
 
 def _fan_out_reads(destinations: np.ndarray) -> int:
@@ -230,7 +246,8 @@ def count_chunks(num_tokens: int, top_k: int) -> int:
 def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_bytes: int = 0,
              capacity: int | None = None, expert_major: bool = False, between: bool = False,
              zero_padding: bool = False, puts: bool = False, ranks_per_node: int = 0,
-             channels=None, channel_senders: int = CHANNEL_SENDERS) -> Account:
+             channels=None, channel_warps: int | None = None,
+            num_sms: int | None = DEFAULT_NUM_SMS) -> Account:
     """Normal dispatch of every rank's rows.
 
     Args:
@@ -246,8 +263,9 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
       ranks_per_node: with puts, node-aware in nodes of this many ranks (0: one node).
       channels: a runtime.Channels: between devices, rank-major, streamed through rings
         (`_streamed_dispatch`); None: in phases.
-      channel_senders: sender warps per channel of a streaming launch (1 on a GPU; on the
-        CPU the grid's warps).
+      channel_warps: streamed, the warps per role per channel as they run (on the CPU the
+        grid's); None: a GPU's (runtime.stream_plan).
+      num_sms: streamed, the op's SM budget, which bounds its channels (runtime.stream_plan).
     """
     _check_puts(puts, between)
     R, T, K = np.shape(topk_idx)
@@ -280,9 +298,11 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
     # count puts each rank's row of R + E totals to every other rank, counted with the rows.
     totals = R * (R - 1) * (R + E) * 4 if puts else 0
     if channels is not None and not expert_major:
-        return _streamed_dispatch(kept, topk_idx, E, row_bytes, scale_bytes, channels,
-                                  channel_senders, puts, ranks_per_node if puts else 0, padding,
-                                  minimum + 2 * landing, totals, chunks, finish)
+        nodes = ranks_per_node if puts else 0
+        plan = _stream_plan("dispatch", channels, R, nodes, channel_warps, num_sms)
+        return _streamed_dispatch(kept, topk_idx, E, row_bytes, scale_bytes, plan, channels,
+                                  puts, nodes, padding, minimum + 2 * landing, totals, chunks,
+                                  finish)
     if puts and 0 < ranks_per_node < R:
         # The count, the send, the relay (every token of every rank) and the finish meet the
         # peers; the stage does not (it runs with items only).
@@ -311,7 +331,8 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
 def dispatch_rows(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
                   capacity: int | None = None, expert_major: bool = False,
                   between: bool = False, puts: bool = False, ranks_per_node: int = 0,
-                  channels=None, channel_senders: int = CHANNEL_SENDERS) -> Account:
+                  channels=None, channel_warps: int | None = None,
+                  num_sms: int | None = DEFAULT_NUM_SMS) -> Account:
     """Rows along a dispatch's routing (`jax_ep.dispatch(x2, handle=h)`, combine's backward;
     cuda/dispatch_rows.h): every result slot (row, or entry expert-major) of each receiver
     pulls its source row or is zeroed, with no count. With virtual ranks one launch reads the
@@ -324,7 +345,7 @@ def dispatch_rows(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
         again = dispatch(topk_idx, num_experts=num_experts, row_bytes=row_bytes,
                          capacity=capacity, expert_major=expert_major, between=between,
                          zero_padding=True, puts=True, ranks_per_node=ranks_per_node,
-                         channels=channels, channel_senders=channel_senders)
+                         channels=channels, channel_warps=channel_warps, num_sms=num_sms)
         return dataclasses.replace(again, op="dispatch_rows")
     R, T, K = np.shape(topk_idx)
     if capacity is None:
@@ -444,8 +465,8 @@ def _stream_messages(slots: np.ndarray, chunk: int, heads_at_close: bool) -> int
     return int((slots // chunk + 1).sum() + heads.sum())
 
 
-def _streamed_dispatch(kept, topk_idx, num_experts, row_bytes, scale_bytes, channels,
-                       senders, puts, ranks_per_node, padding, minimum, totals, chunks,
+def _streamed_dispatch(kept, topk_idx, num_experts, row_bytes, scale_bytes, plan, channels,
+                       puts, ranks_per_node, padding, minimum, totals, chunks,
                        finish) -> Account:
     """Rank-major dispatch between devices streamed through rings (cuda/dispatch_stream.h):
     the count, the streaming launch and the finish. A sender warp writes a token into each of
@@ -455,15 +476,15 @@ def _streamed_dispatch(kept, topk_idx, num_experts, row_bytes, scale_bytes, chan
     reads and writes it whole). Node-aware, the ranks of a node are reached with stores, each
     other node through the relay ring to the token's relay there (a slot with its targets),
     whose forwarder copies it into the node ring of each target, reading it once per
-    FAN_OUT."""
+    FAN_OUT. Every warp of the launch moves rows, STREAM_WORDS_IN_FLIGHT loads per lane."""
     R, T, K = np.shape(topk_idx)
     row = row_bytes + scale_bytes
     S = scale_bytes // 4
     slot = _round16(_round16(row_bytes) + 4 * (S + 2 + 2 * K))  # the row padded to 16
     delivered = int(kept.sum())
     aware = 0 < ranks_per_node < R
-    forwarders = FORWARDERS if aware else 0
-    units = channels.channels * (2 * senders + forwarders)
+    senders, C = plan.warps, plan.channels
+    units = C * plan.per_channel
     # The slots of each token in the rings of its sender's destinations i (the ranks of its
     # node, then, node-aware, the other nodes); sender warp i % senders writes ring i.
     if aware:
@@ -495,52 +516,56 @@ def _streamed_dispatch(kept, topk_idx, num_experts, row_bytes, scale_bytes, chan
         # Each relay slot's put; the forwarder's copies into its targets' node rings.
         read += relayed * relay_slot + _fan_out_reads(other[crosses]) * row
         written += relayed * relay_slot + int(other.sum()) * row
-        streams = _ring_streams(crosses, channels.channels)  # [C, R, nodes]
+        streams = _ring_streams(crosses, C)  # [C, R, nodes]
         streams[:, np.arange(R), node] = -1  # no ring to its own node
         messages = R * (R - 1) + _stream_messages(streams[streams >= 0],
                                                   channels.chunk_tokens, False)
     elif puts:
         read, written = read + delivered * slot, written + delivered * slot
-        messages = R * (R - 1) + _stream_messages(_ring_streams(kept, channels.channels),
+        messages = R * (R - 1) + _stream_messages(_ring_streams(kept, C),
                                                   channels.chunk_tokens, False)
     read += totals
     written += padding * row + totals
     # Waits: the count's for the peers' last op and for their counts.
+    # The least parallel launch moving rows: the streaming one, or a zeroing finish.
+    moving = _smallest(1, units, finish if padding else 0)
     return Account("dispatch", 3, 2, read, written, minimum,
-                   _smallest(1, chunks, units, finish, always=3),
-                   _smallest(1, units, finish if padding else 0), messages)
+                   _smallest(1, chunks, units, finish, always=3), moving, messages,
+                   units * STREAM_WARP_FLIGHT if moving == units else None)
 
 
-def _streamed_combine(held, row_bytes, channels, senders, puts, out, minimum,
+def _streamed_combine(held, row_bytes, plan, channels, puts, out, minimum,
                       carried) -> Account:
     """Rank-major combine between devices streamed through rings (cuda/combine_stream.h): a
     launch that zeroes the ring counters, then the streaming launch. A sender copies each row it
-    holds into its home's ring (over puts its send ring, which a put then moves whole); the
-    home's receiver reads each once in its sum and writes every output row."""
+    holds into its home's ring (over puts its send ring, which a put then moves whole), with
+    STREAM_WORDS_IN_FLIGHT loads per lane; the home's receiver reads each once in its sum
+    (SUM_BATCH rows' loads in flight per lane) and writes every output row."""
     R = held.shape[0]
     rows = int(held.sum())
     slot = _round16(row_bytes) + 16  # the row padded to 16, its weight and token
     moved = rows * row_bytes + (rows * slot if puts else 0)
     read, written = moved + carried, moved + out
-    units = channels.channels * (senders + 1)
+    C = plan.channels
+    units = C * plan.per_channel
     messages = None
     if puts:
-        messages = _stream_messages(_ring_streams(held, channels.channels),
-                                    channels.chunk_tokens, True)
+        messages = _stream_messages(_ring_streams(held, C), channels.chunk_tokens, True)
+    flight = C * (plan.warps * STREAM_WARP_FLIGHT + SUM_BATCH * WORD_BYTES * LANES)
     return Account("combine", 2, 2, read, written, minimum,
-                   _smallest(1, 2 * channels.channels * R, units, always=2),
-                   _smallest(1, units), messages)
+                   _smallest(1, 2 * C * R, units, always=2), units, messages, flight)
 
 
 def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
             capacity: int | None = None, expert_major: bool = False,
             between: bool = False, puts: bool = False, weighted: bool = False,
-            channels=None, channel_senders: int = CHANNEL_SENDERS) -> Account:
+            channels=None, channel_warps: int | None = None,
+            num_sms: int | None = DEFAULT_NUM_SMS) -> Account:
     """Normal combine of the rows a dispatch with this routing delivered.
 
     Args:
-      topk_idx, num_experts, capacity, expert_major, between, puts, channels, channel_senders:
-        as for `dispatch` (streamed: `_streamed_combine`).
+      topk_idx, num_experts, capacity, expert_major, between, puts, channels, channel_warps,
+      num_sms: as for `dispatch` (streamed: `_streamed_combine`).
       row_bytes: bytes of one row of y (H x the element size).
       weighted: combine with `topk_weights` (over puts, rank-major rows send theirs).
     """
@@ -566,8 +591,9 @@ def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
     read, written = carried + rows, rows + out
     minimum = carried + out + 2 * rows
     if channels is not None and not expert_major:
-        return _streamed_combine(kept_rows(topk_idx, E, capacity), row_bytes,
-                                 channels, channel_senders, puts, out, minimum, carried)
+        plan = _stream_plan("combine", channels, R, 0, channel_warps, num_sms)
+        return _streamed_combine(kept_rows(topk_idx, E, capacity), row_bytes, plan, channels,
+                                 puts, out, minimum, carried)
     warps = _smallest(1, R * T, T, always=2)
     if puts:
         # Each receiver puts every staged row into its home's buffer, where the sums read
@@ -698,6 +724,11 @@ WARPS_TARGET = 4 * H100_SMS
 # these against the kernels' (jax_ep._ext.kernel_parameters()).
 WORDS_IN_FLIGHT, WORD_BYTES, LANES = 4, 16, 32
 PHASE_WARPS, COPY_BLOCKS_PER_SM = 8, 4
+# A streaming launch's copies keep STREAM_WORDS_IN_FLIGHT loads per lane (its warps are
+# planned to fit the op's num_sms, runtime.stream_plan); the combine's ordered sums, SUM_BATCH
+# rows' (cuda/sums.h, kSumBatch).
+STREAM_WORDS_IN_FLIGHT, SUM_BATCH = 8, 4
+STREAM_WARP_FLIGHT = STREAM_WORDS_IN_FLIGHT * WORD_BYTES * LANES
 # A load's latency and the rate a copy must reach: from HBM on the GPU itself (virtual ranks),
 # from a peer over NVLink (between GPUs), on an H100; a launch's bound should exceed the rate
 # by FLIGHT_TARGET, so that bytes in flight never limit it.
@@ -731,15 +762,16 @@ def flight(a: Account, between: bool, num_sms: int | None = None) -> Flight | No
     at most what num_sms SMs hold at once) and the link its rows cross: between GPUs NVLink
     (the sends write peers; the conservative one for the local copies too), else HBM.
     num_sms: the op's SM budget; None, its default (jax_ep.DEFAULT_NUM_SMS for the normal ops
-    between GPUs, every SM for the low-latency ops and virtual ranks)."""
+    between GPUs, every SM for the low-latency ops and virtual ranks). A streaming launch
+    (flight_bytes) was planned for the budget its account was made with."""
     if a.row_warps is None:
         return None
+    latency, link = (NVLINK_LATENCY_S, NVLINK_BPS) if between else (HBM_LATENCY_S, H100_COPY_BPS)
+    if a.flight_bytes is not None:
+        return Flight(a.row_warps, a.flight_bytes, latency, link)
     if num_sms is None:
-        from jax_ep.dispatch import DEFAULT_NUM_SMS
-
         num_sms = DEFAULT_NUM_SMS if between and not a.op.startswith("ll_") else H100_SMS
     warps = min(a.row_warps, num_sms * COPY_BLOCKS_PER_SM * PHASE_WARPS)
-    latency, link = (NVLINK_LATENCY_S, NVLINK_BPS) if between else (HBM_LATENCY_S, H100_COPY_BPS)
     return Flight(warps, warps * LANES * WORDS_IN_FLIGHT * WORD_BYTES, latency, link)
 
 
@@ -764,9 +796,11 @@ EXPECTED = {
     "puts": "launches and bytes: over puts each send first copies what it sends into the "
     "symmetric buffer, where a put's source must lie (one launch and one copy more), and the "
     "normal combine's receivers return their rows into the homes' buffers",
-    "streamed": "warps and bytes: a streaming launch runs a sender and a receiver warp per "
-    "channel (64 warps in 8 blocks with the default 32 channels; node-aware two forwarders "
-    "more), each streaming many rows; over puts each slot is written into the send ring and "
+    "streamed": "warps and bytes: a streaming launch fits the op's SM budget (the default "
+    "20 SMs hold 320 warps: the dispatch's 40 channels of 4 senders and 4 receivers, the "
+    "combine's 35 of 8 senders and a receiver), each warp streaming many rows with 8 loads in "
+    "flight per lane; the dispatch's senders split a token's destinations, so a source row is "
+    "read up to 4 times (local reads); over puts each slot is written into the send ring and "
     "put from there whole: a put reads only symmetric memory, and one put per chunk and "
     "destination needs the chunk's rows side by side there, so any design with one message "
     "per chunk moves these two row copies more per delivered row (against that floor, 1.00 x "

@@ -62,6 +62,8 @@ struct Shape {
   // an odd H a row's size is not a multiple of 4, so what a slot holds after it must be
   // padded to stay aligned; the alignment sanitizer checks every access).
   int elem = 4;
+  // Streamed, warps per role per channel (Rings::warps); 0: the grid's.
+  int warps = 0;
   int64_t row_bytes() const { return int64_t{H} * elem; }
   // The low-latency ops run where H is a multiple of their 128-channel blocks.
   bool low_latency() const { return H % kFp8Block == 0; }
@@ -171,6 +173,7 @@ struct DispatchData {
     g.channels = s.channels;
     g.chunk_tokens = s.chunk_tokens;
     g.ring_chunks = s.ring_chunks;
+    g.warps = s.warps;
     return g;
   }
 };
@@ -411,6 +414,7 @@ std::string round_name(const Shape& s, uint32_t seed, const char* how) {
          (s.channels ? ", rings " + std::to_string(s.channels) + "x" +
                            std::to_string(s.chunk_tokens) + "x" + std::to_string(s.ring_chunks)
                      : "") +
+         (s.warps ? ", " + std::to_string(s.warps) + " warps per channel" : "") +
          how + ", seed " + std::to_string(seed) + ")";
 }
 
@@ -827,6 +831,10 @@ int main() {
       {12, 9, 10, 12, 128, 108, false, true, 0, 2, 1, 2},
       // bfloat16 rows of 26 bytes (H 13): each ring slot pads its row to 32 bytes.
       {R, 13, 3, 8, 13, 30, false, false, 0, 2, 1, 2, 2},
+      // Warps per channel named (Channels.warps): 3 dispatch senders split 4 destinations and
+      // 3 receivers 4 rings unevenly, 3 combine senders 4 homes; at 12 ranks 5 of each.
+      {R, 13, 3, 8, 256, 52, false, true, 0, 2, 2, 2, 4, 3},
+      {12, 9, 10, 12, 128, 108, false, false, 0, 2, 1, 2, 4, 5},
   };
   for (const bool puts : {false, true}) {
     puts_only = puts;
