@@ -150,3 +150,45 @@ def test_the_report_of_a_run_stopped_mid_step(tmp_path):
     record = json.loads(md.with_suffix(".json").read_text())
     assert [s["step"] for s in record["steps"]] == ["env", "kernels"]
     assert record["kernels"] is None
+
+
+def test_the_report_shows_the_sweep_and_the_skipped_steps(tmp_path):
+    """The sweep's fastest streamed settings per op with the phased time and their ratio,
+    the points that ran wrong, and a step that passed without doing its work (no MPS)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "steps.tsv").write_text("mps\t0\t2\ntune\t1\t170\n")
+    (out / "mps.log").write_text("mps: skipped: no MPS (nvidia-cuda-mps-control is not on "
+                                 "PATH)\n")
+
+    def point(op, mode, median, status="ok", error=""):
+        rings = (40, 4, 3, 0) if mode == "streamed" else (None,) * 4
+        return {"op": op, "mode": mode, "num_sms": 20, "status": status, "error": error,
+                **dict(zip(("channels", "chunk_tokens", "ring_chunks", "warps"), rings,
+                           strict=True)), "median_s": median}
+
+    best = {"channels": 40, "chunk_tokens": 4, "ring_chunks": 3, "warps": 0, "num_sms": 20,
+            "median_s": 0.5e-3, "gbps": 420.0, "plan": {"channels": 40, "warps": 4},
+            "phased_s": 1e-3, "streamed_over_phased": 0.5}
+    (out / "tune.json").write_text(json.dumps({
+        "meaningful": True, "calls": 8, "device": "NVIDIA H200",
+        "shape": {"tokens": 4096, "hidden": 7168, "top_k": 8, "experts": 256,
+                  "dtype": "bfloat16"},
+        "sets": [{"ranks": 4, "how": "4 processes on one GPU under MPS", "best":
+                  {"dispatch": best},
+                  "points": [point("dispatch", "phased", 1e-3),
+                             point("dispatch", "streamed", 0.5e-3),
+                             point("dispatch", "streamed", 0.1e-3, "wrong", "rank 1 [0].x"),
+                             point("combine", "streamed", None, "skipped: over the time "
+                                   "budget")]}]}))
+    reports = write_report(out, tmp_path / "reports")
+    (md,) = reports.glob("*.md")
+    text = md.read_text()
+    assert "- `mps`: mps: skipped: no MPS (nvidia-cuda-mps-control is not on PATH)" in text
+    assert "| 4 | dispatch | 40,4,3,0 | 20 | 40 x 4 | 500.0 | 420.0 | 1000.0 | 0.50 |" in text
+    assert "2 of 4 points ran and match the first bit for bit, 1 skipped" in text
+    assert "dispatch streamed 40,4,3,0 num_sms 20: wrong rank 1 [0].x" in text
+    record = json.loads(md.with_suffix(".json").read_text())
+    assert record["tune"]["sets"][0]["best"]["dispatch"]["streamed_over_phased"] == 0.5
+    assert [s["skipped"] for s in record["steps"]] == [
+        "mps: skipped: no MPS (nvidia-cuda-mps-control is not on PATH)", None]

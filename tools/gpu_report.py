@@ -41,9 +41,17 @@ def steps(out_dir: str) -> list[dict]:
         if len(fields) != 3 or not all(f.lstrip("-").isdigit() for f in fields[1:]):
             continue
         name, rc, seconds = fields
+        log = read(os.path.join(out_dir, f"{name}.log"))
         rows.append({"step": name, "exit": int(rc), "seconds": int(seconds),
-                     "tail": read(os.path.join(out_dir, f"{name}.log")).splitlines()[-15:]})
+                     "tail": log.splitlines()[-15:], "skipped": skipped(log)})
     return rows
+
+
+def skipped(log: str) -> str | None:
+    """The line where a step says it skipped its work and why (no MPS, too few GPUs), which
+    its exit status 0 does not tell."""
+    found = re.search(r"^.*\bskipped: .*$", log, re.M)
+    return found.group(0).strip() if found else None
 
 
 SANITIZERS = ("memcheck", "synccheck", "initcheck", "racecheck")
@@ -89,12 +97,66 @@ def bench(path: str) -> dict | None:
             "copy_bandwidth_Bps": record["copy_bandwidth_Bps"], "rows": rows}
 
 
+def tune(path: str) -> dict | None:
+    """The sweep's summary (tools/gpu_tune.py): per set of processes the fastest streamed
+    settings per op against the phased ops, and what did not run right."""
+    record = load(path)
+    if record is None or "skipped" in record:
+        return record
+    def describe(p: dict) -> str:
+        return (f"{p['op']} {p['mode']} {p['channels']},{p['chunk_tokens']},{p['ring_chunks']},"
+                f"{p['warps']} num_sms {p['num_sms']}: {p['status']} {p['error'][:200]}").strip()
+
+    sets = []
+    for run in record.get("sets", []):
+        points = run["points"]
+        skipped = [p for p in points if p["status"].startswith("skipped")]
+        bad = [p for p in points if p["status"] != "ok" and p not in skipped]
+        sets.append({"ranks": run["ranks"], "how": run["how"], "best": run["best"],
+                     "points": len(points), "ok": len(points) - len(skipped) - len(bad),
+                     "skipped": len(skipped), "bad": [describe(p) for p in bad]})
+    return {"device": record.get("device"), "meaningful": record["meaningful"],
+            "shape": record["shape"], "calls": record["calls"], "sets": sets}
+
+
+def tune_lines(t: dict) -> list[str]:
+    if "skipped" in t:
+        return ["", f"Sweep of the streamed ops (`tools/gpu_tune.py`): skipped: {t['skipped']}"]
+    shape = t["shape"]
+    out = ["", f"Sweep of the streamed ops (`tools/gpu_tune.py`, T {shape['tokens']}, H "
+               f"{shape['hidden']}, top-{shape['top_k']} of {shape['experts']}, "
+               f"{shape['dtype']}; median per call of {t['calls']} calls in one program): the "
+               "fastest streamed settings per op against the fastest phased"
+               + ("" if t["meaningful"] else " (times not meaningful here)") + ":", "",
+           "| ranks | op | channels,chunk_tokens,ring_chunks,warps | num_sms | streams | us | "
+           "GB/s | phased us | streamed/phased |", "|---|---|---|---|---|---|---|---|---|"]
+    for run in t["sets"]:
+        for op, b in run["best"].items():
+            plan = b.get("plan") or {}
+            phased = f"{b['phased_s'] * 1e6:.1f}" if b["phased_s"] else "-"
+            ratio = f"{b['streamed_over_phased']:.2f}" if b["streamed_over_phased"] else "-"
+            out.append(f"| {run['ranks']} | {op} | {b['channels']},{b['chunk_tokens']},"
+                       f"{b['ring_chunks']},{b['warps']} | {b['num_sms']} | "
+                       f"{plan.get('channels', '?')} x {plan.get('warps', '?')} | "
+                       f"{b['median_s'] * 1e6:.1f} | {b['gbps']:.1f} | {phased} | {ratio} |")
+    out.append("")
+    for run in t["sets"]:
+        out.append(f"- {run['ranks']} ranks ({run['how']}): {run['ok']} of {run['points']} "
+                   f"points ran and match the first bit for bit, {run['skipped']} skipped")
+        out += [f"  - {bad}" for bad in run["bad"]]
+    return out
+
+
 def markdown(report: dict) -> str:
     out = [f"# GPU check, {report['date']}", "",
            f"- device: {report['device']}", f"- commit: {report['commit']}",
            f"- environment: {' / '.join(report['environment'])}", "",
            "| step | exit | seconds |", "|---|---|---|"]
     out += [f"| {s['step']} | {s['exit']} | {s['seconds']} |" for s in report["steps"]]
+    skips = [s for s in report["steps"] if s.get("skipped")]
+    if skips:
+        out += ["", "Passed without doing their work (exit 0, and said why):", ""]
+        out += [f"- `{s['step']}`: {s['skipped']}" for s in skips]
     kernels = report.get("kernels")
     if kernels is not None:
         failed = [k for k in kernels if k["status"] != "ok"]
@@ -147,6 +209,8 @@ def markdown(report: dict) -> str:
                     f"{graph['steps']} steps): {graph['us_per_step_off']:.1f} us per step "
                     f"with command buffers off, {graph['us_per_step_on']:.1f} us on "
                     f"({graph['speedup']:.2f}x; bench row `ll_roundtrip_graph`)"]
+    if report.get("tune"):
+        out += tune_lines(report["tune"])
     failed = [s for s in report["steps"] if s["exit"] != 0]
     for s in failed:
         out += ["", f"Step `{s['step']}` failed; the end of its log:", "", "```", *s["tail"], "```"]
@@ -172,6 +236,7 @@ def main(out_dir: str, report_dir: str) -> int:
         "bench_ep1": bench(os.path.join(out_dir, "bench_ep1.json")),
         "bench_virtual": bench(os.path.join(out_dir, "bench_virtual.json")),
         "graph": load(os.path.join(out_dir, "graph.json")),
+        "tune": tune(os.path.join(out_dir, "tune.json")),
     }
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
     base = os.path.join(report_dir, f"{date}-{slug}-{commit}")
