@@ -102,16 +102,19 @@ JAX_EP_HOST_DEVICE void store_release(uint64_t* p, uint64_t v) {
 #endif
 }
 
-// Sets the counter at `slot` (an address in this rank's buffer) in `rank`'s buffer: a store
-// with release through a store view, a signal after this rank's earlier puts to `rank` with a
-// put view (Peers::signal).
+// Moves the counter at `slot` (an address in this rank's buffer) in `rank`'s buffer from
+// `from` to `to` (its only writer is this rank): through a store view a store of `to` with
+// release; through a put view a signal that adds the difference (Peers::signal_add), none
+// when there is none. Added deltas commute, so the signals need no order among themselves
+// (no fence: with several queue pairs per PE a fence waits for all of them); `after_puts`
+// orders the signal after this rank's earlier puts to `rank` too (a fence).
 template <typename Peers>
-JAX_EP_HOST_DEVICE void set_counter(const Peers& peers, uint64_t* slot, int rank,
-                                    uint64_t value) {
+JAX_EP_HOST_DEVICE void move_counter(const Peers& peers, uint64_t* slot, int rank,
+                                     uint64_t from, uint64_t to, bool after_puts) {
   if constexpr (Peers::kPuts) {
-    peers.signal(slot, rank, value);
+    if (to != from) peers.signal_add(slot, rank, to - from, after_puts);
   } else {
-    store_release(peers.at(slot, 0, rank), value);
+    store_release(peers.at(slot, 0, rank), to);
   }
 }
 
@@ -172,9 +175,9 @@ struct Rings {
     return area + (ring(c, link) * ring_slots() + n % ring_slots()) * slot_bytes;
   }
   // Per send ring (c, l): slots sent and published, where the sender's scan is (a token, the
-  // combine's), and the head last read; per receive ring (c, l): slots consumed, and the tail
-  // last read.
-  enum RingState { kSent, kPublished, kCursor, kHead, kConsumed, kSeen, kStateWords };
+  // combine's), and the head last read; per receive ring (c, l): slots consumed, the tail
+  // last read, and the head last returned to the sender.
+  enum RingState { kSent, kPublished, kCursor, kHead, kConsumed, kSeen, kReleased, kStateWords };
   JAX_EP_HOST_DEVICE int64_t& at(int c, int link, RingState word) const {
     return state[kStateWords * ring(c, link) + word];
   }
@@ -260,26 +263,28 @@ JAX_EP_HOST_DEVICE void ring_publish(const Rings& g, const Peers& peers, int c, 
   const uint64_t value = static_cast<uint64_t>(upto) | (closed ? kRingClosed : 0);
   bool sent = false;
   if constexpr (Peers::kPuts) {
+    // The lanes wrote the slots into this rank's send ring for the NIC to read: a full fence
+    // before the put. Its signal adds the slots (and the closed bit) to the tail.
+    w.fence();
     if (upto > from) {
       char* dst = g.slot(g.recv, c, l.there, from);
       const char* src = g.slot(g.send, c, l.here, from);
       const int64_t bytes = (upto - from) * g.slot_bytes;
+      const uint64_t delta = value - static_cast<uint64_t>(from);
       w.each([&](int lane) {
-        peers.put_signal(dst, l.rank, src, bytes, tail, value, lane, w.lanes);
+        peers.put_signal_add(dst, l.rank, src, bytes, tail, delta, lane, w.lanes);
       });
       sent = true;
     }
-  }
-  // Over stores the warp's slot stores come before the leader's release of the tail (its
-  // release store makes what the warp barrier ordered before it visible with it); over puts
-  // the slots were written into this rank's send ring for the NIC to read: a full fence.
-  if constexpr (Peers::kPuts) {
-    w.fence();
   } else {
+    // The warp's slot stores come before the leader's release of the tail (its release store
+    // makes what the warp barrier ordered before it visible with it).
     w.sync();
   }
   if (w.leader()) {
-    if (!sent) set_counter(peers, tail, l.rank, value);
+    // Without slots to put, the closed bit follows the ring's earlier puts (a tail that
+    // showed it before their slots would end the receiver's drain early).
+    if (!sent) move_counter(peers, tail, l.rank, static_cast<uint64_t>(from), value, true);
     g.published(c, l.here) = upto;
   }
   w.sync();
@@ -308,6 +313,12 @@ JAX_EP_HOST_DEVICE int64_t ring_head(const Rings& g, int c, int l, const Warp& w
 // Opens send ring (c, l) for an op (its sender's leader): nothing sent, published or consumed.
 JAX_EP_HOST_DEVICE void ring_open(const Rings& g, int c, int l) {
   g.sent(c, l) = g.published(c, l) = g.at(c, l, Rings::kHead) = 0;
+}
+
+// Opens receive ring (c, l) for an op (its receiver's leader): nothing consumed, seen or
+// returned.
+JAX_EP_HOST_DEVICE void ring_receive_open(const Rings& g, int c, int l) {
+  g.consumed(c, l) = g.at(c, l, Rings::kSeen) = g.at(c, l, Rings::kReleased) = 0;
 }
 
 // Reads send ring (c, l)'s head again and keeps it (kHead); returns it, in every lane.
@@ -369,14 +380,18 @@ JAX_EP_HOST_DEVICE uint64_t ring_tail(const Rings& g, int c, int l, const Warp& 
 
 // Returns the slots of receive ring (c, l) consumed so far to its sender (its head), after
 // the lanes' reads of them: the warp barrier orders the lanes' loads (their values already
-// stored elsewhere) before the leader's release of the head, or its signal over puts.
+// stored elsewhere) before the leader's release of the head, or its signal over puts (the
+// slots consumed since the last, none if none; it follows no put of this rank's).
 template <typename Peers>
 JAX_EP_HOST_DEVICE void ring_release(const Rings& g, const Peers& peers, int c, RingLink l,
                                      const Warp& w) {
   w.sync();
   if (w.leader()) {
-    set_counter(peers, g.head + g.ring(c, l.there), l.rank,
-                static_cast<uint64_t>(g.consumed(c, l.here)));
+    int64_t& released = g.at(c, l.here, Rings::kReleased);
+    const int64_t consumed = g.consumed(c, l.here);
+    move_counter(peers, g.head + g.ring(c, l.there), l.rank, static_cast<uint64_t>(released),
+                 static_cast<uint64_t>(consumed), false);
+    released = consumed;
   }
   w.sync();
 }

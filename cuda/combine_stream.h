@@ -170,7 +170,7 @@ JAX_EP_HOST_DEVICE void combine_stream_receive(const CombineArgs<T>& a, const Pe
   const int R = a.num_ranks, Tn = a.num_tokens, me = a.first_rank;
   const int64_t H = a.hidden;
   if (w.leader()) {
-    for (int r = 0; r < R; ++r) g.consumed(c, r) = g.at(c, r, Rings::kSeen) = 0;
+    for (int r = 0; r < R; ++r) ring_receive_open(g, c, r);
   }
   w.sync();
   // Whether ring (c, r)'s next slot holds token t (ready: a slot, or closed and empty).

@@ -299,7 +299,7 @@ JAX_EP_HOST_DEVICE bool drain_rings(const Rings& g, const Peers& peers, int c, i
                                     int links, const Ring& ring, const Take& take,
                                     const Idle& idle, const Warp& w, const Watch& watch) {
   if (w.leader()) {
-    for (int i = j; i < links; i += step) g.consumed(c, i) = 0;
+    for (int i = j; i < links; i += step) ring_receive_open(g, c, i);
   }
   w.sync();
   Patience<Watch> patience(watch, w);

@@ -188,22 +188,22 @@ struct HostPutPeers {
     meter_message();
     *peer(dst, rank) = value;
   }
-  // Sets the counter `slot` in rank's buffer after this rank's earlier puts there (NVSHMEM's
-  // signal).
-  void signal(uint64_t* slot, int rank, uint64_t value) const {
+  // Adds `delta` to the counter `slot` in rank's buffer (NVSHMEM's signal add), after this
+  // rank's earlier puts there (which are done: a put copies at once here).
+  void signal_add(uint64_t* slot, int rank, uint64_t delta, bool /*after_puts*/) const {
     meter_message();
-    __atomic_store_n(peer(slot, rank), value, __ATOMIC_RELEASE);
+    __atomic_fetch_add(peer(slot, rank), delta, __ATOMIC_RELEASE);
   }
-  // A put, then the signal, as one message (NVSHMEM's put with signal).
-  void put_signal(char* dst, int rank, const char* src, int64_t bytes, uint64_t* slot,
-                  uint64_t value, int lane, int lanes) const {
+  // A put, then `delta` added to the counter, as one message (NVSHMEM's put with signal).
+  void put_signal_add(char* dst, int rank, const char* src, int64_t bytes, uint64_t* slot,
+                      uint64_t delta, int lane, int lanes) const {
     const uintptr_t from = reinterpret_cast<uintptr_t>(src);
     const uintptr_t own = reinterpret_cast<uintptr_t>(regions[me]);
     if (from < own || from + bytes > own + this->bytes) misuse("a put's source outside the buffer");
     copy_row(peer(dst, rank), src, bytes, lane, lanes);
     if (lane == 0) {  // the last lane on the CPU (cuda/host_launch.h): after every lane's copy
       meter_message();
-      __atomic_store_n(peer(slot, rank), value, __ATOMIC_RELEASE);
+      __atomic_fetch_add(peer(slot, rank), delta, __ATOMIC_RELEASE);
     }
   }
   template <typename T>

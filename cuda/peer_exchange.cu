@@ -89,24 +89,27 @@ struct NvshmemPutPeers {
   __host__ __device__ T* own(T* base, int /*rank*/) const {
     return base;  // the rank a phase reads as is always this one
   }
-  // Sets the counter `slot` in rank's buffer after this PE's earlier puts to it.
-  __host__ __device__ void signal(uint64_t* slot, int rank, uint64_t value) const {
+  // Adds `delta` to the counter `slot` in rank's buffer (an NVSHMEM signal add: no order
+  // among such signals is needed), after this PE's earlier puts to it when `after_puts` (a
+  // fence, which with several queue pairs per PE waits for all of them: kept for that case).
+  __host__ __device__ void signal_add(uint64_t* slot, int rank, uint64_t delta,
+                                      bool after_puts) const {
 #if defined(__CUDA_ARCH__)
-    nvshmem_fence();
-    nvshmemx_signal_op(slot, value, NVSHMEM_SIGNAL_SET, pes[rank]);
+    if (after_puts) nvshmem_fence();
+    nvshmemx_signal_op(slot, delta, NVSHMEM_SIGNAL_ADD, pes[rank]);
 #else
-    (void)slot, (void)rank, (void)value;
+    (void)slot, (void)rank, (void)delta, (void)after_puts;
 #endif
   }
-  // One warp-wide put, then the counter `slot`'s signal after it: one message.
-  __host__ __device__ void put_signal(char* dst, int rank, const char* src, int64_t bytes,
-                                      uint64_t* slot, uint64_t value, int /*lane*/,
-                                      int /*lanes*/) const {
+  // One warp-wide put, then `delta` added to the counter `slot` after it: one message.
+  __host__ __device__ void put_signal_add(char* dst, int rank, const char* src, int64_t bytes,
+                                          uint64_t* slot, uint64_t delta, int /*lane*/,
+                                          int /*lanes*/) const {
 #if defined(__CUDA_ARCH__)
-    nvshmemx_putmem_signal_nbi_warp(dst, src, static_cast<size_t>(bytes), slot, value,
-                                    NVSHMEM_SIGNAL_SET, pes[rank]);
+    nvshmemx_putmem_signal_nbi_warp(dst, src, static_cast<size_t>(bytes), slot, delta,
+                                    NVSHMEM_SIGNAL_ADD, pes[rank]);
 #else
-    (void)dst, (void)rank, (void)src, (void)bytes, (void)slot, (void)value;
+    (void)dst, (void)rank, (void)src, (void)bytes, (void)slot, (void)delta;
 #endif
   }
 };

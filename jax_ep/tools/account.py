@@ -454,15 +454,14 @@ def _ring_streams(goes: np.ndarray, channels: int) -> np.ndarray:
     return np.stack([goes[:, first[c]:first[c + 1]].sum(axis=1) for c in range(channels)])
 
 
-def _stream_messages(slots: np.ndarray, chunk: int, heads_at_close: bool) -> int:
+def _stream_messages(slots: np.ndarray, chunk: int) -> int:
     """Messages of streams over puts with these numbers of slots: one put per chunk with its
     tail's signal and one that closes the stream (the rest, or the signal alone); back, the
-    head once per chunk consumed and (heads_at_close) once at the end, or once per chunk and
-    for the rest. A sender that waits for space has published every slot (a ring holds whole
-    chunks and heads move by chunks), so waits add none."""
+    head once per chunk consumed and once for the rest (a head signal adds the slots consumed
+    since the last: none is sent for none). A sender that waits for space has published every
+    slot (a ring holds whole chunks and heads move by chunks), so waits add none."""
     slots = np.asarray(slots, np.int64)
-    heads = slots // chunk + 1 if heads_at_close else -(-slots // chunk)
-    return int((slots // chunk + 1).sum() + heads.sum())
+    return int((slots // chunk + 1).sum() + (-(-slots // chunk)).sum())
 
 
 def _streamed_dispatch(kept, topk_idx, num_experts, row_bytes, scale_bytes, plan, channels,
@@ -519,11 +518,11 @@ def _streamed_dispatch(kept, topk_idx, num_experts, row_bytes, scale_bytes, plan
         streams = _ring_streams(crosses, C)  # [C, R, nodes]
         streams[:, np.arange(R), node] = -1  # no ring to its own node
         messages = R * (R - 1) + _stream_messages(streams[streams >= 0],
-                                                  channels.chunk_tokens, False)
+                                                  channels.chunk_tokens)
     elif puts:
         read, written = read + delivered * slot, written + delivered * slot
         messages = R * (R - 1) + _stream_messages(_ring_streams(kept, C),
-                                                  channels.chunk_tokens, False)
+                                                  channels.chunk_tokens)
     read += totals
     written += padding * row + totals
     # Waits: the count's for the peers' last op and for their counts.
@@ -550,7 +549,7 @@ def _streamed_combine(held, row_bytes, plan, channels, puts, out, minimum,
     units = C * plan.per_channel
     messages = None
     if puts:
-        messages = _stream_messages(_ring_streams(held, C), channels.chunk_tokens, True)
+        messages = _stream_messages(_ring_streams(held, C), channels.chunk_tokens)
     flight = C * (plan.warps * STREAM_WARP_FLIGHT + SUM_BATCH * WORD_BYTES * LANES)
     return Account("combine", 2, 2, read, written, minimum,
                    _smallest(1, 2 * C * R, units, always=2), units, messages, flight)
