@@ -15,24 +15,24 @@ namespace jax_ep {
 // tokens alone are too few warps to fill a GPU (T = 128: 128 warps, where an H100 wants 528),
 // so a row is cut into segments of whole 128-channel blocks, enough that T tokens give
 // kLlWarps warps per rank. ll_segment_cols: the columns of each segment but the last. An
-// nvfp4 row is one segment: its global scale needs the whole row's amax.
+// nvfp4 row's global scale needs the whole row's amax: each of its segments' warps reads the
+// whole row for it (ll_cast_rows), the same in each, a read of the row per segment more for
+// the parallelism of the other formats (with one warp per row the send had T warps).
 constexpr int kLlWarps = 1024;
-JAX_EP_HOST_DEVICE int ll_segment_cols(int num_tokens, int hidden, int wire = kWireBf16) {
-  if (hidden % kFp8Block != 0 || num_tokens <= 0 || wire == kWireNvfp4) {
-    return hidden > 0 ? hidden : 1;
-  }
+JAX_EP_HOST_DEVICE int ll_segment_cols(int num_tokens, int hidden) {
+  if (hidden % kFp8Block != 0 || num_tokens <= 0) return hidden > 0 ? hidden : 1;
   const int blocks = hidden / kFp8Block;
   const int wanted = (kLlWarps + num_tokens - 1) / num_tokens;
   const int segments = wanted < blocks ? wanted : blocks;
   return (blocks + segments - 1) / segments * kFp8Block;
 }
-JAX_EP_HOST_DEVICE int ll_segments(int num_tokens, int hidden, int wire = kWireBf16) {
-  const int cols = ll_segment_cols(num_tokens, hidden, wire);
+JAX_EP_HOST_DEVICE int ll_segments(int num_tokens, int hidden) {
+  const int cols = ll_segment_cols(num_tokens, hidden);
   return (hidden + cols - 1) / cols;
 }
 // Items of a low-latency phase over rows: every segment of every token of a rank.
-JAX_EP_HOST_DEVICE int64_t ll_row_items(int num_tokens, int hidden, int wire = kWireBf16) {
-  return static_cast<int64_t>(num_tokens) * ll_segments(num_tokens, hidden, wire);
+JAX_EP_HOST_DEVICE int64_t ll_row_items(int num_tokens, int hidden) {
+  return static_cast<int64_t>(num_tokens) * ll_segments(num_tokens, hidden);
 }
 
 // The send numbers its own messages, with no count launch before it, when a source's slots
@@ -228,6 +228,37 @@ JAX_EP_HOST_DEVICE float group_amax(const Bf16* x, const Word& v, int part, int 
   return amax;
 }
 
+// Columns [first, first + n) (a segment, ll_segment_cols) of a low-latency row in the wire
+// format `wire`: where they start in a message's data bytes and in its other bytes, and how
+// many bytes they take; the segment that ends the row also takes the row's tail (after the
+// block scales: nvfp4's global scale and the padding to a whole word).
+struct LlSegment {
+  int first, n, wire, hidden;
+  JAX_EP_HOST_DEVICE bool last() const { return first + n == hidden; }
+  JAX_EP_HOST_DEVICE int64_t byte() const { return wire_data_bytes(wire, first); }
+  JAX_EP_HOST_DEVICE int64_t bytes() const { return wire_data_bytes(wire, n); }
+  JAX_EP_HOST_DEVICE int64_t scale_byte() const {
+    return first / wire_block(wire) * wire_scale_bytes(wire);
+  }
+  JAX_EP_HOST_DEVICE int tail() const {
+    if (!last()) return 0;
+    return static_cast<int>(wire_scale_words(wire, hidden) * 4 -
+                            hidden / wire_block(wire) * wire_scale_bytes(wire));
+  }
+  JAX_EP_HOST_DEVICE int64_t scale_bytes() const {
+    return n / wire_block(wire) * wire_scale_bytes(wire) + tail();
+  }
+};
+// Item t * segments + g of a low-latency phase over rows: its token t and segment g.
+JAX_EP_HOST_DEVICE LlSegment ll_segment(int num_tokens, int hidden, int64_t item, int* t,
+                                        int wire = kWireBf16) {
+  const int cols = ll_segment_cols(num_tokens, hidden);
+  const int segments = (hidden + cols - 1) / cols;
+  *t = static_cast<int>(item / segments);
+  const int first = static_cast<int>(item % segments) * cols;
+  return LlSegment{first, hidden - first < cols ? hidden - first : cols, wire, hidden};
+}
+
 // nvfp4: the amax of the whole row of `parts` parts, in every lane.
 JAX_EP_HOST_DEVICE float row_amax(const Bf16* x, int parts, bool aligned, int lane, int lanes) {
   float amax = 0.0f;
@@ -247,29 +278,35 @@ JAX_EP_HOST_DEVICE float row_amax(const Bf16* x, int parts, bool aligned, int la
   return amax;
 }
 
-// Writes `channels` (whole blocks) of token row x, cast to the wire format kWire once, to
-// every slot of the fans (and empties them): the data to `rows`, each block's scale to
-// `scales` (the segment's first scale byte in each row's other bytes), and, where the segment
-// ends the row, the row's `tail` bytes after its scales (nvfp4's global scale, then zero
-// padding to a whole word). Lane `lane` casts the parts lane, lane + lanes, ...: one 16-byte
-// load, and one store to each slot.
+// Writes segment `seg` (whole blocks) of token row `token`, cast to the wire format kWire
+// once, to every slot of the fans (and empties them): the data to `rows`, each block's scale
+// to `scales` (the segment's first scale byte in each row's other bytes), and, where the
+// segment ends the row, the row's tail bytes after its scales (nvfp4's global scale, then
+// zero padding to a whole word). Lane `lane` casts the parts lane, lane + lanes, ...: one
+// 16-byte load, and one store to each slot. nvfp4 first reads the whole row for its amax.
 template <int kWire>
-JAX_EP_HOST_DEVICE void ll_cast_rows(const Bf16* x, int64_t channels, Fan<char>& rows,
-                                     Fan<char>& scales, int tail, int lane, int lanes) {
+JAX_EP_HOST_DEVICE void ll_cast_rows(const Bf16* token, const LlSegment& seg, Fan<char>& rows,
+                                     Fan<char>& scales, int lane, int lanes) {
   const int n = rows.size();
   if (n == 0) return;
   fan_sync();
-  const bool aligned = ((rows.address_bits() | reinterpret_cast<uintptr_t>(x)) & 15u) == 0;
-  const int64_t H = channels;
+  const Bf16* x = token + seg.first;
+  const uintptr_t bits = rows.address_bits() | reinterpret_cast<uintptr_t>(token) |
+                         reinterpret_cast<uintptr_t>(x);
+  const bool aligned = (bits & 15u) == 0;
+  const int64_t H = seg.n;
+  const int tail = seg.tail();
   const int block = wire_block(kWire), group = block / kCastChannels;
   const int scale_bytes = wire_scale_bytes(kWire);
-  if (lane == 0) {  // an nvfp4 row is read twice: its amax first
-    meter_rows((kWire == kWireNvfp4 ? 4 : 2) * H,
+  if (lane == 0) {  // and nvfp4's read of the whole row
+    meter_rows(2 * H + (kWire == kWireNvfp4 ? 2 * int64_t{seg.hidden} : 0),
                n * (wire_data_bytes(kWire, H) + H / block * scale_bytes + tail));
   }
   const int parts = static_cast<int>(H / kCastChannels);
   Nvfp4Row row{1.0f, 0.0f, true};
-  if (kWire == kWireNvfp4) row = nvfp4_row(row_amax(x, parts, aligned, lane, lanes));
+  if (kWire == kWireNvfp4) {
+    row = nvfp4_row(row_amax(token, seg.hidden / kCastChannels, aligned, lane, lanes));
+  }
   for (int first = 0; first < parts; first += lanes) {  // the same trips in every lane
     const int part = first + lane;
     const bool valid = part < parts;
@@ -340,37 +377,6 @@ JAX_EP_HOST_DEVICE void ll_cast_rows(const Bf16* x, int64_t channels, Fan<char>&
   fan_sync();  // every lane read the tables before they are filled again
   rows.clear();
   scales.clear();
-}
-
-// Columns [first, first + n) (a segment, ll_segment_cols) of a low-latency row in the wire
-// format `wire`: where they start in a message's data bytes and in its other bytes, and how
-// many bytes they take; the segment that ends the row also takes the row's tail (after the
-// block scales: nvfp4's global scale and the padding to a whole word).
-struct LlSegment {
-  int first, n, wire, hidden;
-  JAX_EP_HOST_DEVICE bool last() const { return first + n == hidden; }
-  JAX_EP_HOST_DEVICE int64_t byte() const { return wire_data_bytes(wire, first); }
-  JAX_EP_HOST_DEVICE int64_t bytes() const { return wire_data_bytes(wire, n); }
-  JAX_EP_HOST_DEVICE int64_t scale_byte() const {
-    return first / wire_block(wire) * wire_scale_bytes(wire);
-  }
-  JAX_EP_HOST_DEVICE int tail() const {
-    if (!last()) return 0;
-    return static_cast<int>(wire_scale_words(wire, hidden) * 4 -
-                            hidden / wire_block(wire) * wire_scale_bytes(wire));
-  }
-  JAX_EP_HOST_DEVICE int64_t scale_bytes() const {
-    return n / wire_block(wire) * wire_scale_bytes(wire) + tail();
-  }
-};
-// Item t * segments + g of a low-latency phase over rows: its token t and segment g.
-JAX_EP_HOST_DEVICE LlSegment ll_segment(int num_tokens, int hidden, int64_t item, int* t,
-                                        int wire = kWireBf16) {
-  const int cols = ll_segment_cols(num_tokens, hidden, wire);
-  const int segments = (hidden + cols - 1) / cols;
-  *t = static_cast<int>(item / segments);
-  const int first = static_cast<int>(item % segments) * cols;
-  return LlSegment{first, hidden - first < cols ? hidden - first : cols, wire, hidden};
 }
 
 // The slot offsets of a token's messages, one per choice k (-1: choice k sends nothing:
@@ -457,13 +463,14 @@ JAX_EP_HOST_DEVICE void ll_choice_slots(const LowLatencyArgs& a, int s, int t, b
 }
 
 // The send's segment `seg` of token t's rows (`ids`: its routing, `slots`: its messages' slot
-// offsets, `x`: the segment's first column of its row): once to each expert it chose, as
+// offsets, `token`: its row): once to each expert it chose, as
 // bf16 or cast to FP8 (one loop nest per case: in one, the two cases hold more registers). A
 // put view sends, instead, the segment ll_stage left in the send area, one put per message.
 template <int kWire, typename Peers>
 JAX_EP_HOST_DEVICE void ll_send_rows(const LowLatencyArgs& a, const Peers& peers, int s, int t,
                                      const int32_t* ids, const ChoiceSlots& slots,
-                                     const Bf16* x, const LlSegment& seg, int lane, int lanes) {
+                                     const Bf16* token, const LlSegment& seg, int lane,
+                                     int lanes) {
   const int K = a.top_k, El = a.experts_per_rank();
   const int64_t all_slots = a.slots(), row_bytes = wire_data_bytes(kWire, a.hidden);
   const int64_t scale_row = 4 * wire_scale_words(kWire, a.hidden);
@@ -504,9 +511,9 @@ JAX_EP_HOST_DEVICE void ll_send_rows(const LowLatencyArgs& a, const Peers& peers
         }
       }
       if constexpr (kWire != kWireBf16) {
-        ll_cast_rows<kWire>(x, seg.n, rows, scales, seg.tail(), lane, lanes);
+        ll_cast_rows<kWire>(token, seg, rows, scales, lane, lanes);
       } else {
-        fan_out_row(rows, x, seg.bytes(), lane, lanes);
+        fan_out_row(rows, token + seg.first, seg.bytes(), lane, lanes);
       }
     }
   }
@@ -523,16 +530,16 @@ JAX_EP_HOST_DEVICE void ll_stage(const LowLatencyArgs& a, int s, int64_t item, i
   int t = 0;
   const LlSegment seg = ll_segment(a.num_tokens, a.hidden, item, &t, kWire);
   const int64_t here = a.local(s) * a.num_tokens + t, row_bytes = a.row_bytes();
-  const Bf16* x = a.x + here * a.hidden + seg.first;
+  const Bf16* token = a.x + here * a.hidden;
   Fan<char> rows(0);
   Fan<char> scales(1);
   rows.add(a.send_x + here * row_bytes + seg.byte());
   if constexpr (kWire != kWireBf16) {
     scales.add(reinterpret_cast<char*>(a.send_scales) + here * 4 * a.scale_words() +
                seg.scale_byte());
-    ll_cast_rows<kWire>(x, seg.n, rows, scales, seg.tail(), lane, lanes);
+    ll_cast_rows<kWire>(token, seg, rows, scales, lane, lanes);
   } else {
-    fan_out_row(rows, x, seg.bytes(), lane, lanes);
+    fan_out_row(rows, token + seg.first, seg.bytes(), lane, lanes);
   }
 }
 
@@ -565,7 +572,7 @@ JAX_EP_HOST_DEVICE int ll_send_counters(const LowLatencyArgs& a) {
   return a.counts_in_send() ? a.num_experts + 1 : 0;
 }
 inline int64_t ll_send_items(const LowLatencyArgs& a) {
-  return ll_send_counters(a) + ll_row_items(a.num_tokens, a.hidden, a.wire);
+  return ll_send_counters(a) + ll_row_items(a.num_tokens, a.hidden);
 }
 
 // Phase 2 (the send), after the items of ll_send_count, items (s, t * segments + g): segment
@@ -600,8 +607,7 @@ JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int
     }
     store_to(peers, a.src_row, slots * K, d, src * K + k, row);
   }
-  ll_send_rows<kWire>(a, peers, s, t, ids, offsets, a.x + here * a.hidden + seg.first, seg,
-                     lane, lanes);
+  ll_send_rows<kWire>(a, peers, s, t, ids, offsets, a.x + here * a.hidden, seg, lane, lanes);
 }
 
 // Warps per (local expert, source) pair of the low-latency receive (ll_finish): each moves

@@ -56,9 +56,8 @@ COPY_PHASES = frozenset(
 COPY_REGISTERS = {"sm_90": 64}  # Hopper's copies; the other architectures': 128
 OTHER_COPY_REGISTERS = 128  # (cuda/phase_functors.h, kCopyBlocksPerSm)
 # Of those, the low-latency send that casts to NVFP4 computes more than it copies (a block's
-# scale needs a correctly rounded reciprocal): it is built for the default blocks per SM
-# (LowLatencySend's kCopy), and its rows are one warp each anyway (cuda/exchange.h,
-# ll_segment_cols).
+# scale needs a correctly rounded reciprocal, and each segment's warp reduces its whole row's
+# amax first): it is built for the default blocks per SM (LowLatencySend's kCopy).
 NOT_COPIES = (re.compile(r"^per_warp_kernel<LowLatencySend<[^<>]*(<[^<>]*>)?, 4>"),)
 
 ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(sm_\w+)'")

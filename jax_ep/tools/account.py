@@ -210,11 +210,11 @@ def ll_finish_items(num_ranks: int, num_tokens: int, top_k: int, num_experts: in
     return num_experts * pair_warps + -(-num_ranks * num_tokens // 32)
 
 
-def ll_segments(num_tokens: int, hidden: int, wire: str = "bf16") -> int:
-    """Column segments of a low-latency row, one warp each (cuda/exchange.h, ll_segments):
-    whole 128-channel blocks, enough that T tokens give LL_WARPS warps per rank; an nvfp4 row
-    is one segment (its global scale needs the row's amax)."""
-    if hidden % BLOCK or num_tokens <= 0 or wire == "nvfp4":
+def ll_segments(num_tokens: int, hidden: int) -> int:
+    """Column segments of a low-latency row, one warp each (cuda/low_latency.h, ll_segments):
+    whole 128-channel blocks, enough that T tokens give LL_WARPS warps per rank, in every wire
+    format (an nvfp4 segment's warp also reads the whole row, for its global scale)."""
+    if hidden % BLOCK or num_tokens <= 0:
         return 1
     blocks = hidden // BLOCK
     wanted = min(-(-LL_WARPS // num_tokens), blocks)
@@ -616,7 +616,7 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
       num_experts: E.
       hidden: H.
       wire: "bf16", or the jax_ep.quant format the send casts to (quant.wire_bytes per
-        message; an nvfp4 cast reads its row twice: the row's amax first).
+        message; an nvfp4 cast of a segment also reads the whole row, for its amax).
       between: one rank per device (else virtual ranks).
       puts: between devices, peers reached with puts only.
     """
@@ -626,14 +626,14 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     sent = messages(topk_idx, E)
     m, sources = int(sent.sum()), int(sent.any(axis=2).sum())
     message = 2 * H if wire == "bf16" else sum(quant.wire_bytes(wire, H))
-    cast_reads = 2 if wire == "nvfp4" else 1
+    segments = ll_segments(T, H)
+    cast_reads = 1 + segments if wire == "nvfp4" else 1  # the row's, per segment its amax
     # The send reads each token once per FAN_OUT messages and writes each into its slot. Its
     # items: every segment of every token (ll_segments), then, where it numbers its messages
     # itself (no count launch before it), E + 1 that count them.
     read = _fan_out_reads(sent.sum(axis=2)) * 2 * H * cast_reads
     written = m * message
     minimum = sources * 2 * H + m * message
-    segments = ll_segments(T, H, wire)
     rows = T * segments
     own_count = ll_counts_in_send(between or R == 1, T, K)
     # The count launch, where there is one: it always runs (its tail publishes the counts).
@@ -789,9 +789,10 @@ EXPECTED = {
     "receivers pull (2 launches, no count; the dispatch itself takes 3 with its count); with "
     "virtual ranks one launch. Bytes: with virtual ranks a receiver reads each of its rows "
     "where it is, a source row once per destination (the dispatch's send reads it once per 8)",
-    "nvfp4": "warps and bytes: an nvfp4 row's global scale needs the whole row's amax, so the "
-    "send casts each row with one warp (T warps per rank) and reads it twice (its amax, then "
-    "the cast)",
+    "nvfp4": "bytes: an nvfp4 row's global scale needs the whole row's amax, so each of its "
+    "segments' warps reads the whole row for it before casting its segment (at T 128, 8 "
+    "segments: 9 reads of the row, local, for the 1,024 warps per rank of the other formats, "
+    "where one warp per row had 128)",
     "puts": "launches and bytes: over puts each send first copies what it sends into the "
     "symmetric buffer, where a put's source must lie (one launch and one copy more), and the "
     "normal combine's receivers return their rows into the homes' buffers",
