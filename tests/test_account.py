@@ -418,10 +418,19 @@ def test_low_latency_rows_fill_the_gpu_at_decode_sizes():
     """At T 128 the send and the combine's receive split each row into column segments of
     whole FP8 blocks, enough for 1,024 warps per rank (at least 528 fill an H100); only the
     count launch of virtual ranks, which moves no rows, has fewer (between devices the send
-    numbers its own messages). Every wire format is cut the same way (an NVFP4 segment's warp
-    reads the whole row for its global scale: a read of the row per segment more)."""
+    numbers its own messages). An NVFP4 segment's warp reads the whole row for its global
+    scale, a read of the row per segment more, so that send cuts its launch's rows: between
+    devices a rank's (8 segments at T 128), with virtual ranks every rank's (1 at R 8); the
+    account's bytes follow (each row read once plus once per segment)."""
     assert account.ll_segments(128, 7168) == 8 and account.ll_segments(4096, 7168) == 1
     assert account.ll_segments(1, 7168) == 56 and account.ll_segments(128, 200) == 1
+    idx = account.uniform_routing(np.random.default_rng(), 8, 128, 8, 256)
+    reads = account._fan_out_reads(account.messages(idx, 256).sum(axis=2)) * 2 * 7168
+    for between, segments in ((False, 1), (True, 8)):
+        send, _ = account.low_latency_dispatch(idx, num_experts=256, hidden=7168,
+                                               wire="nvfp4", between=between)
+        assert send.read == reads * (1 + segments), (between, send)
+        assert send.row_warps == (1 if between else 8) * 128 * segments
     for between in (False, True):
         accounts = account.deepseek_accounts(num_ranks=8, between=between, tokens=256,
                                              ll_tokens=128)

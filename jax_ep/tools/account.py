@@ -211,9 +211,10 @@ def ll_finish_items(num_ranks: int, num_tokens: int, top_k: int, num_experts: in
 
 
 def ll_segments(num_tokens: int, hidden: int) -> int:
-    """Column segments of a low-latency row, one warp each (cuda/low_latency.h, ll_segments):
-    whole 128-channel blocks, enough that T tokens give LL_WARPS warps per rank, in every wire
-    format (an nvfp4 segment's warp also reads the whole row, for its global scale)."""
+    """Column segments of a low-latency row, one warp each (cuda/low_latency.h,
+    ll_segment_cols): whole 128-channel blocks, enough that num_tokens rows give LL_WARPS
+    warps (a rank's tokens; the nvfp4 send's, those of its launch: an nvfp4 segment's warp also
+    reads the whole row, for its global scale)."""
     if hidden % BLOCK or num_tokens <= 0:
         return 1
     blocks = hidden // BLOCK
@@ -626,8 +627,10 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     sent = messages(topk_idx, E)
     m, sources = int(sent.sum()), int(sent.any(axis=2).sum())
     message = 2 * H if wire == "bf16" else sum(quant.wire_bytes(wire, H))
-    segments = ll_segments(T, H)
-    cast_reads = 1 + segments if wire == "nvfp4" else 1  # the row's, per segment its amax
+    # The nvfp4 send cuts the rows of its launch (every rank's with virtual ranks), each
+    # segment also reading its row for the amax (LowLatencyArgs::send_cols).
+    segments = ll_segments(T * (R if wire == "nvfp4" and not between else 1), H)
+    cast_reads = 1 + segments if wire == "nvfp4" else 1
     # The send reads each token once per FAN_OUT messages and writes each into its slot. Its
     # items: every segment of every token (ll_segments), then, where it numbers its messages
     # itself (no count launch before it), E + 1 that count them.
@@ -790,9 +793,11 @@ EXPECTED = {
     "virtual ranks one launch. Bytes: with virtual ranks a receiver reads each of its rows "
     "where it is, a source row once per destination (the dispatch's send reads it once per 8)",
     "nvfp4": "bytes: an nvfp4 row's global scale needs the whole row's amax, so each of its "
-    "segments' warps reads the whole row for it before casting its segment (at T 128, 8 "
-    "segments: 9 reads of the row, local, for the 1,024 warps per rank of the other formats, "
-    "where one warp per row had 128)",
+    "segments' warps reads the whole row for it before casting its segment: between devices "
+    "at T 128, 8 segments, 9 reads of the row (local) for 1,024 warps per rank, where one "
+    "warp per row had 128; with virtual ranks the launch's R x T rows fill the GPU uncut (2 "
+    "reads; their bytes in flight bound 0.63 x HBM, where 2 segments would read each row once "
+    "more for about the same time)",
     "puts": "launches and bytes: over puts each send first copies what it sends into the "
     "symmetric buffer, where a put's source must lie (one launch and one copy more), and the "
     "normal combine's receivers return their rows into the homes' buffers",
