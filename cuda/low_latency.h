@@ -17,7 +17,7 @@ namespace jax_ep {
 // kLlWarps warps per rank. ll_segment_cols: the columns of each segment but the last. An
 // nvfp4 row's global scale needs the whole row's amax: each of its segments' warps reads the
 // whole row for it (ll_cast_rows), the same in each, a read of the row per segment more, so
-// its send cuts the rows of its launch, not of a rank (LowLatencyArgs::send_cols).
+// its send cuts the rows of its launch, not of a rank (LowLatencyArgs::send_cut_rows).
 constexpr int kLlWarps = 1024;
 JAX_EP_HOST_DEVICE int ll_segment_cols(int num_tokens, int hidden) {
   if (hidden % kFp8Block != 0 || num_tokens <= 0) return hidden > 0 ? hidden : 1;
@@ -26,9 +26,10 @@ JAX_EP_HOST_DEVICE int ll_segment_cols(int num_tokens, int hidden) {
   const int segments = wanted < blocks ? wanted : blocks;
   return (blocks + segments - 1) / segments * kFp8Block;
 }
-// Items of a low-latency phase over rows cut into segments of `cols` columns: every segment
-// of every token of a rank.
-JAX_EP_HOST_DEVICE int64_t ll_row_items(int num_tokens, int hidden, int cols) {
+// Items of a low-latency phase over rows cut for `cut_rows` rows (ll_segment_cols): every
+// segment of every token of a rank.
+JAX_EP_HOST_DEVICE int64_t ll_row_items(int num_tokens, int hidden, int cut_rows) {
+  const int cols = ll_segment_cols(cut_rows, hidden);
   return static_cast<int64_t>(num_tokens) * ((hidden + cols - 1) / cols);
 }
 
@@ -85,12 +86,13 @@ struct LowLatencyArgs {
 
   JAX_EP_HOST_DEVICE int experts_per_rank() const { return num_experts / num_ranks; }
   JAX_EP_HOST_DEVICE int64_t slots() const { return static_cast<int64_t>(num_ranks) * num_tokens; }
-  // The columns of the send's segments (ll_segment_cols): cut for a rank's tokens, nvfp4's for
-  // the launch's rows (with virtual ranks every rank's, which alone fill the GPU; between
-  // devices a rank's), since each more segment of an nvfp4 row reads it once more.
-  JAX_EP_HOST_DEVICE int send_cols() const {
-    const bool launch = wire == kWireNvfp4 && !per_source_slots;
-    return ll_segment_cols(launch ? num_ranks * num_tokens : num_tokens, hidden);
+  // The rows the send cuts into segments (ll_segment_cols) in format `format` (the kernels
+  // pass their compile-time one, so that the other formats' code stays as it was): a rank's
+  // tokens, but nvfp4's the launch's rows (with virtual ranks every rank's, which alone fill
+  // the GPU; between devices a rank's), since each more segment of an nvfp4 row reads it
+  // once more.
+  JAX_EP_HOST_DEVICE int send_cut_rows(int format) const {
+    return format == kWireNvfp4 && !per_source_slots ? num_ranks * num_tokens : num_tokens;
   }
   JAX_EP_HOST_DEVICE int64_t row_bytes() const { return wire_data_bytes(wire, hidden); }
   JAX_EP_HOST_DEVICE int64_t scale_words() const { return wire_scale_words(wire, hidden); }
@@ -254,8 +256,9 @@ struct LlSegment {
   }
 };
 // Item t * segments + g of a low-latency phase over rows: its token t and segment g.
-JAX_EP_HOST_DEVICE LlSegment ll_segment(int cols, int hidden, int64_t item, int* t,
+JAX_EP_HOST_DEVICE LlSegment ll_segment(int cut_rows, int hidden, int64_t item, int* t,
                                         int wire = kWireBf16) {
+  const int cols = ll_segment_cols(cut_rows, hidden);
   const int segments = (hidden + cols - 1) / cols;
   *t = static_cast<int>(item / segments);
   const int first = static_cast<int>(item % segments) * cols;
@@ -531,7 +534,8 @@ template <int kWire>
 JAX_EP_HOST_DEVICE void ll_stage(const LowLatencyArgs& a, int s, int64_t item, int lane,
                                  int lanes) {
   int t = 0;
-  const LlSegment seg = ll_segment(a.send_cols(), a.hidden, item, &t, kWire);
+  const int cut = kWire == kWireNvfp4 ? a.send_cut_rows(kWire) : a.num_tokens;
+  const LlSegment seg = ll_segment(cut, a.hidden, item, &t, kWire);
   const int64_t here = a.local(s) * a.num_tokens + t, row_bytes = a.row_bytes();
   const Bf16* token = a.x + here * a.hidden;
   Fan<char> rows(0);
@@ -575,7 +579,7 @@ JAX_EP_HOST_DEVICE int ll_send_counters(const LowLatencyArgs& a) {
   return a.counts_in_send() ? a.num_experts + 1 : 0;
 }
 inline int64_t ll_send_items(const LowLatencyArgs& a) {
-  return ll_send_counters(a) + ll_row_items(a.num_tokens, a.hidden, a.send_cols());
+  return ll_send_counters(a) + ll_row_items(a.num_tokens, a.hidden, a.send_cut_rows(a.wire));
 }
 
 // Phase 2 (the send), after the items of ll_send_count, items (s, t * segments + g): segment
@@ -593,7 +597,8 @@ JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int
   }
   item -= counters;
   int t = 0;
-  const LlSegment seg = ll_segment(a.send_cols(), a.hidden, item, &t, kWire);
+  const int cut = kWire == kWireNvfp4 ? a.send_cut_rows(kWire) : T;
+  const LlSegment seg = ll_segment(cut, a.hidden, item, &t, kWire);
   const int64_t slots = a.slots(), src = static_cast<int64_t>(s) * T + t;
   const int64_t here = a.local(s) * T + t;
   const int32_t* ids = a.topk_idx + here * K;
@@ -757,7 +762,7 @@ JAX_EP_HOST_DEVICE void ll_combine_token(const LowLatencyCombineArgs& a, int s, 
                                          int lane, int lanes) {
   const int T = a.num_tokens, K = a.top_k, H = a.hidden, El = a.num_experts / a.num_ranks;
   int t = 0;
-  const LlSegment seg = ll_segment(ll_segment_cols(T, H), H, item, &t);
+  const LlSegment seg = ll_segment(T, H, item, &t);
   const int64_t first = seg.first, n = seg.n;
   const int64_t slots = static_cast<int64_t>(a.num_ranks) * T;
   const int64_t here = a.local(s) * T + t, src = static_cast<int64_t>(s) * T + t;

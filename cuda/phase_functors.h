@@ -288,7 +288,7 @@ struct LowLatencyStage {
   JAX_EP_HOST_DEVICE void operator()(int s, int64_t item, int lane, int lanes) const {
     ll_stage<kWire>(a, s, item, lane, lanes);
   }
-  int64_t items() const { return ll_row_items(a.num_tokens, a.hidden, a.send_cols()); }
+  int64_t items() const { return ll_row_items(a.num_tokens, a.hidden, a.send_cut_rows(kWire)); }
 };
 template <typename Launch>
 void with_ll_stage(const LowLatencyArgs& a, const Launch& launch) {
@@ -325,9 +325,7 @@ struct LowLatencyCombineToken {
   JAX_EP_HOST_DEVICE void operator()(int s, int64_t item, int lane, int lanes) const {
     ll_combine_token(a, s, item, lane, lanes);
   }
-  int64_t items() const {
-    return ll_row_items(a.num_tokens, a.hidden, ll_segment_cols(a.num_tokens, a.hidden));
-  }
+  int64_t items() const { return ll_row_items(a.num_tokens, a.hidden, a.num_tokens); }
 };
 
 }  // namespace jax_ep

@@ -628,7 +628,7 @@ def low_latency_dispatch(topk_idx: np.ndarray, *, num_experts: int, hidden: int,
     m, sources = int(sent.sum()), int(sent.any(axis=2).sum())
     message = 2 * H if wire == "bf16" else sum(quant.wire_bytes(wire, H))
     # The nvfp4 send cuts the rows of its launch (every rank's with virtual ranks), each
-    # segment also reading its row for the amax (LowLatencyArgs::send_cols).
+    # segment also reading its row for the amax (LowLatencyArgs::send_cut_rows).
     segments = ll_segments(T * (R if wire == "nvfp4" and not between else 1), H)
     cast_reads = 1 + segments if wire == "nvfp4" else 1
     # The send reads each token once per FAN_OUT messages and writes each into its slot. Its
