@@ -86,11 +86,12 @@ struct LowLatencyArgs {
 
   JAX_EP_HOST_DEVICE int experts_per_rank() const { return num_experts / num_ranks; }
   JAX_EP_HOST_DEVICE int64_t slots() const { return static_cast<int64_t>(num_ranks) * num_tokens; }
-  // The rows the send cuts into segments (ll_segment_cols) in format `format` (the kernels
-  // pass their compile-time one, so that the other formats' code stays as it was): a rank's
+  // The rows the send cuts into segments (ll_segment_cols) in format `format`: a rank's
   // tokens, but nvfp4's the launch's rows (with virtual ranks every rank's, which alone fill
   // the GPU; between devices a rank's), since each more segment of an nvfp4 row reads it
-  // once more.
+  // once more. The kernels call it for nvfp4 only and pass their own token count otherwise:
+  // the bf16 send between GPUs sits at Hopper's 64 registers, and any other spelling of the
+  // same count (this call, or an if-constexpr helper returning num_tokens) spills 8 bytes.
   JAX_EP_HOST_DEVICE int send_cut_rows(int format) const {
     return format == kWireNvfp4 && !per_source_slots ? num_ranks * num_tokens : num_tokens;
   }
