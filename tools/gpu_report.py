@@ -147,6 +147,21 @@ def tune_lines(t: dict) -> list[str]:
     return out
 
 
+def copy_rate_lines(c: dict) -> list[str]:
+    """The table of `python -m jax_ep.tools.copy_rate` (the row copy alone, per warps and
+    loads in flight), from its JSON."""
+    out = ["", f"Copy rate of the row copy alone (`{c.get('command', 'jax_ep.tools.copy_rate')}`"
+               f", {c['bytes'] / 1e6:g} MB in rows of {c['row_bytes']} bytes; XLA's copy "
+               f"{c['xla_copy_Bps'] / 1e9:.0f} GB/s)"
+               + ("" if c.get("meaningful", True) else " (times not meaningful here)") + ":", "",
+           "| warps | words in flight | GB/s | of XLA copy | identical |", "|---|---|---|---|---|"]
+    for r in c["rows"]:
+        warps = r["warps"] if r["warps"] != "all" else f"all ({r['warps_run'] or 'every SM'})"
+        out.append(f"| {warps} | {r['words_in_flight']} | {r['gbps']:.1f} | {r['of_xla']:.2f} | "
+                   f"{'yes' if r['identical'] else 'NO'} |")
+    return out
+
+
 def markdown(report: dict) -> str:
     out = [f"# GPU check, {report['date']}", "",
            f"- device: {report['device']}", f"- commit: {report['commit']}",
@@ -183,12 +198,14 @@ def markdown(report: dict) -> str:
 
             out += ["", "What `python -m jax_ep.tools.perfmodel --ours` predicted for these ops at "
                         "these shapes (per op and call; compare with the kernels above):", "",
-                    kernel_model.predictions()]
+                    kernel_model.predictions(report["device"])]
     for tool in SANITIZERS:
         if report.get(tool):
             out.append(f"- compute-sanitizer {tool}: {report[tool]}")
     if report["ptxas"]:
         out += ["", "Kernel resources (tools/check_ptxas.py):", "", "```", *report["ptxas"], "```"]
+    if report.get("copy_rate"):
+        out += copy_rate_lines(report["copy_rate"])
     for name in ("bench_ep1", "bench_virtual"):
         b = report.get(name)
         if not b:
@@ -237,6 +254,7 @@ def main(out_dir: str, report_dir: str) -> int:
         "bench_virtual": bench(os.path.join(out_dir, "bench_virtual.json")),
         "graph": load(os.path.join(out_dir, "graph.json")),
         "tune": tune(os.path.join(out_dir, "tune.json")),
+        "copy_rate": load(os.path.join(out_dir, "copy_rate.json")),
     }
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
     base = os.path.join(report_dir, f"{date}-{slug}-{commit}")

@@ -808,8 +808,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--table", action="store_true",
                         help="print the DeepEP comparison and the internode schemes' table")
     parser.add_argument("--ours", action="store_true",
-                        help="print our kernels' predicted H100 device times, calibrated on "
-                        "their one profile (jax_ep.tools.kernel_model)")
+                        help="print our kernels' predicted device times per GPU model, each "
+                        "calibrated on its newest report (jax_ep.tools.kernel_model)")
+    parser.add_argument("--reports", metavar="DIR",
+                        help="the GPU reports --ours calibrates on (default: docs/gpu)")
     parser.add_argument("--hardware", choices=sorted(PRESETS), default="H800")
     parser.add_argument("--mode", choices=(*MODES, "both"), default="both")
     parser.add_argument("--ep", type=int, default=8, help="EP ranks")
@@ -826,7 +828,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.ours:
         from jax_ep.tools import kernel_model  # the account: NumPy only, but not needed otherwise
 
-        print(kernel_model.report())
+        try:
+            print(kernel_model.report(args.reports or kernel_model.REPORTS))
+        except (FileNotFoundError, ValueError) as error:
+            parser.error(str(error))
         return
     if args.table:
         print(markdown_table(calibration_table()))
