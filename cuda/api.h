@@ -34,6 +34,14 @@ cudaError_t dispatch_layout(const int32_t* topk_idx,
                             int32_t* num_invalid,
                             cudaStream_t stream);
 
+// The copy-rate microbenchmark (cuda/copy_rate.cu): copies `bytes` from src to dst as rows of
+// `row_bytes` with `warps` warps, one per block (0: one per SM of the current device), each
+// lane keeping `words_in_flight` loads in flight (4, 8 or 16; 0: Hopper's bulk copies, the
+// plain copy before sm_90). Returns cudaErrorInvalidValue, launching nothing, for any other
+// words_in_flight, warps < 0, row_bytes outside [1, 2^31 - 1] or bytes < 0.
+cudaError_t copy_rate(const void* src, void* dst, int64_t bytes, int64_t row_bytes, int warps,
+                      int words_in_flight, cudaStream_t stream);
+
 // Writes nvshmem_my_pe() of this GPU to device memory `pe` (after NVSHMEM is initialized).
 cudaError_t query_my_pe(int* pe,
                         cudaStream_t stream);

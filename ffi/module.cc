@@ -9,6 +9,7 @@
 #include <string>
 
 #include "cuda/meter.h"
+#include "ffi/copy_rate.h"
 #include "ffi/exchange.h"
 #include "ffi/layout.h"
 #include "ffi/runtime.h"
@@ -44,11 +45,13 @@ static_assert(std::size(kExchangeCpu) == std::size(jax_ep::kPeerOpNames));
 nb::dict Registrations() {
   nb::dict cpu, cuda;
   cpu["jax_ep_dispatch_layout"] = Capsule(ffi::LayoutCpu);
+  cpu[ffi::kCopyRateOp] = Capsule(ffi::CopyRateCpu);
   for (size_t op = 0; op < std::size(kExchangeCpu); ++op) {
     cpu[jax_ep::kPeerOpNames[op]] = Capsule(kExchangeCpu[op]);
   }
 #ifdef JAX_EP_WITH_CUDA
   cuda["jax_ep_dispatch_layout"] = Capsule(ffi::LayoutCuda);
+  cuda[ffi::kCopyRateOp] = Capsule(ffi::CopyRateCuda);
   for (size_t op = 0; op < std::size(kExchangeCuda); ++op) {
     cuda[jax_ep::kPeerOpNames[op]] = Capsule(kExchangeCuda[op]);
   }

@@ -18,15 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _checks, alignment, backends, checks, fp8, quant
+from jax_ep import _checks, alignment, backends, checks, fp8, quant, runtime
 from jax_ep._scopes import scoped
 from jax_ep.backends import xla
 from jax_ep.placement import Placement
 from jax_ep.structs import DispatchHandle, Received
+from jax_ep.tuned import DEFAULT_NUM_SMS  # the ops' num_sms, unless the GPU's is tuned
 
-# SMs each normal-mode kernel launch takes by default: the budget DeepEP's normal kernels use on
-# a 132-SM H800, leaving the rest to the computation they overlap with.
-DEFAULT_NUM_SMS = 20
 # A capacity past the worst case only wastes memory; past this many bytes of rows it is refused.
 _WASTE_BYTES = 1 << 30
 
@@ -186,7 +184,8 @@ def dispatch(
         format's block). With or without `wire_format`.
       backend: "auto", "xla" or "cuda" (see `jax_ep.backends`).
       num_sms: the SMs each kernel launch may take (also in the backward pass), so the rest
-        can compute beside it; None: every SM.
+        can compute beside it; None: every SM. Left unset, the GPU's entry in the tuned table
+        (`jax_ep.tuned`) where it has one, else DEFAULT_NUM_SMS.
       stream: None: run on XLA's compute stream. N: run on GPU stream N
         (`compute_on("gpu_stream:N")`), beside the computation that does not depend on the
         results (also in the backward pass). `num_sms` and `stream` place the "cuda"
@@ -210,7 +209,7 @@ def dispatch(
                       capacity_factor=capacity_factor, expert_major=expert_major,
                       expert_alignment=expert_alignment, drop_order=drop_order)
         return _dispatch_along(op, x, handle, backends.resolve(backend),
-                               _checks.placement(op, num_sms, stream))
+                               _checks.placement(op, runtime.default_num_sms(op, num_sms), stream))
     if topk_idx is None or topk_weights is None or num_experts is None:
         raise TypeError(f"{op}: pass the routing (topk_idx, topk_weights and num_experts=), "
                         f"or handle= the DispatchHandle of an earlier dispatch to send x along "
@@ -241,7 +240,7 @@ def dispatch(
                              f"rank-major rows are kept by source rank and token (leave it "
                              f"out, or pass expert_major=True).")
     _checks.check_choice(op, "on_invalid", on_invalid, _checks.INVALID_POLICIES)
-    placement = _checks.placement(op, num_sms, stream)
+    placement = _checks.placement(op, runtime.default_num_sms(op, num_sms), stream)
     # Rows (entries) a rank can need at most; a capacity that large never overflows.
     worst_case = num_ranks * num_tokens * (top_k if expert_major else 1)
     default = default_capacity(num_ranks, num_tokens, top_k, num_experts, expert_major)
@@ -489,6 +488,7 @@ def _dispatch(config: _DispatchConfig, x, scales, topk_idx, topk_weights):
         expert_major=config.expert_major,
         drop_by_source=config.drop_by_source,
         placement=config.placement,
+        **cast,
     )
 
 

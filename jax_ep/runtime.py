@@ -49,7 +49,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from jax_ep import _exchange_order
+from jax_ep import _exchange_order, tuned
 from jax_ep._checks import MAX_TOP_K
 
 SIGNAL_BYTES = 4096  # the peers' signals at the start of the buffer (cuda/peer_ops.h)
@@ -62,6 +62,8 @@ REGIONS = ("signals", "normal", "low_latency")  # the buffer's, in order (buffer
 KEY_TIMEOUT_MS = 10 * 60 * 1000
 
 _state: dict[str, object] = {}
+# The initialized buffer's GPU model and where its rings came from (runtime.defaults()).
+_resolved: dict[str, object] = {}
 _generation = itertools.count()
 
 
@@ -117,6 +119,13 @@ class Channels:
     def slots(self) -> int:
         """Slots per ring."""
         return self.chunk_tokens * self.ring_chunks
+
+
+# BufferConfig's default rings. A config holding this very object left them unset, so the
+# tuned table may replace them (`defaults`); Channels() passed by the caller is kept as given.
+BUILT_IN_CHANNELS = Channels()
+CHANNEL_FIELDS = tuple(f.name for f in dataclasses.fields(Channels))
+NUM_SMS_OPS = ("dispatch", "combine")
 
 
 # A streaming launch on a GPU (cuda/channels.h, cuda/phases.cuh; tests/test_account.py checks
@@ -190,6 +199,139 @@ def channels() -> Channels | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class Tuned:
+    """A checked entry of the tuned table (`jax_ep.tuned.TABLE`): the buffer's rings (None: in
+    phases) and the num_sms of dispatch and combine."""
+
+    channels: Channels | None
+    num_sms: dict[str, int]
+
+
+def tuned_settings(device_kind: str | None) -> Tuned | None:
+    """The tuned table's entry for the GPU model `device_kind`, checked; None where the table
+    has none, and for None (CPU devices: the built-in defaults).
+
+    Raises:
+      ValueError: a malformed entry, naming the GPU and the field.
+    """
+    if device_kind is None or device_kind not in tuned.TABLE:
+        return None
+    entry = tuned.TABLE[device_kind]
+    where = f"jax_ep.tuned.TABLE[{device_kind!r}]"
+    fix = ("copy the entry tools/gpu_tune.py printed for this GPU, or remove it for the "
+           "built-in defaults")
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} must be a dict with 'measured', 'channels' and 'num_sms'; "
+                         f"got {entry!r}: {fix}.")
+    fields = {"measured", "channels", "num_sms"}
+    if set(entry) != fields:
+        wrong = [f"{what} {sorted(names)}" for what, names in (
+            ("lacks", fields - set(entry)), ("has unknown", set(entry) - fields)) if names]
+        raise ValueError(f"{where} must have the fields {sorted(fields)}; it "
+                         f"{' and '.join(wrong)}: {fix}.")
+    if not isinstance(entry["measured"], str) or not entry["measured"].strip():
+        raise ValueError(f"{where}['measured'] must say what measured the entry (a non-empty "
+                         f"str); got {entry['measured']!r}: {fix}.")
+    rings = entry["channels"]
+    if rings is not None:
+        if not isinstance(rings, dict) or set(rings) != set(CHANNEL_FIELDS):
+            raise ValueError(f"{where}['channels'] must be None (in phases) or a dict of "
+                             f"{', '.join(CHANNEL_FIELDS)}; got {rings!r}: {fix}.")
+        rings = Channels(**rings)
+        try:
+            rings.check()
+        except ValueError as error:
+            raise ValueError(f"{where}['channels']: {error} {fix[0].upper()}{fix[1:]}.") \
+                from None
+    num_sms = entry["num_sms"]
+    if not isinstance(num_sms, dict) or set(num_sms) != set(NUM_SMS_OPS) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in num_sms.values()):
+        raise ValueError(f"{where}['num_sms'] must be a dict of a positive int for each of "
+                         f"{', '.join(NUM_SMS_OPS)}; got {num_sms!r}: {fix}.")
+    return Tuned(rings, {op: int(num_sms[op]) for op in NUM_SMS_OPS})
+
+
+def device_kind() -> str | None:
+    """The GPU model whose defaults apply: that of the initialized buffer's GPUs, else the
+    default backend's first device's (`jax.Device.device_kind`); None on CPU devices. Static:
+    the ops read it while they trace."""
+    if _state:
+        return _resolved.get("device_kind")
+    device = jax.devices()[0]
+    return device.device_kind if device.platform == "gpu" else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Defaults:
+    """What the runtime uses where the caller sets nothing, for one GPU model, and where each
+    came from ("$JAX_EP_CHANNELS", "BufferConfig.channels", "tuned table (KIND)" or
+    "built-in (why)")."""
+
+    device_kind: str | None
+    channels: Channels | None
+    channels_from: str
+    num_sms: dict[str, int]
+    num_sms_from: str
+
+    def describe(self) -> str:
+        rings = "in phases" if self.channels is None else \
+            "rings " + ",".join(map(str, dataclasses.astuple(self.channels)))
+        sms = ", ".join(f"{op} {n}" for op, n in self.num_sms.items())
+        return (f"{self.device_kind or 'CPU devices'}: {rings} [{self.channels_from}]; "
+                f"num_sms {sms} [{self.num_sms_from}]")
+
+
+def defaults_for(device_kind: str | None) -> Defaults:
+    """The defaults a `BufferConfig()` and the ops' num_sms get on the GPU model `device_kind`
+    (None: CPU devices), before `initialize()`: `$JAX_EP_CHANNELS` over the tuned table's
+    rings, the table's num_sms, the built-in defaults where it has no entry."""
+    entry = tuned_settings(device_kind)
+    if entry is not None:
+        source = f"tuned table ({device_kind})"
+        rings, rings_from, num_sms, sms_from = entry.channels, source, entry.num_sms, source
+    else:
+        why = "built-in (CPU devices)" if device_kind is None else \
+            f"built-in ({device_kind} is not in jax_ep.tuned.TABLE)"
+        rings, rings_from = Channels(), why
+        num_sms, sms_from = dict.fromkeys(NUM_SMS_OPS, int(tuned.DEFAULT_NUM_SMS)), why
+    if os.environ.get("JAX_EP_CHANNELS", "").strip():
+        rings, rings_from = channels_from_env(rings), "$JAX_EP_CHANNELS"
+    return Defaults(device_kind, rings, rings_from, num_sms, sms_from)
+
+
+def defaults() -> Defaults:
+    """The defaults in effect here (`defaults_for(device_kind())`); once initialized, the
+    buffer's rings and where they came from."""
+    found = defaults_for(device_kind())
+    if not _state:
+        return found
+    return dataclasses.replace(found, channels=_state.get("channels"),
+                               channels_from=str(_resolved.get("channels_from")))
+
+
+def default_num_sms(op: str, num_sms):
+    """The num_sms `op` (jax_ep.dispatch or jax_ep.combine) runs with: `num_sms` as given, or,
+    left at its default (a `tuned.Default`), the tuned table's for the GPU, else the default."""
+    if not isinstance(num_sms, tuned.Default):
+        return num_sms
+    entry = tuned_settings(device_kind())
+    if entry is None:
+        return int(num_sms)
+    return entry.num_sms["combine" if op.endswith("combine") else "dispatch"]
+
+
+def _rings_of(config: BufferConfig, device_kind: str | None) -> tuple[Channels | None, str]:
+    """The rings a buffer for `config` gets on `device_kind`, and where they came from:
+    `$JAX_EP_CHANNELS` over the config's, or (left unset) over the tuned table's."""
+    if config.channels is BUILT_IN_CHANNELS:
+        found = defaults_for(device_kind)
+        return found.channels, found.channels_from
+    env = bool(os.environ.get("JAX_EP_CHANNELS", "").strip())
+    return (channels_from_env(config.channels),
+            "$JAX_EP_CHANNELS" if env else "BufferConfig.channels")
+
+
+@dataclasses.dataclass(frozen=True)
 class BufferConfig:
     """The largest call one rank will make; sizes the symmetric buffer.
 
@@ -208,7 +350,8 @@ class BufferConfig:
       channels: stream the normal dispatch and combine through rings of this shape
         (`Channels`; 0.11 GiB per rank at EP8 over puts, 0.88 GiB at EP64, whatever T); None:
         in phases (the normal region then grows with R x T x H: 7.2 GiB at EP64 over puts).
-        `$JAX_EP_CHANNELS` overrides it when set.
+        `$JAX_EP_CHANNELS` overrides it when set. Left unset, the GPU's entry in the tuned
+        table (`jax_ep.tuned`) where it has one, else `Channels()` (`defaults` says which).
     """
 
     num_tokens: int = 4096
@@ -220,7 +363,7 @@ class BufferConfig:
     capacity: int | None = None
     expert_major: bool = False
     low_latency_tokens: int = 128
-    channels: Channels | None = Channels()
+    channels: Channels | None = BUILT_IN_CHANNELS
 
     def ranks(self) -> int:
         return jax.device_count() if self.num_ranks is None else self.num_ranks
@@ -348,7 +491,7 @@ def _regions(config: BufferConfig, access: str | None, nodes: int | None) -> dic
     nodes = ranks_per_node() if nodes is None else nodes
     if access not in PEER_ACCESS:
         raise ValueError(f"buffer_regions: access must be one of {PEER_ACCESS}; got {access!r}.")
-    return _carved(config, access, nodes, channels_from_env(config.channels))
+    return _carved(config, access, nodes, _rings_of(config, device_kind())[0])
 
 
 def _carved(config: BufferConfig, access: str, nodes: int,
@@ -402,9 +545,10 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
       low_latency_bytes: with `buffer_bytes`, how many of them (at the end) hold the
         low-latency regions; normal-mode calls get the rest.
 
-    Normal dispatch and combine stream through rings (`Channels`): `config.channels` (with
-    `buffer_bytes`, the default `Channels()`), or `$JAX_EP_CHANNELS` when set; None or "off"
-    runs them in phases (`channels()` says which).
+    Normal dispatch and combine stream through rings (`Channels`): `$JAX_EP_CHANNELS` when
+    set, else `config.channels`; left unset (and with `buffer_bytes`), the GPU's entry in the
+    tuned table (`jax_ep.tuned`), else `Channels()`. None or "off" runs them in phases
+    (`channels()` says which, `defaults()` where they came from).
 
     Raises:
       RuntimeError: several processes with several GPUs each, several GPUs of one process
@@ -437,13 +581,14 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
                            f"first to change the buffer.")
     if config is not None:
         config.check()
-    rings = channels_from_env((config or BufferConfig()).channels)
     from jax_ep import _ffi
 
     _ffi.require_extension(op)
     _exchange_order.wait_and_forget()
     access = peer_access()
     gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
+    kind = device_kind()
+    rings, rings_from = _rings_of(config or BufferConfig(), kind)
     local = gpu_platform(len(gpus), jax.process_count(), access, ranks_per_node()) == "local"
     if gpus and not _ffi.cuda_kernels_compiled():
         raise RuntimeError(
@@ -508,6 +653,7 @@ def initialize(config: BufferConfig | None = None, *, buffer_bytes: int | None =
         _state.update(platform="cpu", rank=rank, num_ranks=jax.local_device_count())
     _state.update(buffer_bytes=buffer_bytes, low_latency_bytes=low_latency_bytes,
                   peer_access=access, ranks_per_node=nodes, channels=rings)
+    _resolved.update(device_kind=kind, channels_from=rings_from)
 
 
 def _check_host_threads(op: str, rings: Channels) -> None:
@@ -657,6 +803,7 @@ def finalize() -> None:
 
     platform = _state.get("platform")
     _state.clear()
+    _resolved.clear()
     if platform == "gpu":
         _ffi.EXT.runtime_finalize()
     elif platform == "gpus":

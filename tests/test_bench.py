@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import jax_ep
 from jax_ep import _ffi
 from jax_ep.tools.bench import OPS
@@ -198,3 +200,66 @@ def test_the_floor_of_a_copy_at_the_measured_rate_is_reached_not_beaten():
     lone = 2 * (256 << 20) / (launch + 2 * (256 << 20) / rate)  # one a + 1 of 256 MB, as before
     bench.add_ratios([row], lone, 1)
     assert row["of_floor"] > 1.3  # the report's 1.40-1.65
+
+
+def test_a_copy_at_the_copy_rate_reads_the_floor_by_device_time():
+    """A GPU row whose kernel copies B bytes at the rate the copy floor was measured with:
+    by device time (the kernel's own, from its trace) it reads 1 within 1 %, by wall time
+    (its launch and the host's wait added) far less. The floor's rate is H200-like, measured
+    as copy_bandwidth does (16 copies of 1 GiB in one program, 50 us to launch and wait)."""
+    from jax_ep.tools import profile
+    from jax_ep.tools.bench import __main__ as bench
+    from jax_ep.tools.bench import timing
+
+    rate, launch = 4.26e12, 50e-6
+    copies_s = timing.COPIES * 2 * timing.COPY_BYTES / rate
+    measured = timing.COPIES * 2 * timing.COPY_BYTES / (launch + copies_s)
+    moved, calls = 256 << 20, 5
+    copy_us = 2 * moved / rate * 1e6
+    period = copy_us + launch * 1e6  # one call after the other: a launch, then the kernel
+    trace = {"traceEvents": [
+        {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 7, "tid": 3, "name": "thread_name",
+         "args": {"name": "Stream #13(Compute)"}},
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        *({"ph": "X", "pid": 7, "tid": 3, "name": "loop_add_fusion", "ts": i * period + 50.0,
+           "dur": copy_us, "args": {"correlation_id": str(i)}} for i in range(calls)),
+        *({"ph": "X", "pid": 1, "tid": 2, "name": "PjitFunction(copy)", "ts": i * period,
+           "dur": period} for i in range(calls)),
+    ]}
+    device = profile.device_time(trace, calls, "gpu")
+    row = {"op": "dispatch", "backend": "cuda", "status": "ok", "bytes_per_rank": moved,
+           "time": {"median": period / 1e6}, "device_s": device.seconds(one_memory=False)}
+    bench.add_ratios([row], measured, 1)
+    assert row["device_s"] == pytest.approx(copy_us / 1e6, rel=1e-9)
+    assert 1.0 <= row["of_floor_device"] <= 1.01, row  # above 1 by the launch's share
+    assert row["of_floor"] < 0.75, row  # 126 us of copy in a 176 us call
+
+
+def test_bench_device_time_on_cpu(tmp_path):
+    """--device-time on, on CPU devices: every row carries its device time (XLA:CPU's
+    operations, all virtual devices on one timeline) and its longest operations, each run
+    once per call on each of the 8 devices (or per loop iteration), the cuda rows' exchange
+    among them; the table shows the column, the footnote says what it is."""
+    proc, record = _run_bench(tmp_path, "--device-time", "on", "--ops", "dispatch",
+                              "--backends", "xla", "cuda")
+    assert record["device_time"]["source"] == "cpu" and record["device_time"]["calls"] == 2
+    assert "--device-time on" in record["command"]
+    assert "device: device time of one call, from jax.profiler" in " ".join(proc.stdout.split())
+    assert "Device time not read" not in proc.stdout
+    rows = [r for r in record["rows"] if r["status"] == "ok"]
+    assert {r["backend"] for r in rows} >= {"xla"}
+    for r in rows:
+        assert r["device_s"] > 0, r
+        assert r["of_floor_device"] == pytest.approx(r["floor_s"] / r["device_s"]), r
+        assert r["kernels"] and len(r["kernels"]) <= 10, r
+        for k in r["kernels"]:
+            assert k["launches_per_call"] % 8 == 0 and k["ms_per_call"] > 0, (r["op"], k)
+        if r["backend"] == "cuda":
+            assert any(k["kernel"].startswith("jax_ep_exchange") for k in r["kernels"]), r
+    table = {(w[0], w[1]): w for line in proc.stdout.splitlines()
+             if len(w := line.split()) > 6 and w[0] in OPS}
+    xla = next(r for r in rows if (r["op"], r["backend"]) == ("dispatch", "xla"))
+    words = table[("dispatch", "xla")]  # op, backend, time (2 words), device (2 words), ...
+    assert float(words[4]) * TIME_UNITS[words[5]] == pytest.approx(xla["device_s"], rel=0.01,
+                                                                   abs=1e-7)

@@ -60,6 +60,8 @@ def test_the_report_sets_the_kernel_model_beside_the_profile(tmp_path):
     text = md.read_text()
     assert "Per-kernel device time, dispatch+combine (per call)" in text
     assert "perfmodel --ours` predicted" in text
+    # The answers per op, this run's device times against the floor (tools/gpu_summary.py).
+    assert re.search(r"\| dispatch \(R 8 virtual\) \| 2,\d{3}\.\d \|", text), text
     assert re.search(r"\| combine \(expert-major\) \| 1 \| 4\.2\d\d \|", text)
 
 
@@ -192,3 +194,67 @@ def test_the_report_shows_the_sweep_and_the_skipped_steps(tmp_path):
     assert record["tune"]["sets"][0]["best"]["dispatch"]["streamed_over_phased"] == 0.5
     assert [s["skipped"] for s in record["steps"]] == [
         "mps: skipped: no MPS (nvidia-cuda-mps-control is not on PATH)", None]
+
+
+def test_the_report_shows_the_copy_rate_table(tmp_path):
+    """The `copyrate` step's JSON (python -m jax_ep.tools.copy_rate) as a table: per warps and
+    loads in flight the rate, its fraction of XLA's copy, and a copy that changed a byte."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "steps.tsv").write_text("copyrate\t1\t14\n")
+
+    def row(warps, run, words, gbps, identical=True):
+        return {"warps": warps, "warps_run": run, "words_in_flight": words, "seconds": 1e-3,
+                "gbps": gbps, "of_xla": gbps / 4000.0, "identical": identical}
+
+    (out / "copy_rate.json").write_text(json.dumps({
+        "command": "python -m jax_ep.tools.copy_rate", "device": "NVIDIA H200",
+        "platform": "gpu", "meaningful": True, "bytes": 300_000_000, "row_bytes": 14336,
+        "copies": 4, "repeat": 3, "xla_copy_Bps": 4.0e12,
+        "rows": [row("8", 8, 4, 40.0), row("8", 8, 16, 120.5), row("all", 132, 8, 3600.0),
+                 row("all", 0, 16, 3700.0, identical=False)]}))
+    reports = write_report(out, tmp_path / "reports")
+    (md,) = reports.glob("*.md")
+    text = md.read_text()
+    assert ("Copy rate of the row copy alone (`python -m jax_ep.tools.copy_rate`, 300 MB in "
+            "rows of 14336 bytes; XLA's copy 4000 GB/s):") in text
+    assert "| warps | words in flight | GB/s | of XLA copy | identical |" in text
+    assert "| 8 | 16 | 120.5 | 0.03 | yes |" in text
+    assert "| all (132) | 8 | 3600.0 | 0.90 | yes |" in text
+    assert "| all (every SM) | 16 | 3700.0 | 0.93 | NO |" in text
+    record = json.loads(md.with_suffix(".json").read_text())
+    assert record["copy_rate"]["rows"][0]["gbps"] == 40.0
+
+
+def test_the_report_shows_device_time_beside_the_median(tmp_path):
+    """A bench row with device time gets it and its 'of floor' in the report's table; a row
+    without (an older bench, or --device-time off) reads '-' there; an n/a row stays empty."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "steps.tsv").write_text("bench_ep1\t0\t60\n")
+    meaning = "device: device time of one call, from jax.profiler over 5 more calls"
+    (out / "bench_ep1.json").write_text(json.dumps({
+        "command": "python -m jax_ep.tools.bench --fp8", "device": {"kind": "NVIDIA H200"},
+        "copy_bandwidth_Bps": 4.2e12,
+        "device_time": {"mode": "auto", "source": "gpu", "calls": 5, "meaning": meaning},
+        "rows": [
+            {"op": "dispatch", "backend": "cuda", "status": "ok", "gbps": 312.5,
+             "of_floor": 0.6512, "vs_xla": 0.25, "time": {"median": 250e-6},
+             "device_s": 180.25e-6, "of_floor_device": 0.9044,
+             "kernels": [{"kernel": "DispatchSend", "launches_per_call": 1.0,
+                          "ms_per_call": 0.15}]},
+            {"op": "dispatch", "backend": "xla", "status": "ok", "gbps": 78.1,
+             "of_floor": 0.163, "vs_xla": 1.0, "time": {"median": 1e-3}},
+            {"op": "combine", "backend": "cuda", "status": "n/a"}]}))
+    reports = write_report(out, tmp_path / "reports")
+    (md,) = reports.glob("*.md")
+    text = md.read_text()
+    assert "| op | backend | median | device | GB/s | of floor | of floor (device) | vs xla |" \
+        in text
+    assert "| dispatch | cuda | 250.0 us | 180.2 us | 312.5 | 0.65 | 0.90 | 0.25 |" in text
+    assert "| dispatch | xla | 1000.0 us | - | 78.1 | 0.16 | - | 1.00 |" in text
+    assert "| combine | cuda | n/a | | | | | |" in text
+    assert meaning in text
+    record = json.loads(md.with_suffix(".json").read_text())
+    row = record["bench_ep1"]["rows"][0]
+    assert row["device_s"] == 180.25e-6 and row["kernels"][0]["kernel"] == "DispatchSend"

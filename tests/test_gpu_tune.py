@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import os
@@ -10,6 +11,8 @@ import subprocess
 import sys
 
 import numpy as np
+
+from jax_ep import runtime, tuned
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "gpu_tune.py")
@@ -19,12 +22,13 @@ sys.modules["gpu_tune"] = gpu_tune  # its dataclass looks itself up there
 spec.loader.exec_module(gpu_tune)
 
 
-def test_the_sweep_rehearses_on_cpu_devices(tmp_path):
+def test_the_sweep_rehearses_on_cpu_devices(tmp_path, monkeypatch):
     """--cpu: a process of R CPU devices per set (R 4 and 2), every point of the tiny grid run,
-    checked bit for bit against the first (phased) point, and the fastest streamed settings
-    per op chosen by median."""
+    checked bit for bit against the first (phased) point, the fastest streamed settings
+    per op chosen by median, and the entry for the runtime's table rendered."""
     out = tmp_path / "tune.json"
-    proc = subprocess.run([sys.executable, TOOL, "--cpu", "--json", str(out)],
+    proc = subprocess.run([sys.executable, TOOL, "--cpu", "--json", str(out), "--table",
+                           str(tmp_path / "entry.py")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     record = json.loads(out.read_text())
@@ -55,6 +59,68 @@ def test_the_sweep_rehearses_on_cpu_devices(tmp_path):
             assert chosen["streamed_over_phased"] == fastest["median_s"] / phased
             assert f"{op}, {run['ranks']} ranks (CPU devices" in proc.stdout
     assert "points ran and match the first point bit for bit" in proc.stdout
+    # The entry for the runtime's table: printed, in the JSON and the --table file, the
+    # set of the most ranks' least dispatch + combine time, and read back by the runtime.
+    text = record["table_entry"]
+    assert text == gpu_tune.render_entry(*gpu_tune.table_entry(record))
+    assert text in proc.stdout and "times not meaningful here, not for the table" in proc.stdout
+    assert (tmp_path / "entry.py").read_text() == text + "\n"
+    assert max(len(line) for line in text.splitlines()) <= 100  # ruff's line length
+    parsed = ast.literal_eval("{" + text + "}")
+    entry = parsed["cpu"]
+    assert list(parsed) == ["cpu"] and "4 ranks" in entry["measured"]
+    totals = {}
+    for p in record["sets"][0]["points"]:
+        shape = None if p["mode"] == "phased" else tuple(p[k] for k in (
+            "channels", "chunk_tokens", "ring_chunks", "warps"))
+        fastest = totals.setdefault(shape, {})
+        fastest[p["op"]] = min(fastest.get(p["op"], (np.inf,)), (p["median_s"], p["num_sms"]))
+    shape, chosen = min(totals.items(), key=lambda item: sum(t for t, _ in item[1].values()))
+    assert entry["channels"] == (None if shape is None else dict(zip(
+        ("channels", "chunk_tokens", "ring_chunks", "warps"), shape, strict=True)))
+    assert entry["num_sms"] == {op: chosen[op][1] for op in gpu_tune.OPS}
+    monkeypatch.setattr(tuned, "TABLE", parsed)
+    settings = runtime.tuned_settings("cpu")
+    assert settings.num_sms == entry["num_sms"]
+    assert settings.channels == (entry["channels"] and runtime.Channels(**entry["channels"]))
+
+
+def test_the_entry_takes_one_ring_shape_for_both_ops():
+    """The fastest shape of each op differs: the entry takes the shape with the least sum,
+    each op at its fastest num_sms there, from the set of the most ranks; phased where the
+    phased ops' sum is the least; and it round-trips into the runtime's table."""
+    def run(ranks, times):
+        points = [{"mode": "phased" if shape is None else "streamed", "op": op,
+                   "status": "ok", "median_s": t, "num_sms": sms,
+                   **dict(zip(("channels", "chunk_tokens", "ring_chunks", "warps"),
+                              shape or (None,) * 4, strict=True))}
+                  for (shape, op, sms), t in times.items()]
+        return {"ranks": ranks, "device": "NVIDIA Test", "how": "test", "points": points}
+
+    a, b = (40, 4, 3, 0), (64, 4, 3, 0)
+    times = {(None, "dispatch", 20): 9, (None, "combine", 20): 9,
+             (a, "dispatch", 20): 1, (a, "combine", 20): 6,  # fastest dispatch, sum 7
+             (b, "dispatch", 20): 3, (b, "dispatch", 28): 2,  # sum 5, at num_sms 28 and 20
+             (b, "combine", 20): 3, (b, "combine", 28): 4}
+    record = {"shape": {"tokens": 1, "hidden": 128, "top_k": 1, "experts": 2},
+              "sets": [run(2, {(None, "dispatch", 20): 1, (None, "combine", 20): 1}),
+                       run(4, times)]}
+    kind, entry = gpu_tune.table_entry(record)
+    assert kind == "NVIDIA Test" and "4 ranks" in entry["measured"]
+    assert entry["channels"] == {"channels": 64, "chunk_tokens": 4, "ring_chunks": 3,
+                                 "warps": 0}
+    assert entry["num_sms"] == {"dispatch": 28, "combine": 20}
+    record["sets"][1] = run(4, {**times, (None, "dispatch", 20): 1, (None, "combine", 20): 1})
+    assert gpu_tune.table_entry(record)[1]["channels"] is None
+    record["sets"] = [run(4, {(a, "dispatch", 20): 1})]  # no set timed both ops
+    assert gpu_tune.table_entry(record) is None
+    parsed = ast.literal_eval("{" + gpu_tune.render_entry(kind, entry) + "}")
+    assert parsed == {kind: entry}
+    try:
+        tuned.TABLE[kind] = parsed[kind]
+        assert runtime.defaults_for(kind).channels == runtime.Channels(64, 4, 3, 0)
+    finally:
+        del tuned.TABLE[kind]
 
 
 def test_without_mps_the_sweep_says_so_and_passes(tmp_path):

@@ -39,8 +39,9 @@ NVCC_FLAGS = [
     "-Xptxas",
     "-v",
 ]
-# Kernels on the per-step path of a model: any spill or stack frame there fails the check.
-HOT_KERNELS = frozenset({"dispatch_layout", "per_warp_kernel"})
+# Kernels on the per-step path of a model, and the copy-rate kernel (whose rate, with local
+# memory, would not be the row copy's): any spill or stack frame there fails the check.
+HOT_KERNELS = frozenset({"copy_rate_kernel", "dispatch_layout", "per_warp_kernel"})
 # The phases that move rows: 32 warps per SM need at most 64 registers per thread.
 COPY_PHASES = frozenset(
     {

@@ -14,8 +14,8 @@
 # CPU handlers, per-kernel profile), then compute-sanitizer (memcheck, synccheck, initcheck,
 # racecheck on jax_ep's kernels), then performance: processes on the GPU under CUDA MPS
 # (`mps`, and `tune`, the sweep of the streamed ops' settings against the phased ops;
-# skipped, and say so, where MPS cannot run) and the benchmarks (which fail unless their
-# cuda rows ran).
+# skipped, and say so, where MPS cannot run), the rate of the row copy alone (`copyrate`)
+# and the benchmarks (which fail unless their cuda rows ran).
 # Writes one report (markdown + JSON) under docs/gpu/ (or $JAX_EP_GPU_REPORT_DIR) and OUT_DIR,
 # rewritten after every step, so a run stopped at a time limit still leaves one. A failing step
 # is recorded and the next one runs; the exit status is non-zero when any step failed.
@@ -27,7 +27,7 @@
 # STEPs to run only those: env build installed smoke2_streamed smoke4_streamed_put
 # smoke4_streamed_nodes graph graph2 smoke2_phased smoke4_nodes_phased smoke_local kernels
 # ragged smoke2 smoke4 smoke2_put smoke4_put smoke4_nodes smoke4_groups ptxas large memcheck
-# synccheck initcheck racecheck mps tune bench_ep1 bench_virtual tests. --dry-run runs no
+# synccheck initcheck racecheck mps tune copyrate bench_ep1 bench_virtual tests. --dry-run runs no
 # step: it checks that each one's command exists (CI runs it) and writes the report of that.
 # See docs/gpu/README.md.
 set -uo pipefail
@@ -234,6 +234,8 @@ step racecheck sanitize racecheck
 step mps mps_rig
 step tune tune
 mps_stop
+# The row copy alone: one warp per SM on 8, 16, 32 and every SM, 4/8/16 loads in flight.
+step copyrate python3 -m jax_ep.tools.copy_rate --json "$OUT_DIR/copy_rate.json"
 step bench_ep1 bench --json "$OUT_DIR/bench_ep1.json"
 step bench_virtual bench --virtual --ranks 8 --json "$OUT_DIR/bench_virtual.json"
 step tests python3 -m pytest -q "$ROOT/tests" --ignore="$ROOT/tests/gpu" -p no:cacheprovider \

@@ -14,9 +14,6 @@ Exits non-zero on any difference.
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
-import gzip
 import json
 import os
 import sys
@@ -27,6 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from jax_ep import virtual
+from jax_ep.tools import profile as jax_profile
 from jax_ep.tools import reference
 from jax_ep.tools.bench.routings import make_routing
 
@@ -107,24 +105,6 @@ def run_on(device, fn, inputs):
     return jax.tree.map(np.asarray, jax.block_until_ready(jitted(*args)))
 
 
-def kernel_times(trace_dir: str) -> list[tuple[str, int, float]]:
-    """(kernel name, launches, total device ms) from the profiler's trace, longest first."""
-    paths = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz"))
-    if not paths:
-        raise RuntimeError(f"the profiler wrote no trace under {trace_dir}")
-    with gzip.open(max(paths, key=os.path.getmtime), "rt") as f:
-        events = json.load(f)["traceEvents"]
-    devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-               and "/device:GPU" in e.get("args", {}).get("name", "")}
-    total = collections.defaultdict(lambda: [0, 0.0])
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in devices and "dur" in e:
-            entry = total[e["name"]]
-            entry[0] += 1
-            entry[1] += e["dur"] / 1e3
-    return sorted(((n, c, ms) for n, (c, ms) in total.items()), key=lambda r: -r[2])
-
-
 def profile(gpu, named_cases, trace_dir: str, calls: int = 5) -> dict:
     report = {}
     for name, fn, inputs in named_cases:
@@ -134,12 +114,13 @@ def profile(gpu, named_cases, trace_dir: str, calls: int = 5) -> dict:
         with jax.profiler.trace(case_dir):
             for _ in range(calls):
                 jax.block_until_ready(jitted(*args))
-        rows = kernel_times(case_dir)
-        report[name] = [{"kernel": n, "launches_per_call": c / calls, "ms_per_call": ms / calls}
-                        for n, c, ms in rows]
+        rows = jax_profile.device_kernel_times(jax_profile.load_trace(case_dir), "gpu")
+        report[name] = [{"kernel": k.name, "launches_per_call": k.launches / calls,
+                         "ms_per_call": k.seconds * 1e3 / calls} for k in rows]
         print(f"\nper-kernel device time, {name} (per call, mean of {calls}):")
-        for n, c, ms in rows[:15]:
-            print(f"  {ms / calls:9.3f} ms  x{c / calls:<5g} {n[:110]}")
+        for k in rows[:15]:
+            print(f"  {k.seconds * 1e3 / calls:9.3f} ms  x{k.launches / calls:<5g} "
+                  f"{k.name[:110]}")
     return report
 
 

@@ -17,6 +17,8 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The committed reports the model is calibrated on (the installed jax_ep has no docs/).
+REPORTS = os.path.join(ROOT, "docs", "gpu")
 
 
 def read(path: str) -> str:
@@ -91,10 +93,14 @@ def bench(path: str) -> dict | None:
     record = load(path)
     if record is None:
         return None
-    rows = [{k: r.get(k) for k in ("op", "backend", "status", "gbps", "of_floor", "vs_xla")}
-            | {"median_s": r.get("time", {}).get("median")} for r in record["rows"]]
+    keys = ("op", "backend", "status", "gbps", "of_floor", "vs_xla", "device_s",
+            "of_floor_device")
+    rows = [{k: r.get(k) for k in keys} | {"median_s": r.get("time", {}).get("median"),
+                                          "kernels": (r.get("kernels") or [])[:3]}
+            for r in record["rows"]]
     return {"command": record["command"], "device": record["device"],
-            "copy_bandwidth_Bps": record["copy_bandwidth_Bps"], "rows": rows}
+            "copy_bandwidth_Bps": record["copy_bandwidth_Bps"],
+            "device_time": record.get("device_time"), "rows": rows}
 
 
 def tune(path: str) -> dict | None:
@@ -116,7 +122,8 @@ def tune(path: str) -> dict | None:
                      "points": len(points), "ok": len(points) - len(skipped) - len(bad),
                      "skipped": len(skipped), "bad": [describe(p) for p in bad]})
     return {"device": record.get("device"), "meaningful": record["meaningful"],
-            "shape": record["shape"], "calls": record["calls"], "sets": sets}
+            "shape": record["shape"], "calls": record["calls"], "sets": sets,
+            "table_entry": record.get("table_entry")}
 
 
 def tune_lines(t: dict) -> list[str]:
@@ -144,6 +151,9 @@ def tune_lines(t: dict) -> list[str]:
         out.append(f"- {run['ranks']} ranks ({run['how']}): {run['ok']} of {run['points']} "
                    f"points ran and match the first bit for bit, {run['skipped']} skipped")
         out += [f"  - {bad}" for bad in run["bad"]]
+    if t.get("table_entry"):
+        out += ["", "The entry for `jax_ep/tuned.py`'s table (commit it with this report):", "",
+                "```python", t["table_entry"].rstrip(), "```"]
     return out
 
 
@@ -162,12 +172,22 @@ def copy_rate_lines(c: dict) -> list[str]:
     return out
 
 
+def report_name(report: dict) -> str:
+    """The report's file name, without .md or .json: <date>-<device>-<commit>."""
+    slug = re.sub(r"[^a-z0-9]+", "-", report["device"].lower()).strip("-")
+    return f"{report['date']}-{slug}-{report['commit']}"
+
+
 def markdown(report: dict) -> str:
     out = [f"# GPU check, {report['date']}", "",
            f"- device: {report['device']}", f"- commit: {report['commit']}",
            f"- environment: {' / '.join(report['environment'])}", "",
            "| step | exit | seconds |", "|---|---|---|"]
     out += [f"| {s['step']} | {s['exit']} | {s['seconds']} |" for s in report["steps"]]
+    if report.get("large") or report.get("tune") or report.get("bench_ep1"):
+        import gpu_summary  # beside this file; needs jax_ep (the answers' model and account)
+
+        out += gpu_summary.answers(report, REPORTS, before=report_name(report) + ".json")
     skips = [s for s in report["steps"] if s.get("skipped")]
     if skips:
         out += ["", "Passed without doing their work (exit 0, and said why):", ""]
@@ -198,7 +218,8 @@ def markdown(report: dict) -> str:
 
             out += ["", "What `python -m jax_ep.tools.perfmodel --ours` predicted for these ops at "
                         "these shapes (per op and call; compare with the kernels above):", "",
-                    kernel_model.predictions(report["device"])]
+                    kernel_model.predictions(report["device"], REPORTS,
+                                             before=report_name(report) + ".json")]
     for tool in SANITIZERS:
         if report.get(tool):
             out.append(f"- compute-sanitizer {tool}: {report[tool]}")
@@ -212,14 +233,23 @@ def markdown(report: dict) -> str:
             continue
         out += ["", f"Benchmark `{b['command']}` (copy bandwidth "
                     f"{b['copy_bandwidth_Bps'] / 1e9:.0f} GB/s):", "",
-                "| op | backend | median | GB/s | of floor | vs xla |", "|---|---|---|---|---|---|"]
+                "| op | backend | median | device | GB/s | of floor | of floor (device) | vs xla |",
+                "|---|---|---|---|---|---|---|---|"]
         for r in b["rows"]:
             if r["status"] != "ok":
-                out.append(f"| {r['op']} | {r['backend']} | {r['status']} | | | |")
+                out.append(f"| {r['op']} | {r['backend']} | {r['status']} | | | | | |")
                 continue
             vs = f"{r['vs_xla']:.2f}" if r["vs_xla"] is not None else "-"
+            # Reports from before the device time, or runs without it, have none.
+            device = f"{r['device_s'] * 1e6:.1f} us" if r.get("device_s") else "-"
+            of_device = (f"{r['of_floor_device']:.2f}" if r.get("of_floor_device") is not None
+                         else "-")
             out.append(f"| {r['op']} | {r['backend']} | {r['median_s'] * 1e6:.1f} us | "
-                       f"{r['gbps']:.1f} | {r['of_floor']:.2f} | {vs} |")
+                       f"{device} | {r['gbps']:.1f} | {r['of_floor']:.2f} | {of_device} | "
+                       f"{vs} |")
+        device_time = b.get("device_time") or {}
+        if device_time.get("meaning"):
+            out += ["", device_time["meaning"]]
     graph = report.get("graph")
     if graph:
         out += ["", f"Low-latency decode loop under command buffers (`tools/gpu_graph_case.py`, "
@@ -256,8 +286,7 @@ def main(out_dir: str, report_dir: str) -> int:
         "tune": tune(os.path.join(out_dir, "tune.json")),
         "copy_rate": load(os.path.join(out_dir, "copy_rate.json")),
     }
-    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
-    base = os.path.join(report_dir, f"{date}-{slug}-{commit}")
+    base = os.path.join(report_dir, report_name(report))
     os.makedirs(os.path.dirname(base), exist_ok=True)
     with open(base + ".json", "w") as f:
         json.dump(report, f, indent=2)

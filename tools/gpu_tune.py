@@ -1,7 +1,7 @@
 """A sweep of the streamed normal dispatch and combine's settings, against the phased ops.
 
 Run: python tools/gpu_tune.py [--processes 4,2] [--rings C,CHUNK,CHUNKS[,WARPS] ...]
-         [--num-sms 20,28] [--json OUT/tune.json]
+         [--num-sms 20,28] [--json OUT/tune.json] [--table OUT/tuned_entry.py]
      python tools/gpu_tune.py --cpu [--json FILE]     (the rehearsal: CPU devices, tiny)
 
 For each R of --processes, R processes on the one GPU (jax.distributed on 127.0.0.1, real
@@ -42,6 +42,12 @@ tiny shapes and a tiny grid; its times mean nothing either.
 Output: a markdown table per set and op on stdout (fastest first, with the phased time at the
 same num_sms and the streamed/phased ratio) and, with --json, every point and the fastest
 streamed settings per op keyed by the GPU's name (jax.devices()[0].device_kind) and R.
+Last, the entry for the table the runtime reads its defaults from (jax_ep/tuned.py, keyed
+by the GPU's name): one ring shape for both ops (the buffer has one), or the phased ops,
+whichever has the least dispatch + combine time, and each op's fastest num_sms at it, from
+the set of the most ranks; printed, in the JSON's table_entry, and with --table written to
+a file. Committed with the report that measured it, it becomes that GPU's default
+(docs/gpu/README.md).
 
 Not done: the copy-rate microbenchmark (a row copy alone at one warp per SM on 8/16/32 SMs with
 4/8/16 loads in flight) needs a kernel of its own, which the extension does not have.
@@ -52,6 +58,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import datetime
 import json
 import os
 import shutil
@@ -60,6 +67,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 
 OPS = ("dispatch", "combine")
@@ -517,6 +525,65 @@ def best(points: list[dict]) -> dict:
     return out
 
 
+def table_entry(record: dict) -> tuple[str, dict] | None:
+    """The entry of jax_ep.tuned.TABLE the sweep measured: (GPU name, entry), or None when no
+    set timed both ops. The rings are the buffer's, one shape for both ops, so the entry takes
+    the shape (or the phased ops) with the least dispatch + combine time, each op at its
+    fastest num_sms; from the set of the most ranks that timed both (the most contention)."""
+    for run in sorted(record.get("sets", []), key=lambda run: -run["ranks"]):
+        # {shape or None (phased): {op: (median, num_sms)}}, the fastest num_sms per op
+        fastest: dict = {}
+        for p in run["points"]:
+            if p["status"] != "ok" or "median_s" not in p:
+                continue
+            shape = None if p["mode"] == "phased" else tuple(
+                p[k] for k in ("channels", "chunk_tokens", "ring_chunks", "warps"))
+            mine = fastest.setdefault(shape, {})
+            if p["op"] not in mine or p["median_s"] < mine[p["op"]][0]:
+                mine[p["op"]] = (p["median_s"], p["num_sms"])
+        both = {shape: ops for shape, ops in fastest.items() if set(ops) == set(OPS)}
+        if not both:
+            continue
+        shape, ops = min(both.items(), key=lambda item: sum(t for t, _ in item[1].values()))
+        keys = ("channels", "chunk_tokens", "ring_chunks", "warps")
+        times = ", ".join(f"{op} {ops[op][0] * 1e6:.1f} us" for op in OPS)
+        phased = fastest.get(None, {})
+        against = ", ".join(f"{op} {phased[op][0] * 1e6:.1f} us" for op in OPS if op in phased)
+        shown = record["shape"]
+        measured = (f"tools/gpu_tune.py {datetime.date.today()}, {run['ranks']} ranks "
+                    f"({run['how']}), T "
+                    f"{shown['tokens']} H {shown['hidden']} top-{shown['top_k']} of "
+                    f"{shown['experts']}: {'phased' if shape is None else 'streamed'} "
+                    f"{times}" + (f"; phased {against}" if against and shape else ""))
+        return run["device"], {
+            "measured": measured,
+            "channels": None if shape is None else dict(zip(keys, shape, strict=True)),
+            "num_sms": {op: ops[op][1] for op in OPS}}
+    return None
+
+
+def literal(value) -> str:
+    """`value` (None, int, str, or dicts of them) as Python source on one line."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)}: {literal(v)}" for k, v in value.items()) + "}"
+    return "None" if value is None else json.dumps(value)
+
+
+def render_entry(device: str, entry: dict) -> str:
+    """The entry as the lines to paste into jax_ep/tuned.py's TABLE (a long string split
+    into adjacent literals, within the project's 100 columns)."""
+    lines = [f"    {json.dumps(device)}: {{"]
+    for key, value in entry.items():
+        if isinstance(value, str) and len(value) > 60:
+            pieces = textwrap.wrap(value, 76, drop_whitespace=False, break_long_words=False)
+            lines.append(f"        {json.dumps(key)}: (")
+            lines += [f"            {json.dumps(piece)}" for piece in pieces]
+            lines.append("        ),")
+        else:
+            lines.append(f"        {json.dumps(key)}: {literal(value)},")
+    return "\n".join([*lines, "    },"])
+
+
 def table(run: dict, op: str) -> list[str]:
     """The markdown table of one set's op."""
     lines = [f"{op}, {run['ranks']} ranks ({run['how']}):", "",
@@ -595,6 +662,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds a set may run past its budget before it is stopped")
     parser.add_argument("--json", help="write every point and the best settings here")
+    parser.add_argument("--table", help="write the entry for jax_ep/tuned.py's TABLE here "
+                        "(it is printed, and in the JSON's table_entry, either way)")
     parser.add_argument("--cpu", action="store_true",
                         help="rehearse on CPU devices (host peers), tiny shapes and grid")
     parser.add_argument("--check-mps", action="store_true",
@@ -675,6 +744,18 @@ def main(argv: list[str] | None = None) -> int:
             for op in OPS:
                 print("\n".join(["", *table(run, op)]))
             write_json(args.json, record)  # after every set: a stopped run keeps the first
+    found = table_entry(record)
+    if found:
+        record["table_entry"] = render_entry(*found)
+        write_json(args.json, record)
+        print("\ntune: the entry for jax_ep/tuned.py's TABLE (docs/gpu/README.md)"
+              + ("" if record["meaningful"] else "; times not meaningful here, not for the "
+                 "table") + ":\n\n" + record["table_entry"])
+        if args.table:
+            with open(args.table, "w") as f:
+                f.write(record["table_entry"] + "\n")
+    else:
+        print("\ntune: no entry for jax_ep/tuned.py: no set timed both ops")
     points = [p for run in record["sets"] for p in run["points"]]
     bad = [p for p in points if p["status"] not in ("ok", SKIPPED)]
     skipped = sum(p["status"] == SKIPPED for p in points)

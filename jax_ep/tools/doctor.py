@@ -3,7 +3,8 @@
 It gathers the facts (JAX and its CUDA plugin, the extension's build, NVSHMEM's host library
 against the device library built in, the devices and their compute capabilities, the CUDA
 driver against the runtime built in, peer access between the local GPUs, free device memory,
-the RDMA stack between hosts, the JAX_EP_* and NVSHMEM_* variables set), checks
+the RDMA stack between hosts, the JAX_EP_* and NVSHMEM_* variables set, the defaults the
+runtime takes for this GPU and where from: the tuned table or the built-in ones), checks
 them against what a configuration needs (`BufferConfig`, DeepSeek's shapes by default), then
 runs a bit-exact self-test of the local paths under a time limit. Exit status 0 only when
 every check that applies passes; on CPU the GPU checks say why they were skipped.
@@ -179,7 +180,23 @@ def check_facts(facts: Facts, config: Any) -> list[Check]:
     checks.append(_check_nvshmem(facts))
     checks.append(_check_transports(facts))
     checks.append(_check_variables(facts))
+    checks.append(_check_defaults(facts))
     return checks
+
+
+def _check_defaults(facts: Facts) -> Check:
+    """The rings and num_sms the runtime uses where the caller sets none, for this machine's
+    first GPU (or its CPU devices), and where each came from: $JAX_EP_CHANNELS, the tuned
+    table (jax_ep.tuned) or the built-in defaults."""
+    from jax_ep import runtime
+
+    gpus = [d for d in facts.devices if d.platform == "gpu"]
+    try:
+        found = runtime.defaults_for(gpus[0].kind if gpus else None)
+    except ValueError as error:
+        return Check("defaults", FAIL, f"cannot resolve them for "
+                     f"{gpus[0].kind if gpus else 'CPU devices'}", str(error))
+    return Check("defaults", OK, found.describe())
 
 
 def _cuda_version(v: int) -> str:

@@ -54,8 +54,10 @@ CASE_OPS = {
     "dispatch+combine": {"dispatch": 1, "combine": 2},
     "dispatch+combine expert-major": {"dispatch (expert-major)": 1, "combine (expert-major)": 2},
     "dispatch fp8": {"dispatch (fp8)": 1},
-    "low-latency round trip": {"ll_dispatch_send": 1, "ll_combine_recv": 1},
-    "low-latency round trip fp8": {"ll_dispatch_send (fp8)": 1, "ll_combine_recv": 1},
+    "low-latency round trip": {"ll_dispatch_send": 1, "ll_dispatch_recv": 1,
+                               "ll_combine_send": 1, "ll_combine_recv": 1},
+    "low-latency round trip fp8": {"ll_dispatch_send (fp8)": 1, "ll_dispatch_recv (fp8)": 1,
+                                   "ll_combine_send": 1, "ll_combine_recv": 1},
 }
 # The op (its name in the account, before any " (variant)") each kernel of virtual ranks runs for.
 KERNEL_OPS = {
@@ -64,6 +66,9 @@ KERNEL_OPS = {
     "LowLatencyCount": "ll_dispatch_send", "LowLatencySend": "ll_dispatch_send",
     "LowLatencyFinish": "ll_dispatch_recv", "LowLatencyCombineSend": "ll_combine_send",
     "LowLatencyCombineToken": "ll_combine_recv",
+    # 973005d's (its report is calibrated kernel by kernel, LEGACY; these place its kernels
+    # in the GPU report's answers per op)
+    "DispatchBases": "dispatch", "CombineReduceEntries": "combine",
 }
 _KERNEL = re.compile(r"per_\w+_kernel<jax_ep::(?:cuda::)?(\w+)")
 _MODEL = re.compile(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b")
@@ -103,8 +108,10 @@ class Report:
                    if not row["kernel"].startswith(("Memcpy", "Memset")))
 
 
-def reports(directory: Path | str = REPORTS) -> list[Report]:
-    """Every report under `directory` with a profiled large case, oldest first."""
+def reports(directory: Path | str = REPORTS, before: str | None = None) -> list[Report]:
+    """Every report under `directory` with a profiled large case, oldest first; with
+    `before` (a report's file name), those but that one (a GPU run's own report, whose
+    predictions come from the reports before it)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(
@@ -112,6 +119,8 @@ def reports(directory: Path | str = REPORTS) -> list[Report]:
             "on docs/gpu/*.json of a source checkout (perfmodel --ours --reports DIR).")
     found = []
     for path in sorted(directory.glob("*.json")):
+        if path.name == before:
+            continue
         record = json.loads(path.read_text())
         kernels = (record.get("large") or {}).get("kernels")
         if kernels:
@@ -168,6 +177,8 @@ def measured_ops(report: Report, seed: int = 0) -> list[Measured]:
             summed[op][1] += row["launches_per_call"]
             summed[op][2] += row["ms_per_call"] * 1e-3
         for op, (names, launches, seconds) in summed.items():
+            if not names:
+                continue  # no kernel of its own here (virtual ranks' receives)
             a = ops[op]  # an op two cases ran (the low-latency combine) counts once, the first
             found.setdefault(op, Measured(op, tuple(names), round(launches / calls[op]),
                                           a.bytes, a.row_warps, seconds / calls[op]))
@@ -330,17 +341,20 @@ def prediction_table(model: Model, ops: Sequence[account.Account]) -> str:
     return "\n".join(lines)
 
 
-def model_for(device: str, directory: Path | str = REPORTS, seed: int = 0) -> Model:
-    """The model of `device`'s GPU model; the newest report's of any model where it has none."""
-    found = reports(directory)
+def model_for(device: str, directory: Path | str = REPORTS, seed: int = 0,
+              before: str | None = None) -> Model:
+    """The model of `device`'s GPU model; the newest report's of any model where it has none
+    (`before`: see `reports`)."""
+    found = reports(directory, before)
     by_model = newest(found)
     return calibrate(by_model.get(gpu_model(device), found[-1]), seed)
 
 
-def predictions(device: str = "H100", directory: Path | str = REPORTS, seed: int = 0) -> str:
+def predictions(device: str = "H100", directory: Path | str = REPORTS, seed: int = 0,
+                before: str | None = None) -> str:
     """Today's ops at the large case's shapes on `device` (the GPU report prints it beside the
-    measured times)."""
-    model = model_for(device, directory, seed)
+    measured times; `before`: see `reports`)."""
+    model = model_for(device, directory, seed, before)
     return (f"(model of the {model.gpu}, calibrated on {model.report.path.name})\n\n"
             + prediction_table(model, list(accounts(seed=seed).values())))
 

@@ -5,8 +5,10 @@ the default run takes well under two minutes on 2 cores; on a GPU machine it use
 DeepEP's setups (4096 tokens per rank, hidden 7168, top-8 of 256 experts; 128 tokens per rank
 in low-latency mode). --virtual runs all R ranks on one device through jax_ep.virtual (the
 way to time the kernels' exchange between R ranks on a single GPU). It prints progress on
-stderr, then a table on stdout: median time, bytes moved per rank (DeepEP's count), GB/s, the
-memory-copy floor, and the ratio to the pure-XLA backend. --json PATH writes every number.
+stderr, then a table on stdout: median time, device time (jax.profiler: the GPU's kernels, or
+XLA:CPU's operations), bytes moved per rank (DeepEP's count), GB/s, the memory-copy floor and
+each time's fraction of it, and the ratio to the pure-XLA backend. --json PATH writes every
+number.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ from jax_ep.tools.bench.routings import KINDS
 CPU_DEFAULTS = {"ranks": 8, "tokens": 512, "ll_tokens": 32, "hidden": 2048, "repeat": 10}
 GPU_DEFAULTS = {"tokens": 4096, "ll_tokens": 128, "hidden": 7168, "repeat": 50}
 DTYPES = ("bfloat16", "float16", "float32")
+# Calls profiled per op for its device time (at most --repeat).
+DEVICE_CALLS = 5
+# Platforms whose profiler traces hold the device's own events, and which events they are
+# (jax_ep.tools.profile.device_events).
+DEVICE_SOURCES = {"gpu": "gpu", "cpu": "cpu"}
 
 
 class UsageError(Exception):
@@ -89,6 +96,15 @@ def make_parser() -> argparse.ArgumentParser:
         "machine's copy bandwidth when one memory holds every rank (CPU devices, --virtual), "
         "else the GPU's preset",
     )
+    p.add_argument(
+        "--device-time",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="also time each op's device work under jax.profiler (a few more calls): on a GPU "
+        "its kernels, on CPU XLA:CPU's operations. auto (the default): where the platform's "
+        "trace holds such events (GPU, CPU), else off; on: likewise, saying why where it "
+        "cannot; off: never",
+    )
     p.add_argument("--json", metavar="PATH", help="write every number to PATH")
     p.add_argument(
         "--require",
@@ -128,6 +144,8 @@ def rerun_command(args: argparse.Namespace, settings: dict[str, Any]) -> str:
         words += ["--backends", *args.backends]
     if args.model != "auto":
         words += ["--model", args.model]
+    if args.device_time != "auto":
+        words += ["--device-time", args.device_time]
     if args.json:
         words += ["--json", args.json]
     return shlex.join(words)
@@ -152,12 +170,19 @@ def run_case(
     repeat: int,
     unavailable: str | None,
     virtual: bool = False,
+    device_source: str | None = None,
+    one_memory: bool = False,
 ) -> dict[str, Any]:
     """Times one (op, backend) and returns its row, with status "ok", "n/a" or "error".
 
     n/a: the backend cannot run at all (`unavailable` says why) or does not implement the op.
     error: anything else went wrong; the traceback goes to stderr and the run goes on (the
     exit status will be 1).
+    device_source: "gpu" or "cpu" to add the device time of min(DEVICE_CALLS, repeat) more
+    calls (`device_s`, per call, with the longest `kernels`), None for none. Where it cannot
+    be read the row is still timed, with `device_s` None and `device_reason`.
+    one_memory: one memory holds every rank (CPU devices, virtual ranks): device time is
+    every device's work on one timeline.
     """
     from jax_ep.tools.bench import suite, timing, virtual_cases
 
@@ -168,6 +193,7 @@ def run_case(
         case = suite.build_case(op, inputs, backend,
                                 virtual_cases.CASES if virtual else None)
         t = timing.time_calls(case.fn, case.args, warmup=warmup, repeat=repeat)
+        device = device_time_of(case, device_source, min(DEVICE_CALLS, repeat), one_memory)
     except NotImplementedError as error:
         return {**row, "status": "n/a", "reason": str(error)}
     except Exception as error:  # report it, time the rest, fail at the end
@@ -183,11 +209,32 @@ def run_case(
         "time": dataclasses.asdict(t),
         "bytes_per_rank": case.bytes_per_rank,
         "gbps": case.bytes_per_rank / t.median / 1e9,
+        **device,
     }
     account = suite.case_account(op, inputs, virtual) if backend == "cuda" else None
     if account is not None:
         out["account"] = {**dataclasses.asdict(account), "ratio": account.ratio}
     return out
+
+
+def device_time_of(case: Any, source: str | None, calls: int, one_memory: bool
+                   ) -> dict[str, Any]:
+    """The row's device-time fields for `run_case`: {} when not asked for; else `device_s`
+    (seconds per call: every device's work on one timeline where one memory holds every
+    rank, else the busiest device's) and `kernels`, or `device_s` None and `device_reason`."""
+    from jax_ep.tools.bench import timing
+
+    if source is None:
+        return {}
+    try:
+        measured = timing.device_time(case.fn, case.args, calls=calls, source=source)
+    except Exception as error:  # the profiler's failure costs the column, not the row
+        return {"device_s": None, "device_reason": f"{type(error).__name__}: {error}"}
+    if measured is None or measured.seconds(one_memory) <= 0:
+        return {"device_s": None, "device_reason": f"jax.profiler's trace holds no {source} "
+                "device events with a duration (jax_ep.tools.profile.device_events)"}
+    return {"device_s": measured.seconds(one_memory), "device_calls": calls,
+            "kernels": measured.kernels}
 
 
 # Which prediction of jax_ep.tools.perfmodel each op is: (mode, FP8 dispatch, parts).
@@ -235,7 +282,8 @@ def add_predictions(rows: list[dict[str, Any]], setup: Any, hardware: Any) -> No
 
 
 def add_ratios(rows: list[dict[str, Any]], bandwidth: float, shared_memory_ranks: int) -> None:
-    """Adds floor_s, of_floor and vs_xla to the timed rows (vs_xla None where not timed).
+    """Adds floor_s, of_floor and vs_xla to the timed rows (vs_xla None where not timed), and
+    of_floor_device (the floor over the device time) to those with a device time.
 
     Args:
       rows: the rows of `run_case`.
@@ -250,6 +298,8 @@ def add_ratios(rows: list[dict[str, Any]], bandwidth: float, shared_memory_ranks
         median = r["time"]["median"]
         r["floor_s"] = 2 * r["bytes_per_rank"] * shared_memory_ranks / bandwidth
         r["of_floor"] = r["floor_s"] / median
+        if r.get("device_s"):
+            r["of_floor_device"] = r["floor_s"] / r["device_s"]
         if r["op"] in xla:
             r["vs_xla"] = median / xla[r["op"]]
 
@@ -257,9 +307,9 @@ def add_ratios(rows: list[dict[str, Any]], bandwidth: float, shared_memory_ranks
 def print_table(rows: list[dict[str, Any]]) -> None:
     """One line per (op, backend); rows not timed show their status ("n/a", "error")."""
     header = (
-        f"{'op':<17} {'backend':<8} {'time':>10} {'bytes/rank':>11} {'GB/s':>8} "
-        f"{'floor':>10} {'of floor':>9} {'vs xla':>7} {'model':>10} {'launches':>8} "
-        f"{'barriers':>8} {'moved/min':>9}"
+        f"{'op':<17} {'backend':<8} {'time':>10} {'device':>10} {'bytes/rank':>11} {'GB/s':>8} "
+        f"{'floor':>10} {'of floor':>9} {'(device)':>8} {'vs xla':>7} {'model':>10} "
+        f"{'launches':>8} {'barriers':>8} {'moved/min':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -270,13 +320,15 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             continue
         vs_xla = f"{r['vs_xla']:.2f}" if r["vs_xla"] is not None else "-"
         model = fmt_time(r["model_s"]) if "model_s" in r else "-"
+        device = fmt_time(r["device_s"]) if r.get("device_s") else "-"
+        of_device = f"{r['of_floor_device']:.3g}" if "of_floor_device" in r else "-"
         a = r.get("account")
         account = (f"{a['launches']:>8} {a['barriers']:>8} {a['ratio']:>9.2f}" if a
                    else f"{'-':>8} {'-':>8} {'-':>9}")
         print(
-            line + f"{fmt_time(r['time']['median']):>10} {fmt_bytes(r['bytes_per_rank']):>11} "
-            f"{r['gbps']:>8.3g} {fmt_time(r['floor_s']):>10} {r['of_floor']:>9.3g} "
-            f"{vs_xla:>7} {model:>10} {account}"
+            line + f"{fmt_time(r['time']['median']):>10} {device:>10} "
+            f"{fmt_bytes(r['bytes_per_rank']):>11} {r['gbps']:>8.3g} {fmt_time(r['floor_s']):>10} "
+            f"{r['of_floor']:>9.3g} {of_device:>8} {vs_xla:>7} {model:>10} {account}"
         )
 
 
@@ -297,13 +349,50 @@ def print_wire(wire: dict[str, dict[str, float]]) -> None:
         print(f"{op:<17} {fmt_bytes(w['minimum']):>11}" + cells)
 
 
+def device_meaning(source: str | None, calls: int, shared: bool, why_not: str | None) -> str:
+    """The footnote's paragraph on the device column: what device time is on this platform."""
+    if source is None:
+        return f"device: not measured ({why_not})."
+    head = (f"device: device time of one call, from jax.profiler over {calls} more calls "
+            "(--device-time): ")
+    tail = (" of floor (device) = floor / device. The JSON rows also list the longest "
+            "kernels (launches and ms per call, summed over the devices).")
+    if source == "gpu":
+        several = ("one GPU runs every virtual rank" if shared
+                   else "the busiest GPU's where there are several")
+        return (head + "the time the GPU's kernels and memory copies ran (the union of their "
+                f"intervals, so concurrent streams count once; {several}). The launch, the "
+                "host's wait and the gaps between kernels, all in the wall time, are not in "
+                "it." + tail)
+    return (head + "the time XLA:CPU ran the program's operations on the host's threads "
+            "(the profiler's events with an hlo_op: one per operation and virtual device; a "
+            "loop counted by its body's operations), their union over every virtual device, "
+            "which share the cores and the memory that the floor counts. The host's dispatch "
+            "of the program is not in it; an operation waiting for the other devices at a "
+            "collective is, and so are the cuda backend's custom calls, which run the "
+            "kernels' CPU emulation. device is a mean over its calls, time a median over "
+            "its own: on a busy CPU one slow call can put device above time." + tail)
+
+
+def device_notes(rows: list[dict[str, Any]], why_not: str | None) -> list[str]:
+    """Why device time is missing: for the whole run (`why_not`, with --device-time on),
+    and per reason, the rows timed without it."""
+    notes = [f"device time, every op: {why_not}"] if why_not else []
+    reasons: dict[str, list[str]] = {}
+    for r in rows:
+        if r["status"] == "ok" and r.get("device_reason"):
+            reasons.setdefault(r["device_reason"], []).append(f"{r['op']} {r['backend']}")
+    return notes + [f"device time, {', '.join(which)}: {why}" for why, which in reasons.items()]
+
+
 def footnote(bandwidth: float, shared: bool, backends: list[str], on_cpu: bool,
-             hardware: Any) -> list[str]:
-    """Paragraphs explaining the table's columns."""
+             hardware: Any, device: str) -> list[str]:
+    """Paragraphs explaining the table's columns (`device`: `device_meaning`'s)."""
     scope = "all R ranks' bytes: the ranks share one memory" if shared else "per GPU"
     lines = [
         "time: median wall time of one call of the jitted program over all R ranks, "
         "waited for with block_until_ready (the first call compiles and is not timed).",
+        device,
         "bytes/rank: bytes moved per rank, DeepEP's count averaged over the ranks. Normal mode: "
         "rows received (the rank's own included) x H x bytes per element (FP8: x (H + H/128 x 4 "
         "bytes of scales)); combine the same rows; dispatch+combine both. Low-latency: one "
@@ -500,6 +589,15 @@ def run(args: argparse.Namespace) -> int:
     on_cpu = platform == "cpu"
     setup, repeat = make_setup(args, len(devices), on_cpu)
     check_memory(setup, memory_of(devices[0]), on_cpu or args.virtual)
+    shared = on_cpu or args.virtual  # one memory moves every rank's bytes
+    device_source = None if args.device_time == "off" else DEVICE_SOURCES.get(platform)
+    device_calls = min(DEVICE_CALLS, repeat)
+    why_not = None
+    if args.device_time == "off":
+        why_not = "--device-time off"
+    elif device_source is None:
+        why_not = (f"jax_ep reads device time from GPU and CPU traces only; this run's "
+                   f"platform is {platform}")
     ops = selected_ops(args)
     names = args.backends or list(jax_ep.backends.BACKENDS)
     unknown = [n for n in names if n not in jax_ep.backends.BACKENDS]
@@ -530,18 +628,22 @@ def run(args: argparse.Namespace) -> int:
             progress = f"{counter:>{2 * len(str(total)) + 3}} {op:<17} {name:<5} ..."
             print(progress, end=" ", file=sys.stderr, flush=True)
             row = run_case(
-                op, name, inputs, args.warmup, repeat, unavailable.get(name), args.virtual
+                op, name, inputs, args.warmup, repeat, unavailable.get(name), args.virtual,
+                device_source, shared,
             )
             done = fmt_time(row["time"]["median"]) if row["status"] == "ok" else row["status"]
+            if row.get("device_s"):
+                done += f" (device {fmt_time(row['device_s'])})"
             print(done, file=sys.stderr, flush=True)
             rows.append(row)
     wire = {op: w for op in ops if (w := suite.case_wire(op, inputs)) is not None}
-    shared = on_cpu or args.virtual  # one memory moves every rank's bytes
     add_ratios(rows, bandwidth, setup.ranks if shared else 1)
     hardware = model_hardware(args.model, shared, devices[0].device_kind, bandwidth)
     add_predictions(rows, setup, hardware)
     notes = readings(rows, setup, hardware, on_cpu, args.virtual)
     not_timed = notes_for(rows, unavailable)
+    no_device = device_notes(rows, why_not if args.device_time == "on" else None)
+    device_paragraph = device_meaning(device_source, device_calls, shared, why_not)
     elapsed = time.perf_counter() - started
 
     print(f"\njax_ep.tools.bench on {device}, jax {jax.__version__}, jax_ep {jax_ep.__version__}")
@@ -561,12 +663,19 @@ def run(args: argparse.Namespace) -> int:
             print(textwrap.fill(paragraph, width=100, initial_indent="- ",
                                 subsequent_indent="  "))
         print()
+    if no_device:  # likewise for the device column's "-"
+        print("Device time not read (- in the device column below):")
+        for paragraph in no_device:
+            print(textwrap.fill(paragraph, width=100, initial_indent="- ",
+                                subsequent_indent="  "))
+        print()
     print_table(rows)
     print()
     print_wire(wire)
     print()
     ran = [n for n in names if n not in unavailable]
-    for paragraph in footnote(bandwidth, shared, ran, on_cpu, hardware) + notes:
+    for paragraph in footnote(bandwidth, shared, ran, on_cpu, hardware,
+                              device_paragraph) + notes:
         print(textwrap.fill(paragraph, width=100, subsequent_indent="  "))
     print(f"Total {elapsed:.0f} s.")
 
@@ -586,9 +695,12 @@ def run(args: argparse.Namespace) -> int:
             "config": {**settings, "ops": ops, "backends": names},
             "copy_bandwidth_Bps": bandwidth,
             "model_hardware": hardware.name,
+            "device_time": {"mode": args.device_time, "source": device_source,
+                            "calls": device_calls if device_source else None,
+                            "meaning": device_paragraph},
             "rows": rows,
             "wire_bytes_per_rank": wire,
-            "notes": notes + not_timed,
+            "notes": notes + not_timed + no_device,
             "total_s": elapsed,
         }
         with open(args.json, "w") as f:

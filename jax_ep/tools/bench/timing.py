@@ -1,15 +1,18 @@
-"""Wall-clock timing of jitted programs, and the machine's memory-copy bandwidth."""
+"""Wall-clock and device timing of jitted programs, and the machine's memory-copy bandwidth."""
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
+
+from jax_ep.tools import profile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,20 @@ def time_calls(fn: Callable[..., Any], args: tuple, *, warmup: int, repeat: int)
     for _ in range(max(warmup, 1)):
         jax.block_until_ready(fn(*args))
     return Timing.of(_seconds(lambda: jax.block_until_ready(fn(*args)), repeat))
+
+
+def device_time(fn: Callable[..., Any], args: tuple, *, calls: int,
+                source: str) -> profile.DeviceTime | None:
+    """Runs `fn(*args)` (compiled already) `calls` times under `jax.profiler` and reads the
+    device's time out of the trace (`jax_ep.tools.profile.device_time`; `source` "gpu" or
+    "cpu"), or None when the trace holds no such events."""
+    with tempfile.TemporaryDirectory(prefix="jax_ep_bench_") as log_dir:
+        started = time.time() - 1.0  # file times have a coarse resolution on some systems
+        with jax.profiler.trace(log_dir):
+            for _ in range(calls):
+                jax.block_until_ready(fn(*args))
+        trace = profile.load_trace(log_dir, started)
+    return profile.device_time(trace, calls, source)
 
 
 # The accelerator's copy: COPIES copies of COPY_BYTES in one program (an H200 takes about 8
