@@ -1,10 +1,12 @@
 // Normal dispatch's bodies (cuda/exchange.h): DispatchArgs and its workspace, the count
 // (phase 1) and its tail, the send (phase 2) with its metadata, the stage over puts, the
 // node-aware relay, and the finish (phase 3) that copies the rows out to XLA's results. It
-// includes the shared primitives and the rings its arguments name (cuda/channels.h).
+// includes the shared primitives, the casts to the wire formats (cuda/cast.h) and the rings
+// its arguments name (cuda/channels.h).
 #pragma once
 
 #include <cstdint>
+#include "cuda/cast.h"
 #include "cuda/channels.h"
 #include "cuda/primitives.h"
 
@@ -20,8 +22,15 @@ struct DispatchArgs {
   // Expert-major: the capacity keeps the first entries by source, then local expert
   // (drop_order="source"), instead of the first in the layout's order.
   bool drop_by_source = false;
-  int64_t row_bytes;   // bytes of one token row of x
+  int64_t row_bytes;   // bytes of one token row as it travels (x's, or the wire format's)
   int64_t scale_cols;  // float32 scales per row (0 without FP8)
+  // The send casts x's bfloat16 rows of `hidden` channels to this wire format (cuda/wire.h)
+  // as it writes them (cast_rows): row_bytes and scale_cols are then the format's data bytes
+  // and scale words, x has no scales, and every slot from there on holds the bytes of
+  // jax_ep.quant.to_rows, as when the quantized rows are dispatched. kWireBf16: x's rows and
+  // scales travel as they are.
+  int wire = kWireBf16;
+  int hidden = 0;
 
   // Inputs, stacked per source rank: [R, T, ...].
   const char* x;
@@ -177,6 +186,10 @@ struct DispatchArgs {
   }
   // Bytes from one row to the next in the receive, send and relay areas.
   JAX_EP_HOST_DEVICE int64_t row_stride() const { return packed ? packed_slot() : row_bytes; }
+  // Source s's token t in x, bfloat16, when the send casts (wire).
+  JAX_EP_HOST_DEVICE const Bf16* bf16_row(int s, int t) const {
+    return reinterpret_cast<const Bf16*>(x) + (local(s) * num_tokens + t) * hidden;
+  }
 };
 
 // The metadata of a packed slot (after its row and scales).
@@ -390,6 +403,29 @@ JAX_EP_HOST_DEVICE void dispatch_fan_out(const DispatchArgs& a, const Peers& pee
   }
 }
 
+// A store view's send when it casts (wire): token t of source s read once per kFanOut rows
+// (entries) it keeps, cast to the wire format with its scale words into each (cast_rows).
+template <int kWire, typename Peers>
+JAX_EP_HOST_DEVICE void dispatch_cast_out(const DispatchArgs& a, const Peers& peers,
+                                          const int32_t* ids, int s, int t, int lane,
+                                          int lanes) {
+  const int candidates = dispatch_candidates(a);
+  const int64_t bytes = a.row_bytes, scale_row = 4 * a.scale_cols, cap = a.capacity;
+  char* const scale_base = reinterpret_cast<char*>(a.recv_scales);
+  Fan<char> rows(0);
+  Fan<char> scales(1);
+  for (int c = 0; c < candidates;) {
+    for (; c < candidates && !rows.full(); ++c) {
+      const int d = dispatch_receiver(a, ids, c);
+      const int32_t at = dispatch_row_at(a, ids, s, t, c, d);
+      if (at < 0) continue;
+      rows.add(peers.at(a.recv_x, cap * bytes, d) + at * bytes);
+      scales.add(peers.at(scale_base, cap * scale_row, d) + at * scale_row);
+    }
+    cast_rows<kWire>(a.bf16_row(s, t), whole_row(kWire, a.hidden), rows, scales, lane, lanes);
+  }
+}
+
 // Phase 2's metadata of token t of source s (`ids` as above, `here` its index in this rank's
 // inputs) for receiver d, where it has a row there: the row's source and, rank-major, its ids
 // and weights; expert-major, -1 in the row's entries past the token's choices on d. (The
@@ -498,13 +534,18 @@ JAX_EP_HOST_DEVICE void dispatch_send_relays(const DispatchArgs& a, const Peers&
 // Phase 2, items (s, t): source s writes token t into every receiver: its metadata (over
 // puts, dispatch_stage has put it), and its row (and FP8 scales) to each row or entry it
 // keeps, read once; node-aware, to the receivers of its node, and once to each other node's
-// relay.
-template <typename Peers>
+// relay. kWire: a store view's send casts the rows (over puts the stage has cast them).
+template <int kWire, typename Peers>
 JAX_EP_HOST_DEVICE void dispatch_send(const DispatchArgs& a, const Peers& peers, int s, int t,
                                       int lane, int lanes) {
+  static_assert(kWire == kWireBf16 || !Peers::kPuts, "over puts, dispatch_stage casts");
   if constexpr (!Peers::kPuts) dispatch_send_metadata(a, peers, s, t, lane, lanes);
   const int64_t here = a.local(s) * a.num_tokens + t;
   const int32_t* ids = a.route(s, t);
+  if constexpr (kWire != kWireBf16) {
+    dispatch_cast_out<kWire>(a, peers, ids, s, t, lane, lanes);
+    return;
+  }
   // A put's source is the copy in the symmetric buffer.
   const char* x = Peers::kPuts ? a.send_x : a.x;
   const float* scales = Peers::kPuts ? a.send_scales : a.scales;
@@ -571,20 +612,29 @@ JAX_EP_HOST_DEVICE void dispatch_relay(const DispatchArgs& a, const Peers& peers
   }
 }
 
-// Put views, the stage before the send, items (s, t): token t's row and scales, copied into
-// this rank's send area, where the send's puts read them (see ll_stage); rank-major, with its
-// metadata into the same slot (packed), expert-major, its metadata put into the receivers
-// (here, so that the NVSHMEM code of the small puts and that of the rows' puts do not share
-// one kernel's registers).
-template <typename Peers>
+// Put views, the stage before the send, items (s, t): token t's row and scales, copied (or,
+// kWire, cast) into this rank's send area, where the send's puts read them (see ll_stage);
+// rank-major, with its metadata into the same slot (packed), expert-major, its metadata put
+// into the receivers (here, so that the NVSHMEM code of the small puts and that of the rows'
+// puts do not share one kernel's registers).
+template <int kWire, typename Peers>
 JAX_EP_HOST_DEVICE void dispatch_stage(const DispatchArgs& a, const Peers& peers, int s, int t,
                                        int lane, int lanes) {
   const int64_t here = a.local(s) * a.num_tokens + t, S = a.scale_cols, K = a.top_k;
   char* row = a.send_x + here * a.row_stride();
-  copy_row(row, a.x + here * a.row_bytes, a.row_bytes, lane, lanes);
   float* scales = a.packed ? reinterpret_cast<float*>(row + a.slot_row_bytes())
                            : a.send_scales + here * S;
-  if (S > 0) copy_row(scales, a.scales + here * S, S * 4, lane, lanes);
+  if constexpr (kWire != kWireBf16) {
+    Fan<char> rows(0);
+    Fan<char> scale_rows(1);
+    rows.add(row);
+    scale_rows.add(reinterpret_cast<char*>(scales));
+    cast_rows<kWire>(a.bf16_row(s, t), whole_row(kWire, a.hidden), rows, scale_rows, lane,
+                     lanes);
+  } else {
+    copy_row(row, a.x + here * a.row_bytes, a.row_bytes, lane, lanes);
+    if (S > 0) copy_row(scales, a.scales + here * S, S * 4, lane, lanes);
+  }
   if (a.packed) {
     const PackedMeta meta = packed_meta(a, row);
     const int32_t* ids = a.route(s, t);

@@ -31,6 +31,7 @@
 //
 // The bodies, by op (each header's opening comment says what it holds and includes):
 //   cuda/primitives.h    peer views, row copies, Fan, Tally, the counts' chunks
+//   cuda/cast.h          the sends' casts of bfloat16 rows to the wire formats (cuda/wire.h)
 //   cuda/dispatch.h      normal dispatch
 //   cuda/sums.h          ordered sums of rows (the combines)
 //   cuda/combine.h       normal combine

@@ -1,11 +1,12 @@
 // Low-latency dispatch and combine's bodies (cuda/exchange.h): rows cut into column
 // segments, LowLatencyArgs and its workspace, the count or the send's own numbering, the
-// casts to the wire formats (cuda/wire.h), the send, its stage over puts and the finish, then
-// LowLatencyCombineArgs, the combine's send and its sums. It includes the ordered sums and the
-// wire formats.
+// send (casting to the wire formats, cuda/cast.h), its stage over puts and the finish, then
+// LowLatencyCombineArgs, the combine's send and its sums. It includes the casts, the ordered
+// sums and the wire formats.
 #pragma once
 
 #include <cstdint>
+#include "cuda/cast.h"
 #include "cuda/sums.h"
 #include "cuda/wire.h"
 
@@ -16,7 +17,7 @@ namespace jax_ep {
 // so a row is cut into segments of whole 128-channel blocks, enough that T tokens give
 // kLlWarps warps per rank. ll_segment_cols: the columns of each segment but the last. An
 // nvfp4 row's global scale needs the whole row's amax: each of its segments' warps reads the
-// whole row for it (ll_cast_rows), the same in each, a read of the row per segment more, so
+// whole row for it (cast_rows), the same in each, a read of the row per segment more, so
 // its send cuts the rows of its launch, not of a rank (LowLatencyArgs::send_cut_rows).
 constexpr int kLlWarps = 1024;
 JAX_EP_HOST_DEVICE int ll_segment_cols(int num_tokens, int hidden) {
@@ -167,223 +168,14 @@ JAX_EP_HOST_DEVICE int32_t ll_slot(const LowLatencyArgs& a, int s, int e, int32_
   return a.per_source_slots ? s * a.num_tokens + offset : ll_compact_slot(a, s, e, offset);
 }
 
-// The cast to a wire format (cuda/wire.h), in parts of 8 channels (16 bytes of bfloat16 in; 8
-// bytes of e4m3, or 4 of e2m1, out): a block's parts (16, 4 or 2) share its amax.
-constexpr int kCastChannels = 8;
-struct alignas(8) CastWord {
-  uint32_t v[2];
-};
-
-// The larger of amax and |v|; NaN once either is NaN (a NaN makes its block NaN).
-JAX_EP_HOST_DEVICE float larger_abs(float amax, float v) {
-  const float m = v < 0.0f ? -v : v;
-  return m > amax || m != m ? m : amax;
-}
-
-// Channel i of a part held as a word of bfloat16 bits, as the format reads it (every format
-// but e4m3 reads magnitudes below 2^-126 as zero).
-template <int kWire>
-JAX_EP_HOST_DEVICE float part_channel(const Word& part, int i) {
-  const uint32_t pair = part.v[i / 2];
-  const float v = to_float(Bf16{static_cast<uint16_t>(i % 2 ? pair >> 16 : pair & 0xffffu)});
-  return kWire == kWireE4m3 ? v : flush_tiny(v);
-}
-
-// The 16-byte part `part` of the bfloat16 row x (zeros where invalid).
-JAX_EP_HOST_DEVICE Word load_part(const Bf16* x, int part, bool valid, bool aligned) {
-  const Bf16* channels = x + static_cast<int64_t>(part) * kCastChannels;
-  Word v = {};
-  if (valid && aligned) {
-    v = *reinterpret_cast<const Word*>(channels);
-  } else if (valid) {
-    JAX_EP_UNROLL for (int i = 0; i < kCastChannels; ++i) {
-      v.v[i / 2] |= static_cast<uint32_t>(channels[i].bits) << (i % 2 * 16);
-    }
-  }
-  return v;
-}
-
-// The larger of amax and the magnitudes of a part's channels, as the format reads them.
-template <int kWire>
-JAX_EP_HOST_DEVICE float part_amax(float amax, const Word& part) {
-  JAX_EP_UNROLL for (int i = 0; i < kCastChannels; ++i) {
-    amax = larger_abs(amax, part_channel<kWire>(part, i));
-  }
-  return amax;
-}
-
-// The amax of the `group` consecutive parts (a power of two dividing 32, aligned) that hold
-// lane's part: on the GPU from those lanes (shuffles), on the CPU (lanes run one after
-// another) by reading the group's channels from x: the same maximum.
-template <int kWire>
-JAX_EP_HOST_DEVICE float group_amax(const Bf16* x, const Word& v, int part, int group,
-                                    bool valid) {
-  float amax = 0.0f;
-#if defined(__CUDA_ARCH__)
-  (void)x, (void)part, (void)valid;
-  amax = part_amax<kWire>(amax, v);
-  for (int offset = group / 2; offset > 0; offset /= 2) {
-    amax = larger_abs(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  }
-#else
-  (void)v;
-  const int first = part / group * group;
-  for (int p = first; valid && p < first + group; ++p) {
-    amax = part_amax<kWire>(amax, load_part(x, p, true, false));
-  }
-#endif
-  return amax;
-}
-
-// Columns [first, first + n) (a segment, ll_segment_cols) of a low-latency row in the wire
-// format `wire`: where they start in a message's data bytes and in its other bytes, and how
-// many bytes they take; the segment that ends the row also takes the row's tail (after the
-// block scales: nvfp4's global scale and the padding to a whole word).
-struct LlSegment {
-  int first, n, wire, hidden;
-  JAX_EP_HOST_DEVICE bool last() const { return first + n == hidden; }
-  JAX_EP_HOST_DEVICE int64_t byte() const { return wire_data_bytes(wire, first); }
-  JAX_EP_HOST_DEVICE int64_t bytes() const { return wire_data_bytes(wire, n); }
-  JAX_EP_HOST_DEVICE int64_t scale_byte() const {
-    return first / wire_block(wire) * wire_scale_bytes(wire);
-  }
-  JAX_EP_HOST_DEVICE int tail() const {
-    if (!last()) return 0;
-    return static_cast<int>(wire_scale_words(wire, hidden) * 4 -
-                            hidden / wire_block(wire) * wire_scale_bytes(wire));
-  }
-  JAX_EP_HOST_DEVICE int64_t scale_bytes() const {
-    return n / wire_block(wire) * wire_scale_bytes(wire) + tail();
-  }
-};
 // Item t * segments + g of a low-latency phase over rows: its token t and segment g.
-JAX_EP_HOST_DEVICE LlSegment ll_segment(int cut_rows, int hidden, int64_t item, int* t,
+JAX_EP_HOST_DEVICE RowSegment ll_segment(int cut_rows, int hidden, int64_t item, int* t,
                                         int wire = kWireBf16) {
   const int cols = ll_segment_cols(cut_rows, hidden);
   const int segments = (hidden + cols - 1) / cols;
   *t = static_cast<int>(item / segments);
   const int first = static_cast<int>(item % segments) * cols;
-  return LlSegment{first, hidden - first < cols ? hidden - first : cols, wire, hidden};
-}
-
-// nvfp4: the amax of the whole row of `parts` parts, in every lane.
-JAX_EP_HOST_DEVICE float row_amax(const Bf16* x, int parts, bool aligned, int lane, int lanes) {
-  float amax = 0.0f;
-#if defined(__CUDA_ARCH__)
-  for (int part = lane; part < parts; part += lanes) {
-    amax = part_amax<kWireNvfp4>(amax, load_part(x, part, true, aligned));
-  }
-  JAX_EP_UNROLL for (int offset = 16; offset > 0; offset /= 2) {
-    amax = larger_abs(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  }
-#else
-  (void)aligned, (void)lane, (void)lanes;
-  for (int part = 0; part < parts; ++part) {
-    amax = part_amax<kWireNvfp4>(amax, load_part(x, part, true, false));
-  }
-#endif
-  return amax;
-}
-
-// Writes segment `seg` (whole blocks) of token row `token`, cast to the wire format kWire
-// once, to every slot of the fans (and empties them): the data to `rows`, each block's scale
-// to `scales` (the segment's first scale byte in each row's other bytes), and, where the
-// segment ends the row, the row's tail bytes after its scales (nvfp4's global scale, then
-// zero padding to a whole word). Lane `lane` casts the parts lane, lane + lanes, ...: one
-// 16-byte load, and one store to each slot. nvfp4 first reads the whole row for its amax.
-template <int kWire>
-JAX_EP_HOST_DEVICE void ll_cast_rows(const Bf16* token, const LlSegment& seg, Fan<char>& rows,
-                                     Fan<char>& scales, int lane, int lanes) {
-  const int n = rows.size();
-  if (n == 0) return;
-  fan_sync();
-  const Bf16* x = token + seg.first;
-  const uintptr_t bits = rows.address_bits() | reinterpret_cast<uintptr_t>(token) |
-                         reinterpret_cast<uintptr_t>(x);
-  const bool aligned = (bits & 15u) == 0;
-  const int64_t H = seg.n;
-  const int tail = seg.tail();
-  const int block = wire_block(kWire), group = block / kCastChannels;
-  const int scale_bytes = wire_scale_bytes(kWire);
-  if (lane == 0) {  // and nvfp4's read of the whole row
-    meter_rows(2 * H + (kWire == kWireNvfp4 ? 2 * int64_t{seg.hidden} : 0),
-               n * (wire_data_bytes(kWire, H) + H / block * scale_bytes + tail));
-  }
-  const int parts = static_cast<int>(H / kCastChannels);
-  Nvfp4Row row{1.0f, 0.0f, true};
-  if (kWire == kWireNvfp4) {
-    row = nvfp4_row(row_amax(token, seg.hidden / kCastChannels, aligned, lane, lanes));
-  }
-  for (int first = 0; first < parts; first += lanes) {  // the same trips in every lane
-    const int part = first + lane;
-    const bool valid = part < parts;
-    const Word v = load_part(x, part, valid, aligned);
-    const float amax = group_amax<kWire>(x, v, part, group, valid);
-    if (!valid) continue;
-    // The block's scale bytes (little-endian), and the part's bytes out.
-    uint32_t scale = 0;
-    CastWord word = {};
-    if (kWire == kWireNvfp4) {
-      const Nvfp4Block b = nvfp4_block(amax, row);
-      scale = b.scale;
-      JAX_EP_UNROLL for (int i = 0; i < kCastChannels; ++i) {
-        word.v[0] |= nvfp4_element(part_channel<kWire>(v, i), b.inverse) << (4 * i);
-      }
-    } else {
-      float inv = 0.0f;
-      bool finite = true;
-      if (kWire == kWireE4m3) {
-        const float s = fp8_scale(amax);
-        scale = float_bits(s);
-        inv = reciprocal_rn(s);
-      } else {
-        scale = e8m0_scale(kWire, amax);
-        finite = scale != kE8m0Nan;
-        inv = e8m0_inverse(static_cast<uint8_t>(scale));
-      }
-      JAX_EP_UNROLL for (int i = 0; i < kCastChannels; ++i) {
-        float e = mul_rn(part_channel<kWire>(v, i), inv);
-        if (kWire == kWireMxfp8) e = e < -448.0f ? -448.0f : e > 448.0f ? 448.0f : e;
-        const uint32_t code = finite ? to_e4m3(e) : kE4m3Nan;
-        word.v[i / 4] |= code << (8 * (i % 4));
-      }
-    }
-    const int out = kWire == kWireNvfp4 ? 4 : 8;  // bytes of a part
-    const int64_t at = static_cast<int64_t>(part) * out;
-    for (int j = 0; j < n; ++j) {
-      if (aligned && out == 8) {
-        *reinterpret_cast<CastWord*>(rows[j] + at) = word;
-      } else if (aligned) {
-        *reinterpret_cast<uint32_t*>(rows[j] + at) = word.v[0];
-      } else {
-        for (int b = 0; b < out; ++b) {
-          rows[j][at + b] = static_cast<char>(word.v[b / 4] >> (8 * (b % 4)));
-        }
-      }
-    }
-    if (part % group == 0) {  // e4m3's float32 scales lie on whole words
-      const int64_t s = static_cast<int64_t>(part / group) * scale_bytes;
-      for (int j = 0; j < n; ++j) {
-        if (scale_bytes == 4) {
-          *reinterpret_cast<uint32_t*>(scales[j] + s) = scale;
-        } else {
-          scales[j][s] = static_cast<char>(scale);
-        }
-      }
-    }
-    if (part == parts - 1 && tail > 0) {  // the row's last bytes: nvfp4's global scale, zeros
-      const int64_t s = static_cast<int64_t>(parts / group) * scale_bytes;
-      const uint32_t g = kWire != kWireNvfp4 ? 0u : row.finite ? float_bits(row.g) : 0x7fc00000u;
-      for (int j = 0; j < n; ++j) {
-        for (int b = 0; b < tail; ++b) {
-          scales[j][s + b] = static_cast<char>(b < 4 ? g >> (8 * b) : 0);
-        }
-      }
-    }
-  }
-  fan_sync();  // every lane read the tables before they are filled again
-  rows.clear();
-  scales.clear();
+  return RowSegment{first, hidden - first < cols ? hidden - first : cols, wire, hidden};
 }
 
 // The slot offsets of a token's messages, one per choice k (-1: choice k sends nothing:
@@ -476,7 +268,7 @@ JAX_EP_HOST_DEVICE void ll_choice_slots(const LowLatencyArgs& a, int s, int t, b
 template <int kWire, typename Peers>
 JAX_EP_HOST_DEVICE void ll_send_rows(const LowLatencyArgs& a, const Peers& peers, int s, int t,
                                      const int32_t* ids, const ChoiceSlots& slots,
-                                     const Bf16* token, const LlSegment& seg, int lane,
+                                     const Bf16* token, const RowSegment& seg, int lane,
                                      int lanes) {
   const int K = a.top_k, El = a.experts_per_rank();
   const int64_t all_slots = a.slots(), row_bytes = wire_data_bytes(kWire, a.hidden);
@@ -518,7 +310,7 @@ JAX_EP_HOST_DEVICE void ll_send_rows(const LowLatencyArgs& a, const Peers& peers
         }
       }
       if constexpr (kWire != kWireBf16) {
-        ll_cast_rows<kWire>(token, seg, rows, scales, lane, lanes);
+        cast_rows<kWire>(token, seg, rows, scales, lane, lanes);
       } else {
         fan_out_row(rows, token + seg.first, seg.bytes(), lane, lanes);
       }
@@ -536,7 +328,7 @@ JAX_EP_HOST_DEVICE void ll_stage(const LowLatencyArgs& a, int s, int64_t item, i
                                  int lanes) {
   int t = 0;
   const int cut = kWire == kWireNvfp4 ? a.send_cut_rows(kWire) : a.num_tokens;
-  const LlSegment seg = ll_segment(cut, a.hidden, item, &t, kWire);
+  const RowSegment seg = ll_segment(cut, a.hidden, item, &t, kWire);
   const int64_t here = a.local(s) * a.num_tokens + t, row_bytes = a.row_bytes();
   const Bf16* token = a.x + here * a.hidden;
   Fan<char> rows(0);
@@ -545,7 +337,7 @@ JAX_EP_HOST_DEVICE void ll_stage(const LowLatencyArgs& a, int s, int64_t item, i
   if constexpr (kWire != kWireBf16) {
     scales.add(reinterpret_cast<char*>(a.send_scales) + here * 4 * a.scale_words() +
                seg.scale_byte());
-    ll_cast_rows<kWire>(token, seg, rows, scales, lane, lanes);
+    cast_rows<kWire>(token, seg, rows, scales, lane, lanes);
   } else {
     fan_out_row(rows, token + seg.first, seg.bytes(), lane, lanes);
   }
@@ -599,7 +391,7 @@ JAX_EP_HOST_DEVICE void ll_send(const LowLatencyArgs& a, const Peers& peers, int
   item -= counters;
   int t = 0;
   const int cut = kWire == kWireNvfp4 ? a.send_cut_rows(kWire) : T;
-  const LlSegment seg = ll_segment(cut, a.hidden, item, &t, kWire);
+  const RowSegment seg = ll_segment(cut, a.hidden, item, &t, kWire);
   const int64_t slots = a.slots(), src = static_cast<int64_t>(s) * T + t;
   const int64_t here = a.local(s) * T + t;
   const int32_t* ids = a.topk_idx + here * K;
@@ -763,7 +555,7 @@ JAX_EP_HOST_DEVICE void ll_combine_token(const LowLatencyCombineArgs& a, int s, 
                                          int lane, int lanes) {
   const int T = a.num_tokens, K = a.top_k, H = a.hidden, El = a.num_experts / a.num_ranks;
   int t = 0;
-  const LlSegment seg = ll_segment(T, H, item, &t);
+  const RowSegment seg = ll_segment(T, H, item, &t);
   const int64_t first = seg.first, n = seg.n;
   const int64_t slots = static_cast<int64_t>(a.num_ranks) * T;
   const int64_t here = a.local(s) * T + t, src = static_cast<int64_t>(s) * T + t;

@@ -563,28 +563,38 @@ PeerError run_op(Platform& p, int op, const DispatchArgs& out) {
                  DispatchTail<Peers>{a, a.first_rank, 1, peers});
       const int senders = dispatch_channel_warps(a, stream_warps(p, a.rings, false));
       const int receivers = senders;
-      if (a.nodes() == 1) {
-        p.per_unit(DispatchStream<Peers, Peers>{a, peers, peers, senders, receivers},
-                   Meet{{}, true, {}});
-      } else if constexpr (Peers::kPuts) {  // node-aware: the node's stores, puts to relays
-        using NodePeers = typename Platform::Peers;
-        p.per_unit(DispatchStream<NodePeers, Peers>{a, p.peers(), peers, senders, receivers},
-                   Meet{{}, true, {}});
-      }
+      with_wire(a.wire, [&](auto wire) {
+        if (a.nodes() == 1) {
+          p.per_unit(
+              DispatchStream<Peers, Peers, wire.value>{a, peers, peers, senders, receivers},
+              Meet{{}, true, {}});
+        } else if constexpr (Peers::kPuts) {  // node-aware: the node's stores, puts to relays
+          using NodePeers = typename Platform::Peers;
+          p.per_unit(DispatchStream<NodePeers, Peers, wire.value>{a, p.peers(), peers, senders,
+                                                                  receivers},
+                     Meet{{}, true, {}});
+        }
+      });
       p.per_warp(DispatchFinish<OwnArrays>{landed(a), {}}, a.finish_items(),
                  Meet{{}, true, {}});
       return p.result(op);
     }
     // The count's tail publishes the totals into the peers' buffers (the count starts once
     // the peers are done with the last op's data) and, once every rank's are here, computes
-    // this rank's bases. Over puts, the rows go into the send area, and the metadata to the
-    // receivers, before the send.
+    // this rank's bases. Over puts, the rows go into the send area (cast there, with a wire
+    // format), and the metadata to the receivers, before the send.
     p.per_warp(DispatchCount{a}, a.num_chunks, Meet{Wait::kStart, true, Wait::kStart},
                DispatchTail<Peers>{a, a.first_rank, 1, peers});
     if constexpr (Peers::kPuts) {
-      p.per_warp(DispatchStage<Peers>{a, peers}, a.num_tokens, Meet{});
+      with_wire(a.wire, [&](auto wire) {
+        p.per_warp(DispatchStage<Peers, wire.value>{a, peers}, a.num_tokens, Meet{});
+      });
+      p.per_warp(DispatchSend<Peers>{a, peers}, a.num_tokens, Meet{{}, true, {}});
+    } else {
+      with_wire(a.wire, [&](auto wire) {
+        p.per_warp(DispatchSend<Peers, wire.value>{a, peers}, a.num_tokens, Meet{{}, true, {}});
+      });
     }
-    p.per_warp(DispatchSend<Peers>{a, peers}, a.num_tokens, Meet{{}, true, {}});
     if (a.nodes() > 1) {
       // Node-aware: once every token has reached its relays, they store them into the
       // receivers of their nodes.

@@ -66,6 +66,18 @@ template <typename Phase>
 struct MinBlocksPerSm<Phase, std::void_t<decltype(Phase::kCopy)>>
     : std::integral_constant<int, Phase::kCopy ? kCopyBlocksPerSm : 1> {};
 
+// Calls f(std::integral_constant<int, wire>) for a wire format (cuda/wire.h).
+template <typename F>
+void with_wire(int wire, const F& f) {
+  switch (wire) {
+    case kWireE4m3: return f(std::integral_constant<int, kWireE4m3>{});
+    case kWireE4m3Ue8m0: return f(std::integral_constant<int, kWireE4m3Ue8m0>{});
+    case kWireMxfp8: return f(std::integral_constant<int, kWireMxfp8>{});
+    case kWireNvfp4: return f(std::integral_constant<int, kWireNvfp4>{});
+    default: return f(std::integral_constant<int, kWireBf16>{});
+  }
+}
+
 struct DispatchCount {
   DispatchArgs a;
   JAX_EP_HOST_DEVICE void operator()(int s, int64_t g, int lane, int lanes) const {
@@ -114,24 +126,29 @@ struct DispatchTail {
     dispatch_bases(a, first, ranks, static_cast<int>(c));
   }
 };
-template <typename Peers>
+// kWire: the send casts the rows (DispatchArgs::wire), one kernel per format as the
+// low-latency send's (LowLatencySend), so that the plain send keeps its code and registers.
+// A cast computes more than it copies, beside the dispatch's lookup of each row's place:
+// within a copy phase's 64 registers the FP8 casts spill (virtual ranks, Hopper), so the
+// casting sends take the registers they need.
+template <typename Peers, int kWire = kWireBf16>
 struct DispatchSend {
-  static constexpr bool kCopy = true;
+  static constexpr bool kCopy = kWire == kWireBf16;
   DispatchArgs a;
   Peers peers{};
   JAX_EP_HOST_DEVICE void operator()(int s, int64_t t, int lane, int lanes) const {
-    dispatch_send(a, peers, s, static_cast<int>(t), lane, lanes);
+    dispatch_send<kWire>(a, peers, s, static_cast<int>(t), lane, lanes);
   }
 };
-// Put views: each token's row and scales into the send area, and its metadata to the
-// receivers, before the send. Not a copy phase: NVSHMEM's code for the metadata's puts needs
-// more than a copy phase's 64 registers.
-template <typename Peers>
+// Put views: each token's row and scales (kWire: cast) into the send area, and its metadata
+// to the receivers, before the send. Not a copy phase: NVSHMEM's code for the metadata's puts
+// needs more than a copy phase's 64 registers.
+template <typename Peers, int kWire = kWireBf16>
 struct DispatchStage {
   DispatchArgs a;
   Peers peers{};
   JAX_EP_HOST_DEVICE void operator()(int s, int64_t t, int lane, int lanes) const {
-    dispatch_stage(a, peers, s, static_cast<int>(t), lane, lanes);
+    dispatch_stage<kWire>(a, peers, s, static_cast<int>(t), lane, lanes);
   }
 };
 // Node-aware: each relay stores the tokens it received into the receivers of its node (a store
@@ -246,17 +263,6 @@ struct LowLatencySend {
   }
   int64_t items() const { return ll_send_items(a); }
 };
-// Calls f(std::integral_constant<int, wire>) for the wire format of the args.
-template <typename F>
-void with_wire(int wire, const F& f) {
-  switch (wire) {
-    case kWireE4m3: return f(std::integral_constant<int, kWireE4m3>{});
-    case kWireE4m3Ue8m0: return f(std::integral_constant<int, kWireE4m3Ue8m0>{});
-    case kWireMxfp8: return f(std::integral_constant<int, kWireMxfp8>{});
-    case kWireNvfp4: return f(std::integral_constant<int, kWireNvfp4>{});
-    default: return f(std::integral_constant<int, kWireBf16>{});
-  }
-}
 // Between devices, the tail of a send that numbers its messages itself (counts_in_send): its
 // row of counts, one put (or the stores) to every other rank, before it tells them it is done.
 template <typename Peers>

@@ -23,7 +23,9 @@ void run_virtual(L& l, int, const DispatchArgs& in) {
   DispatchArgs a = in;
   a.rings = Rings{};  // virtual ranks move rows in phases (rings stream between devices)
   l.per_warp(DispatchCount{a}, a.num_chunks, DispatchTail<Peers>{a, 0, a.num_ranks});
-  l.per_warp(DispatchSend<Peers>{a}, a.num_tokens);
+  with_wire(a.wire, [&](auto wire) {
+    l.per_warp(DispatchSend<Peers, wire.value>{a}, a.num_tokens);  // kWire: it casts the rows
+  });
   l.per_warp(DispatchFinish<Peers>{a}, a.finish_items());
 }
 

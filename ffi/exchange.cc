@@ -126,9 +126,24 @@ xffi::Error ParseRanks(std::string_view op, const AnyBuffer& ranks,
 
 }  // namespace
 
+// The element type of a row's data in wire format `wire` (low-latency rows, and the rows a
+// dispatch's send casts).
+static DataType WireDataType(int wire) {
+  return wire == kWireBf16 ? DataType::BF16 : wire == kWireNvfp4 ? DataType::U8
+                                                                  : DataType::F8E4M3FN;
+}
+
+static xffi::Error CheckWire(std::string_view op, int64_t wire) {
+  if (wire < 0 || wire >= kNumWires) {
+    return Invalid(op, "wire format " + std::to_string(wire) + " is not one of 0.." +
+                           std::to_string(kNumWires - 1) + " (cuda/wire.h)");
+  }
+  return xffi::Error::Success();
+}
+
 xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t num_ranks,
                           int64_t num_experts, int64_t capacity, int64_t expert_major,
-                          DispatchArgs* a) {
+                          int64_t wire, DispatchArgs* a) {
   const std::string_view op = kPeerOpNames[kPeerDispatch];
   Buffers b(op, args, rets);
   JAX_EP_RETURN_IF_ERROR(b.Count(4, 16));
@@ -142,8 +157,23 @@ xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, in
   JAX_EP_RETURN_IF_ERROR(CheckInt32(op, "R*T*K", R * T * K));
   const AnyBuffer x = b.Arg(0);
   JAX_EP_RETURN_IF_ERROR(CheckRank(op, "x", x, 3));
+  JAX_EP_RETURN_IF_ERROR(CheckWire(op, wire));
   const int64_t H = x.dimensions()[2];
-  const int64_t S = b.Arg(1).dimensions().size() == 3 ? b.Arg(1).dimensions()[2] : 0;
+  const bool casts = wire != kWireBf16;
+  if (casts && x.element_type() != DataType::BF16) {
+    return Invalid(op, "the send casts bfloat16 rows to wire format " + std::to_string(wire) +
+                           "; x is " + TypeName(x.element_type()));
+  }
+  if (casts && H % wire_block(static_cast<int>(wire)) != 0) {
+    return Invalid(op, "wire format " + std::to_string(wire) + " casts blocks of " +
+                           std::to_string(wire_block(static_cast<int>(wire))) +
+                           " channels; H = " + std::to_string(H) + " is not a multiple");
+  }
+  const int64_t S = casts ? wire_scale_words(static_cast<int>(wire), H)
+                    : b.Arg(1).dimensions().size() == 3 ? b.Arg(1).dimensions()[2] : 0;
+  // The received rows' data elements and their type: x's, or the wire format's (bytes).
+  const int64_t D = casts ? wire_data_bytes(static_cast<int>(wire), H) : H;
+  const DataType recv_type = casts ? WireDataType(static_cast<int>(wire)) : x.element_type();
   const int64_t E = num_experts, El = E / R, cap = capacity;
   const bool em = expert_major != 0;
   const int64_t rows = em ? R * T : cap;
@@ -155,15 +185,19 @@ xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, in
   a->num_experts = static_cast<int>(E);
   a->capacity = static_cast<int>(cap);
   a->expert_major = em;
-  a->row_bytes = H * static_cast<int64_t>(xffi::ByteWidth(x.element_type()));
+  a->row_bytes = casts ? wire_data_bytes(static_cast<int>(wire), H)
+                       : H * static_cast<int64_t>(xffi::ByteWidth(x.element_type()));
   a->scale_cols = S;
+  a->wire = static_cast<int>(wire);
+  a->hidden = static_cast<int>(H);
 
   JAX_EP_RETURN_IF_ERROR(b.In(0, "x", kAnyType, {V, T, H}, &a->x));
-  JAX_EP_RETURN_IF_ERROR(b.In(1, "scales", DataType::F32, {V, T, S}, &a->scales));
+  // A cast's scale words are the send's to write: x then comes without scales.
+  JAX_EP_RETURN_IF_ERROR(b.In(1, "scales", DataType::F32, {V, T, casts ? 0 : S}, &a->scales));
   JAX_EP_RETURN_IF_ERROR(b.In(2, "topk_idx", DataType::S32, {V, T, K}, &a->topk_idx));
   JAX_EP_RETURN_IF_ERROR(b.In(3, "topk_weights", DataType::F32, {V, T, K}, &a->topk_weights));
 
-  JAX_EP_RETURN_IF_ERROR(b.Out(0, "recv_x", x.element_type(), {V, cap, H}, &a->recv_x));
+  JAX_EP_RETURN_IF_ERROR(b.Out(0, "recv_x", recv_type, {V, cap, D}, &a->recv_x));
   JAX_EP_RETURN_IF_ERROR(b.Out(1, "recv_scales", DataType::F32, {V, cap, S}, &a->recv_scales));
   if (em) {
     JAX_EP_RETURN_IF_ERROR(b.Out(2, "recv_idx", DataType::S32, {V, cap}, &a->recv_idx));
@@ -241,20 +275,6 @@ xffi::Error ParseCombine(xffi::RemainingArgs args, xffi::RemainingRets rets, int
   JAX_EP_RETURN_IF_ERROR(
       b.In(3, "row_entries", DataType::S32, {V, em ? R * T : 0, K}, &a->row_entries));
   JAX_EP_RETURN_IF_ERROR(b.Out(0, "out", dtype, {V, T, H}, &a->out));
-  return xffi::Error::Success();
-}
-
-// The element type of a low-latency row's data in wire format `wire`.
-static DataType WireDataType(int wire) {
-  return wire == kWireBf16 ? DataType::BF16 : wire == kWireNvfp4 ? DataType::U8
-                                                                  : DataType::F8E4M3FN;
-}
-
-static xffi::Error CheckWire(std::string_view op, int64_t wire) {
-  if (wire < 0 || wire >= kNumWires) {
-    return Invalid(op, "wire format " + std::to_string(wire) + " is not one of 0.." +
-                           std::to_string(kNumWires - 1) + " (cuda/wire.h)");
-  }
   return xffi::Error::Success();
 }
 
@@ -556,13 +576,16 @@ xffi::Error ParseCall(int op, const AnyBuffer& ranks, xffi::RemainingArgs args,
   }
   switch (op) {
     case kPeerDispatch: {
-      int64_t capacity = 0, expert_major = 0, zero_padding = 0, drop_by_source = 0;
+      int64_t capacity = 0, expert_major = 0, zero_padding = 0, drop_by_source = 0, wire = 0;
       JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "capacity", &capacity));
       JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "expert_major", &expert_major));
       JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "zero_padding", &zero_padding));
       JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "drop_by_source", &drop_by_source));
+      // Optional: the wire format the send casts x's bfloat16 rows to (0: none).
+      if (attrs.contains("wire")) JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "wire", &wire));
       DispatchArgs a;
-      JAX_EP_RETURN_IF_ERROR(ParseDispatch(args, rets, R, E, capacity, expert_major, &a));
+      JAX_EP_RETURN_IF_ERROR(
+          ParseDispatch(args, rets, R, E, capacity, expert_major, wire, &a));
       a.zero_padding = zero_padding != 0;
       a.drop_by_source = drop_by_source != 0 && expert_major != 0;
       JAX_EP_RETURN_IF_ERROR(ParseChannels(name, attrs, &a.rings));

@@ -36,10 +36,13 @@ enum class RowType { kF32, kBF16, kF16 };
 // rows' = R*T when expert-major, else 0), num_needed [R], workspace s32 [W]
 // (W: carve_dispatch_workspace, cuda/exchange.h). Rows of recv_x and recv_scales past the count
 // are not written (docs/contract.md, "Padding") unless the handler's attribute zero_padding
-// is set; the CPU handlers fill them with NaN bytes first.
+// is set; the CPU handlers fill them with NaN bytes first. With `wire` (cuda/wire.h; 0: none)
+// the send casts x's bfloat16 rows to that format: scales are then [R,T,0], recv_x the
+// format's data ([R,cap,H] float8_e4m3fn, nvfp4 [R,cap,H/2] uint8) and recv_scales
+// [R,cap,S] its scale words (jax_ep.quant.to_rows).
 xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t num_ranks,
                           int64_t num_experts, int64_t capacity, int64_t expert_major,
-                          DispatchArgs* out);
+                          int64_t wire, DispatchArgs* out);
 
 // Operands y [R,cap,H] (f32, bf16 or f16), weights f32 [R,cap] or [R,0], src_row s32
 // [R,R*T], row_entries s32 [R,R*T,K] (expert-major) or [R,0,K]. Result: out [R,T,H] in y's

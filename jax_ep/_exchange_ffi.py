@@ -122,24 +122,27 @@ def _rings(op: str, axis_name: str | None, placement: Placement, expert_major: b
 
 def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, capacity,
              expert_major, drop_by_source=False, axis_name=None, zero_padding=False,
-             placement=ANYWHERE):
+             placement=ANYWHERE, wire=None):
     """Normal dispatch; returns the 16 results of "jax_ep_dispatch" as a dict. Rows of "x"
     and "scales" past the count are unspecified unless `zero_padding` (docs/contract.md,
-    "Padding")."""
+    "Padding"). `wire` (a jax_ep.quant format; data bfloat16, no scales): the send casts the
+    rows, and "x" and "scales" are the format's rows (quant.to_rows)."""
     _ffi.register()
     V, T, K = topk_idx.shape
     R, E, cap = num_ranks, num_experts, capacity
-    H = data.shape[2]
+    H, row_type = data.shape[2], data.dtype
     if scales is None:
         scales = jnp.zeros((V, T, 0), jnp.float32)
     S = scales.shape[2]
+    if wire is not None:
+        (H, row_type), S = ll_row_shapes(wire, H)
     rows = R * T if expert_major else cap
     per_entry = (V, cap) if expert_major else (V, cap, K)
     em_cap, em_rows = (cap, R * T) if expert_major else (0, 0)
     workspace = _ffi.EXT.workspace("jax_ep_dispatch", R, T, K, E, V)
     i32, f32 = jnp.int32, jnp.float32
     names_shapes = {
-        "x": ((V, cap, H), data.dtype), "scales": ((V, cap, S), f32),
+        "x": ((V, cap, H), row_type), "scales": ((V, cap, S), f32),
         "topk_idx": (per_entry, i32), "topk_weights": (per_entry, f32),
         "num_tokens": ((V,), i32), "tokens_per_expert": ((V, E // R), i32),
         "num_dropped": ((V,), i32), "num_invalid": ((V,), i32), "clean_idx": ((V, T, K), i32),
@@ -153,6 +156,7 @@ def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, ca
         (data, scales, topk_idx, topk_weights),
         dict(num_ranks=R, num_experts=E, capacity=cap, expert_major=expert_major,
              zero_padding=zero_padding, drop_by_source=drop_by_source,
+             wire=None if wire is None else WIRES.index(wire),
              **_rings("dispatch", axis_name, placement, expert_major, num_ranks)),
         placement, axis_name=axis_name,
         stacked=V)

@@ -40,6 +40,21 @@ class _DispatchConfig:
     expert_major: bool
     placement: Placement
     drop_by_source: bool = False
+    wire: str | None = None  # the send casts the rows to this format (_CastOnSend)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CastOnSend:
+    """x's bfloat16 rows [T, H], which the cuda backend's send casts to `format` itself as it
+    writes them (the bytes of quant.to_rows(quant.quantize(x, format))): each row read once,
+    no quantization pass in XLA; received as that Quantized."""
+
+    x: jax.Array
+    format: str
+
+    def like(self) -> quant.Quantized:
+        """The Quantized of x (shapes and types only), which the received rows form."""
+        return jax.eval_shape(partial(quant.quantize, format=self.format), self.x)
 
 
 def default_capacity(num_ranks: int, num_tokens: int, top_k: int, num_experts: int,
@@ -80,7 +95,9 @@ def _check_x(op: str, x, num_tokens: int, tokens_of: str = "topk_idx has"
              ) -> tuple[jax.Array, jax.Array | None]:
     """x is [T, H] floating, the FP8 pair or a Quantized; returns (x or its data, scales or
     the Quantized's other bytes (quant.to_rows), or None)."""
-    if isinstance(x, quant.Quantized):
+    if isinstance(x, _CastOnSend):
+        data, scales = x.x, None
+    elif isinstance(x, quant.Quantized):
         quant.check(op, "x", x)
         _checks.check_array(op, "x.data", x.data, ndim=2, expect="[T, ...] (one row a token)")
         data, scales = quant.to_rows(x)
@@ -259,6 +276,8 @@ def dispatch(
     if capacity is None:
         capacity = default
     row_bytes = data.shape[1] * data.dtype.itemsize
+    if isinstance(x, _CastOnSend):  # the rows as they travel
+        row_bytes = quant.wire_bytes(x.format, data.shape[1])[0]
     if capacity > worst_case and capacity * row_bytes > _WASTE_BYTES:
         raise ValueError(
             f"{op}: capacity={capacity} is more than a rank can ever need ({worst_case} "
@@ -280,6 +299,7 @@ def dispatch(
         expert_major=expert_major,
         placement=placement,
         drop_by_source=expert_major and drop_order == "source",
+        wire=x.format if isinstance(x, _CastOnSend) else None,
     )
     received, handle, needed = _dispatch(config, data, scales, topk_idx, topk_weights)
     if config.drop_by_source:
@@ -399,7 +419,9 @@ def _dispatch_on_wire(op: str, x, topk_idx, topk_weights, wire_format: str | Non
         quant.check_format(op, "grad_wire_format", grad_wire_format, x.shape[1],
                            "x's hidden size")
     sent = jax.lax.stop_gradient(x)
-    if wire_format is not None:
+    if _casts_on_send(wire_format, x, options["backend"]):
+        sent = _CastOnSend(sent, wire_format)
+    elif wire_format is not None:
         sent = quant.quantize(sent, wire_format)
     received, handle = dispatch(sent, topk_idx, topk_weights, **options)
     if not dequantize:
@@ -408,6 +430,15 @@ def _dispatch_on_wire(op: str, x, topk_idx, topk_weights, wire_format: str | Non
     back = _placement_options(options) + (("wire_format", grad_wire_format),)
     rows = _straight_through(back, x, jax.lax.stop_gradient(rows), handle)
     return dataclasses.replace(received, x=rows), handle
+
+
+def _casts_on_send(wire_format: str | None, x, backend: str) -> bool:
+    """Whether the cuda backend's send quantizes x's rows itself: bfloat16 rows of whole
+    blocks of the format (others are quantized in XLA first, or refused there), at least one
+    token (none: the padding alone, as for any Quantized)."""
+    return (wire_format is not None and x.dtype == jnp.bfloat16 and x.shape[0] > 0
+            and x.shape[1] % quant.BLOCKS[wire_format] == 0
+            and backends.resolve(backend) == "cuda")
 
 
 def _placement_options(options: dict) -> tuple:
@@ -437,8 +468,9 @@ def _as_sent(x, result: tuple[Received, DispatchHandle]) -> tuple[Received, Disp
     """The received rows in the form `x` was given: a Quantized arrives as one (its format,
     bit for bit), the FP8 pair and floats as they are."""
     received, handle = result
-    if isinstance(x, quant.Quantized):
-        rows = quant.from_rows(received.x, received.scales, x)
+    if isinstance(x, (quant.Quantized, _CastOnSend)):
+        like = x.like() if isinstance(x, _CastOnSend) else x
+        rows = quant.from_rows(received.x, received.scales, like)
         received = dataclasses.replace(received, x=rows, scales=None)
     return received, handle
 
@@ -477,6 +509,7 @@ def _no_tokens(data, scales, topk_idx, num_experts, num_ranks, axis_name, capaci
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dispatch(config: _DispatchConfig, x, scales, topk_idx, topk_weights):
+    cast = {} if config.wire is None else {"wire": config.wire}  # the cuda backend's only
     return backends.get(config.backend).dispatch(
         x,
         scales,
@@ -559,7 +592,7 @@ def combine(
       [T, H] in y.dtype: the float32 sum, in rank order (docs/contract.md, "combine").
     """
     op = "jax_ep.combine"
-    placement = _checks.placement(op, num_sms, stream)
+    placement = _checks.placement(op, runtime.default_num_sms(op, num_sms), stream)
     if not isinstance(handle, DispatchHandle):
         raise TypeError(
             f"{op}: handle must be the DispatchHandle returned by jax_ep.dispatch; got "

@@ -383,8 +383,9 @@ def test_the_table_shows_each_launch_s_parallelism(capsys):
 
 def test_a_training_step_moves_the_wire_format_s_bytes_forward():
     """account.training_step: the forward dispatch moves each format's row (its data and
-    other bytes) instead of bfloat16's, the three other ops stay bfloat16's, and the passes
-    XLA adds read and write each source row and each received entry once."""
+    other bytes) instead of bfloat16's, its send reading the bfloat16 rows it quantizes, the
+    three other ops stay bfloat16's, and the pass XLA adds (the dequantization) reads and
+    writes each received entry once."""
     R, T, H, K, E = 4, 96, 256, 4, 16
     kw = dict(num_ranks=R, tokens=T, hidden=H, top_k=K, num_experts=E, seed=3)
     base, none = account.training_step(None, **kw)
@@ -396,10 +397,13 @@ def test_a_training_step_moves_the_wire_format_s_bytes_forward():
         ops, passes = account.training_step(f, **kw)
         data, rest = quant.wire_bytes(f, H)
         want = account.dispatch(idx, num_experts=E, row_bytes=data, scale_bytes=rest,
-                                expert_major=True, between=True)
+                                expert_major=True, between=True, source_bytes=2 * H)
+        unfused = account.dispatch(idx, num_experts=E, row_bytes=data, scale_bytes=rest,
+                                   expert_major=True, between=True)
         assert (ops[0].read, ops[0].written) == (want.read, want.written), f
+        assert want.written == unfused.written and want.read > unfused.read, f
         assert ops[0].bytes < base[0].bytes and ops[1:] == base[1:], f
-        assert passes == (R * T + entries) * (2 * H + data + rest), f
+        assert passes == entries * (2 * H + data + rest), f
 
 
 def test_combine_moves_its_minimum():

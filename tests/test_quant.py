@@ -244,6 +244,61 @@ def test_dispatch_carries_every_format_bit_for_bit(format, expert_major):
             assert_bytes(getattr(got, name)[d], expect, f"{format} {name} on rank {d}")
 
 
+def _row_bytes(data, words):
+    """A dispatch's rows as they travel (quant.to_rows), one float32 row each: the reference
+    copies them bit for bit."""
+    data, words = np.asarray(data), np.asarray(words)
+    lead = data.shape[:-1]
+    row = np.concatenate([data.view(np.uint8).reshape(*lead, -1),
+                          words.view(np.uint8).reshape(*lead, -1)], axis=-1)
+    return np.ascontiguousarray(row).view(F32)
+
+
+@pytest.mark.parametrize("format", quant.FORMATS)
+@pytest.mark.parametrize("expert_major", [False, True])
+def test_dispatch_send_quantizes_bfloat16_rows(format, expert_major):
+    """dispatch(x, ..., wire_format=f) of bfloat16 x on the cuda backend: its send casts each
+    row itself (no quantization pass in XLA, the custom call's `wire`), and the received
+    Quantized rows are, byte for byte, those of the dispatch of quant.quantize(x, f) (the
+    path of the other backends and dtypes) and the reference's dispatch of those rows. Skewed
+    routing (a hot expert, ranks nobody picks, masked and invalid ids), T not a power of two,
+    a capacity that may drop, NaN and infinity in rows; on the run's path (host peers,
+    $JAX_EP_CHANNELS, $JAX_EP_PEER_ACCESS, $JAX_EP_RANKS_PER_NODE), else one rank."""
+    from harness import compiled_text, sharded, to_numpy
+    from test_fuzz import draw_routing
+
+    import jax_ep
+    from jax_ep.tools import reference
+
+    rng = np.random.default_rng()
+    R = 4 if jax_ep.runtime.is_initialized() else 1
+    T, K, E, H = 11, 3, 4 * R, 256
+    idx, w = draw_routing(rng, R, T, K, E)
+    if R > 1:  # and the last rank receives nothing: its experts' choices masked
+        idx = np.where(idx // (E // R) == R - 1, -1, idx).astype(np.int32)
+    x = rows_of_every_kind(rng, R * T, H).astype(ml_dtypes.bfloat16).reshape(R, T, H)
+    q = quant.quantize(jnp.asarray(x), format)
+    capacity = int(rng.integers(1, R * T * (K if expert_major else 1) + 1))
+    kw = dict(num_experts=E, capacity=capacity, expert_major=expert_major,
+              on_overflow="drop", on_invalid="mask", backend="cuda")
+
+    def per_shard(x, idx, w):
+        fused, _ = jax_ep.dispatch(x, idx, w, wire_format=format, dequantize=False, **kw)
+        unfused, _ = jax_ep.dispatch(quant.quantize(x, format), idx, w, **kw)
+        return [(r.num_tokens, *quant.to_rows(r.with_zero_padding().x))
+                for r in (fused, unfused)]
+
+    assert "wire = " in compiled_text(
+        lambda x, idx, w: jax_ep.dispatch(x, idx, w, wire_format=format, **kw)[0].x,
+        R, x, idx, w)
+    want = reference.dispatch(_row_bytes(*quant.to_rows(q)), idx, w, num_experts=E,
+                              capacity=capacity, expert_major=expert_major)
+    got = to_numpy(sharded(per_shard, R)(x, idx, w))
+    for name, (count, data, words) in zip(("fused", "unfused"), got, strict=True):
+        np.testing.assert_array_equal(count, want["num_tokens"], err_msg=name)
+        assert_bytes(_row_bytes(data, words), want["x"], f"{format} {name} rows")
+
+
 @pytest.mark.parametrize("format", quant.FORMATS)
 def test_wire_bytes_are_what_dispatch_moves(format):
     """quant.wire_bytes (the account's row size per format) is the size of quant.to_rows."""

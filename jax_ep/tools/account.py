@@ -248,7 +248,7 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
              capacity: int | None = None, expert_major: bool = False, between: bool = False,
              zero_padding: bool = False, puts: bool = False, ranks_per_node: int = 0,
              channels=None, channel_warps: int | None = None,
-            num_sms: int | None = DEFAULT_NUM_SMS) -> Account:
+            num_sms: int | None = DEFAULT_NUM_SMS, source_bytes: int | None = None) -> Account:
     """Normal dispatch of every rank's rows.
 
     Args:
@@ -267,6 +267,10 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
       channel_warps: streamed, the warps per role per channel as they run (on the CPU the
         grid's); None: a GPU's (runtime.stream_plan).
       num_sms: streamed, the op's SM budget, which bounds its channels (runtime.stream_plan).
+      source_bytes: the send casts each source row of these bytes (bfloat16, 2H) to the wire
+        format of row_bytes and scale_bytes as it writes it (`jax_ep.dispatch(x,
+        wire_format=)` on the cuda backend): its reads of source rows read these bytes, with
+        no quantization pass before; None: the rows are read as they travel.
     """
     _check_puts(puts, between)
     R, T, K = np.shape(topk_idx)
@@ -276,14 +280,16 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
     if ranks_per_node and not puts:
         raise ValueError("ranks_per_node describes nodes reached with puts: pass puts=True.")
     row = row_bytes + scale_bytes
+    # A source row as the send (over puts, the stage) reads it: `extra` more bytes when cast.
+    extra = 0 if source_bytes is None else source_bytes - row
     # [R, T, K] kept entries or [R, T, R] kept rows: each a destination of a source row.
     kept = (kept_entries if expert_major else kept_rows)(topk_idx, E, capacity)
     destinations = kept.sum(axis=2)
     delivered, sources = int(destinations.sum()), int((destinations > 0).sum())
     padding = R * capacity - delivered if zero_padding else 0
     # The send reads each source row once per FAN_OUT destinations and writes every one.
-    read, written = _fan_out_reads(destinations) * row, (delivered + padding) * row
-    minimum = sources * row + delivered * row + padding * row
+    read, written = _fan_out_reads(destinations) * (row + extra), (delivered + padding) * row
+    minimum = sources * (row + extra) + delivered * row + padding * row
     # The count (always: its tail computes the totals and the bases), the send, the finish.
     chunks, finish = count_chunks(T, K), max(capacity, R * T, E // R)
     if not between:
@@ -303,7 +309,7 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
         plan = _stream_plan("dispatch", channels, R, nodes, channel_warps, num_sms)
         return _streamed_dispatch(kept, topk_idx, E, row_bytes, scale_bytes, plan, channels,
                                   puts, nodes, padding, minimum + 2 * landing, totals, chunks,
-                                  finish)
+                                  finish, extra)
     if puts and 0 < ranks_per_node < R:
         # The count, the send, the relay (every token of every rank) and the finish meet the
         # peers; the stage does not (it runs with items only).
@@ -312,14 +318,15 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
                                      minimum, landing,
                                      _smallest(1, chunks, T, R * T, finish, T, always=4))
         return dataclasses.replace(
-            aware, read=aware.read + totals, written=aware.written + totals, row_warps=moving,
+            aware, read=aware.read + totals + R * T * extra, written=aware.written + totals,
+            row_warps=moving,
             messages=_dispatch_messages(topk_idx, E, expert_major, kept, scale_bytes > 0,
                                         ranks_per_node))
     if puts:
         # The stage copies every token's row into the send area; the send puts one copy per
         # destination from there (rank-major, the row's packed slot).
         staged, message = R * T * row, _message(row_bytes, scale_bytes, K, expert_major)
-        read = staged + delivered * message + totals
+        read = staged + R * T * extra + delivered * message + totals
         written = staged + delivered * message + padding * row + totals
         return Account("dispatch", 4, 3, read + landing, written + landing,
                        minimum + 2 * landing, _smallest(1, chunks, T, finish, T, always=3),
@@ -466,8 +473,8 @@ def _stream_messages(slots: np.ndarray, chunk: int) -> int:
 
 
 def _streamed_dispatch(kept, topk_idx, num_experts, row_bytes, scale_bytes, plan, channels,
-                       puts, ranks_per_node, padding, minimum, totals, chunks,
-                       finish) -> Account:
+                       puts, ranks_per_node, padding, minimum, totals, chunks, finish,
+                       extra=0) -> Account:
     """Rank-major dispatch between devices streamed through rings (cuda/dispatch_stream.h):
     the count, the streaming launch and the finish. A sender warp writes a token into each of
     its rings the token goes to (a slot: the row, its scales and metadata), reading the row
@@ -476,7 +483,8 @@ def _streamed_dispatch(kept, topk_idx, num_experts, row_bytes, scale_bytes, plan
     reads and writes it whole). Node-aware, the ranks of a node are reached with stores, each
     other node through the relay ring to the token's relay there (a slot with its targets),
     whose forwarder copies it into the node ring of each target, reading it once per
-    FAN_OUT. Every warp of the launch moves rows, STREAM_WORDS_IN_FLIGHT loads per lane."""
+    FAN_OUT. Every warp of the launch moves rows, STREAM_WORDS_IN_FLIGHT loads per lane.
+    `extra`: bytes more in each of the senders' reads of a source row (a cast, `dispatch`)."""
     R, T, K = np.shape(topk_idx)
     row = row_bytes + scale_bytes
     S = scale_bytes // 4
@@ -508,7 +516,8 @@ def _streamed_dispatch(kept, topk_idx, num_experts, row_bytes, scale_bytes, plan
         per_warp = np.stack([slots[s][:, warp_of[s] == w].sum(axis=1) for w in range(senders)])
         reads += _fan_out_reads(per_warp)
     # The senders' copies, and the receivers' of each delivered row.
-    read, written = (reads + delivered) * row, int(slots.sum()) * row + delivered * row
+    read = reads * (row + extra) + delivered * row
+    written = int(slots.sum()) * row + delivered * row
     messages = None
     if aware:
         relay_slot = _round16(_round16(row_bytes) + 4 * (S + 2 + 4 * K))  # and the targets
@@ -869,12 +878,14 @@ def wire_formats(num_ranks: int = 8, between: bool = True, seed: int = 0, tokens
                  hidden: int = 7168, top_k: int = 8, num_experts: int = 256
                  ) -> list[tuple[str, int, Account]]:
     """Rank-major dispatch at DeepSeek's shapes in bfloat16 and in every wire format of
-    jax_ep.quant: (format, bytes per token row, its account)."""
+    jax_ep.quant, whose send reads the bfloat16 rows and casts them (`dispatch(x,
+    wire_format=)`): (format, bytes per token row as it travels, its account)."""
     idx = uniform_routing(np.random.default_rng(seed), num_ranks, tokens, top_k, num_experts)
     rows = [("bfloat16", 2 * hidden, 0)] + [(f, *quant.wire_bytes(f, hidden))
                                              for f in quant.FORMATS]
-    return [(name, data + rest, dispatch(idx, num_experts=num_experts, row_bytes=data,
-                                         scale_bytes=rest, between=between))
+    return [(name, data + rest,
+             dispatch(idx, num_experts=num_experts, row_bytes=data, scale_bytes=rest,
+                      between=between, source_bytes=None if rest == 0 else 2 * hidden))
             for name, data, rest in rows]
 
 
@@ -885,14 +896,15 @@ def training_step(wire_format: str | None = None, num_ranks: int = 8, between: b
     bfloat16 except the forward dispatch's rows, which travel as `wire_format` (None:
     bfloat16): (the four ops' accounts: the forward dispatch and combine, the combine's
     backward (rows along the handle) and the dispatch's (an unweighted combine); the bytes of
-    the quantization and dequantization passes, all ranks, which the kernels do not fuse yet:
-    each source row read in bfloat16 and written quantized, each received entry read and
-    written back in bfloat16)."""
+    the dequantization pass, all ranks, which the kernels do not fuse yet: each received entry
+    read and written back in bfloat16). The send quantizes the rows itself (the cuda backend,
+    bfloat16 x): it reads each source row in bfloat16, with no quantization pass before."""
     idx = uniform_routing(np.random.default_rng(seed), num_ranks, tokens, top_k, num_experts)
     kw = dict(num_experts=num_experts, expert_major=True, between=between)
     row = 2 * hidden
     data, rest = (row, 0) if wire_format is None else quant.wire_bytes(wire_format, hidden)
-    ops = [dispatch(idx, row_bytes=data, scale_bytes=rest, **kw),
+    cast = None if wire_format is None else row
+    ops = [dispatch(idx, row_bytes=data, scale_bytes=rest, source_bytes=cast, **kw),
            combine(idx, row_bytes=row, weighted=True, **kw),
            dispatch_rows(idx, row_bytes=row, **kw),
            combine(idx, row_bytes=row, **kw)]
@@ -902,7 +914,7 @@ def training_step(wire_format: str | None = None, num_ranks: int = 8, between: b
     if wire_format is not None:
         entries = int(kept_entries(idx, num_experts, default_capacity(
             num_ranks, tokens, top_k, num_experts, True)).sum())
-        passes = (num_ranks * tokens + entries) * (row + data + rest)
+        passes = entries * (row + data + rest)
     return ops, passes
 
 
@@ -1048,8 +1060,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("Expected misses:")
         print("\n".join(missed))
     formats = wire_formats(args.ranks, True, args.seed, tokens=args.tokens)
-    print(f"\nDispatch (rank-major, between GPUs) by wire format (jax_ep.quant), R = "
-          f"{args.ranks}, T {args.tokens}:\n")
+    print(f"\nDispatch (rank-major, between GPUs) by wire format (jax_ep.quant; the send "
+          f"casts the bfloat16 rows), R = {args.ranks}, T {args.tokens}:\n")
     print("| format | bytes per token row | GB moved | x bfloat16 |\n|---|---:|---:|---:|")
     for name, row, a in formats:
         print(f"| {name} | {row} | {a.bytes / 1e9:.3f} | {a.bytes / formats[0][2].bytes:.2f} |")
@@ -1063,7 +1075,7 @@ def training_table(num_ranks: int, seed: int = 0, tokens: int = 4096) -> str:
              f"R = {num_ranks}, T {tokens}: GB of row data the kernels move, all ranks "
              f"(`account.training_step`)\n",
              "| wire format | dispatch | combine | combine backward | dispatch backward | "
-             "step | x bfloat16 | (de)quantization passes |",
+             "step | x bfloat16 | dequantization pass |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     base = None
     for f in (None, *quant.FORMATS):

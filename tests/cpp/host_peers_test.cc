@@ -64,7 +64,11 @@ struct Shape {
   int elem = 4;
   // Streamed, warps per role per channel (Rings::warps); 0: the grid's.
   int warps = 0;
-  int64_t row_bytes() const { return int64_t{H} * elem; }
+  // The wire format the normal dispatch's send casts x's bfloat16 rows (elem 2) to; 0: none.
+  int cast = 0;
+  // A dispatch row as it travels (x's, or the cast's data bytes and scale words).
+  int64_t row_bytes() const { return cast ? wire_data_bytes(cast, H) : int64_t{H} * elem; }
+  int64_t scale_cols() const { return cast ? wire_scale_words(cast, H) : fp8 ? H / 128 : 0; }
   // The low-latency ops run where H is a multiple of their 128-channel blocks.
   bool low_latency() const { return H % kFp8Block == 0; }
   int El() const { return E / R; }
@@ -90,7 +94,7 @@ struct DispatchData {
   explicit DispatchData(const Shape& s) {
     rows_x.resize(int64_t{s.R} * s.T * kRowWidth);
     rows_out.resize(int64_t{s.R} * s.capacity * kRowWidth);
-    const int64_t R = s.R, T = s.T, K = s.K, H = s.H, cap = s.capacity, S = s.fp8 ? H / 128 : 0;
+    const int64_t R = s.R, T = s.T, K = s.K, H = s.H, cap = s.capacity, S = s.scale_cols();
     x.resize(R * T * H);
     scales.resize(R * T * S);
     weights.resize(R * T * K);
@@ -116,7 +120,7 @@ struct DispatchData {
   // The arguments of rank `rank` alone (V = 1), or of every rank (rank < 0).
   DispatchArgs args(const Shape& s, int rank) {
     const int64_t v = rank < 0 ? 0 : rank, T = s.T, K = s.K, H = s.H, cap = s.capacity;
-    const int64_t S = s.fp8 ? H / 128 : 0;
+    const int64_t S = s.scale_cols();
     DispatchArgs a{};
     a.num_ranks = s.R;
     a.num_tokens = s.T;
@@ -126,7 +130,9 @@ struct DispatchData {
     a.expert_major = s.expert_major;
     a.row_bytes = s.row_bytes();
     a.scale_cols = S;
-    a.x = reinterpret_cast<const char*>(x.data()) + v * T * s.row_bytes();
+    a.wire = s.cast;
+    a.hidden = s.H;
+    a.x = reinterpret_cast<const char*>(x.data()) + v * T * H * s.elem;
     a.scales = scales.data() + v * T * S;
     a.topk_idx = idx.data() + v * T * K;
     a.topk_weights = weights.data() + v * T * K;
@@ -415,6 +421,7 @@ std::string round_name(const Shape& s, uint32_t seed, const char* how) {
                            std::to_string(s.chunk_tokens) + "x" + std::to_string(s.ring_chunks)
                      : "") +
          (s.warps ? ", " + std::to_string(s.warps) + " warps per channel" : "") +
+         (s.cast ? ", the send casts to wire " + std::to_string(s.cast) : "") +
          how + ", seed " + std::to_string(seed) + ")";
 }
 
@@ -810,6 +817,9 @@ int main() {
       // bfloat16 rows of 26 bytes (H 13): padded in the packed slots over puts.
       {R, 11, 3, 8, 13, 30, false, false, 0, 0, 0, 0, 2},
       {R, 9, 2, 8, 13, 40, true, false, 0, 0, 0, 0, 2},
+      // The send casts bfloat16 rows to a wire format: E4M3 rank-major, NVFP4 expert-major.
+      {R, 13, 3, 8, 256, 20, false, false, 0, 0, 0, 0, 2, 0, kWireE4m3},
+      {R, 11, 4, 12, 128, 30, true, false, 0, 0, 0, 0, 2, 0, kWireNvfp4},
   };
   uint32_t round = 0;
   for (const Shape& s : shapes) {
@@ -835,6 +845,8 @@ int main() {
       // 3 receivers 4 rings unevenly, 3 combine senders 4 homes; at 12 ranks 5 of each.
       {R, 13, 3, 8, 256, 52, false, true, 0, 2, 2, 2, 4, 3},
       {12, 9, 10, 12, 128, 108, false, false, 0, 2, 1, 2, 4, 5},
+      // The senders cast bfloat16 rows to MXFP8 (the forwarders pass the cast slots on).
+      {R, 13, 3, 8, 256, 52, false, false, 0, 2, 1, 2, 2, 0, kWireMxfp8},
   };
   for (const bool puts : {false, true}) {
     puts_only = puts;
