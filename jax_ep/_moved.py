@@ -15,7 +15,10 @@ import os
 import sys
 import warnings
 
-from jax_ep.tools import MODULES as MOVED  # every tool lived at the top level before
+from jax_ep.tools import MODULES
+
+# The tools that lived at the top level before the move (every one but those added since).
+MOVED = tuple(m for m in MODULES if m != "copy_rate")
 
 _PACKAGE_INIT = os.path.join(os.path.dirname(__file__), "__init__.py")
 

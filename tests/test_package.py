@@ -131,10 +131,10 @@ def test_tools_names_each_of_its_modules():
 OLD_NAMES = r"""
 import importlib, json, sys, warnings
 import jax_ep
-from jax_ep import tools
+from jax_ep import _moved
 loaded = sorted(m for m in sys.modules if m.startswith("jax_ep.tools."))
 out = {"loaded_by_import": loaded, "names": {}}
-for name in tools.MODULES:
+for name in _moved.MOVED:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # both ways in: an attribute of the package, and an import of the old name
@@ -162,6 +162,7 @@ def test_old_names_are_the_moved_modules_with_a_warning(tmp_path):
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out["loaded_by_import"] == [] and out["submodule_same"]
+    assert "account" in out["names"] and "copy_rate" not in out["names"]  # new since
     for name, seen in out["names"].items():
         assert seen["same"] and seen["spec"] == f"jax_ep.tools.{name}", (name, seen)
         assert [(c, f) for c, _, f in seen["warnings"]] == [("DeprecationWarning", str(script))]
