@@ -15,7 +15,8 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import gpu_summary  # noqa: E402
 
-H200 = os.path.join(ROOT, "docs", "gpu", "2026-11-27-nvidia-h200-ca296ed.json")
+REPORTS = os.path.join(ROOT, "docs", "gpu")  # CI's installed jax_ep has no docs/
+H200 = os.path.join(REPORTS, "2026-11-27-nvidia-h200-ca296ed.json")
 
 
 @pytest.fixture
@@ -31,7 +32,7 @@ def _row(lines: list[str], op: str) -> list[str]:
 
 def test_the_committed_h200_run_misses_its_floor_targets(report):
     """ca296ed on the H200: dispatch 1.10 ms for 2.96 GB, 0.63 of a 4.26 TB/s floor."""
-    lines = gpu_summary.answers(report)
+    lines = gpu_summary.answers(report, REPORTS)
     op, device, floor, of_floor, target, model, sweep = _row(lines, "dispatch (R 8 virtual)")
     assert device == "1,103.7"
     assert float(of_floor) == pytest.approx(float(floor.replace(",", "")) / 1103.7, abs=0.01)
@@ -55,9 +56,9 @@ def test_measured_rates_sweeps_and_device_times_are_used(report):
     faster["tune"] = {"sets": [
         {"ranks": 4, "best": {"dispatch": {**best, "streamed_over_phased": 0.8},
                               "combine": {**best, "streamed_over_phased": 1.1}}}]}
-    lines = gpu_summary.answers(faster)
+    lines = gpu_summary.answers(faster, REPORTS)
     assert "this run's XLA copy" in "\n".join(lines)
-    slow, fast = _row(gpu_summary.answers(report), "dispatch (R 8 virtual)"), \
+    slow, fast = _row(gpu_summary.answers(report, REPORTS), "dispatch (R 8 virtual)"), \
         _row(lines, "dispatch (R 8 virtual)")
     assert float(fast[3]) == pytest.approx(float(slow[3]) / 2, abs=0.02)
     assert _row(lines, "dispatch (R 8 virtual)")[6] == "4 ranks: 0.80 at 40,4,3,0 num_sms 20"
