@@ -224,5 +224,18 @@ JAX_EP_HOST_DEVICE void cast_rows(const Bf16* token, const RowSegment& seg, Fan<
   scales.clear();
 }
 
+// cast_rows to the format `wire` names at run time, for the streamed dispatch's senders: one
+// casting kernel takes every format (a kernel per format would compile the longest kernel,
+// DispatchStream, five times for each peer view).
+JAX_EP_HOST_DEVICE void cast_rows_to(int wire, const Bf16* token, int hidden, Fan<char>& rows,
+                                     Fan<char>& scales, int lane, int lanes) {
+  const RowSegment seg = whole_row(wire, hidden);
+  switch (wire) {
+    case kWireE4m3: return cast_rows<kWireE4m3>(token, seg, rows, scales, lane, lanes);
+    case kWireE4m3Ue8m0: return cast_rows<kWireE4m3Ue8m0>(token, seg, rows, scales, lane, lanes);
+    case kWireMxfp8: return cast_rows<kWireMxfp8>(token, seg, rows, scales, lane, lanes);
+    default: return cast_rows<kWireNvfp4>(token, seg, rows, scales, lane, lanes);
+  }
+}
 
 }  // namespace jax_ep

@@ -78,9 +78,9 @@ struct SlotBatch {
 };
 
 // Writes the batch's slots: the token's row and scales into each, reading them once (a fan;
-// kWire, the bfloat16 row at x cast to the wire format with its scale words, cast_rows), then
-// each slot's metadata.
-template <int kWire = kWireBf16>
+// kCast, the bfloat16 row at x cast to a.wire with its scale words, cast_rows_to), then each
+// slot's metadata.
+template <bool kCast = false>
 JAX_EP_HOST_DEVICE void fill_slots(const DispatchArgs& a, const SlotBatch& b, const char* x,
                                    const float* scales, int32_t src, const int32_t* ids,
                                    const float* weights, const Warp& w) {
@@ -92,9 +92,9 @@ JAX_EP_HOST_DEVICE void fill_slots(const DispatchArgs& a, const SlotBatch& b, co
       rows.add(b.slot[i]);
       if (S > 0) scale_rows.add(b.slot[i] + a.slot_row_bytes());
     }
-    if constexpr (kWire != kWireBf16) {
-      cast_rows<kWire>(reinterpret_cast<const Bf16*>(x), whole_row(kWire, a.hidden), rows,
-                       scale_rows, lane, w.lanes);
+    if constexpr (kCast) {
+      cast_rows_to(a.wire, reinterpret_cast<const Bf16*>(x), a.hidden, rows, scale_rows, lane,
+                   w.lanes);
     } else {
       fan_out_row<kStreamWordsInFlight>(rows, x, a.row_bytes, lane, w.lanes);
       if (S > 0) fan_out_row(scale_rows, scales, S * 4, lane, w.lanes);
@@ -208,8 +208,8 @@ JAX_EP_HOST_DEVICE int node_targets(const DispatchArgs& a, const int32_t* ids, i
 // Sender warp j of `senders`: the channel's tokens, in order, into the rings of its
 // destinations i = j, j + senders, ...: the ranks of its node (direct, where the token has a
 // row under the capacity), then node-aware the other nodes (the relay ring to the token's
-// relay there, where it has a target). kWire: the slots get the row cast (DispatchArgs::wire).
-template <int kWire, typename NodePeers, typename RelayPeers, typename Watch>
+// relay there, where it has a target). kCast: the slots get the row cast (DispatchArgs::wire).
+template <bool kCast, typename NodePeers, typename RelayPeers, typename Watch>
 JAX_EP_HOST_DEVICE void dispatch_stream_send(const DispatchArgs& a, const NodePeers& node,
                                              const RelayPeers& relay, int c, int j, int senders,
                                              const Warp& w, const Watch& watch) {
@@ -230,16 +230,16 @@ JAX_EP_HOST_DEVICE void dispatch_stream_send(const DispatchArgs& a, const NodePe
     const int32_t* ids = a.route(me, t);
     const int64_t here = a.local(me) * T + t;
     const int32_t src = static_cast<int32_t>(static_cast<int64_t>(me) * T + t);
-    const char* x = kWire != kWireBf16 ? reinterpret_cast<const char*>(a.bf16_row(me, t))
-                                       : a.x + here * a.row_bytes;
-    const float* scales = kWire != kWireBf16 ? nullptr : a.scales + here * a.scale_cols;
+    const char* x = kCast ? reinterpret_cast<const char*>(a.bf16_row(me, t))
+                          : a.x + here * a.row_bytes;
+    const float* scales = kCast ? nullptr : a.scales + here * a.scale_cols;
     const float* weights = a.topk_weights + here * K;
     // The token's slots in this warp's rings, reserved one by one (a wait on one ring holds
     // the others' reserved slots, which no one waits for), then written from one read of the
     // row per kFanOut of them.
     SlotBatch batch;
     auto flush = [&] {
-      fill_slots<kWire>(a, batch, x, scales, src, ids, weights, w);
+      fill_slots<kCast>(a, batch, x, scales, src, ids, weights, w);
       for (int b = 0; b < batch.n; ++b) {
         const RingLink l = link(batch.link[b]);
         if (batch.link[b] < size) {
@@ -411,9 +411,9 @@ JAX_EP_HOST_DEVICE void dispatch_stream_forward(const DispatchArgs& a, const Nod
 // The streaming launch of a dispatch: per channel, `senders` sender warps, node-aware
 // forwarders(a) forwarder warps, then `receivers` receiver warps (units() of them per rank).
 // NodePeers reach the node's ranks (one node: the op's view), RelayPeers the relays (puts).
-// kWire: the senders cast the rows (a launch per format: the plain send's code stays as it is;
-// the forwarders pass on slots already cast).
-template <typename NodePeers, typename RelayPeers, int kWire = kWireBf16>
+// kCast: the senders cast the rows to a.wire (a launch of its own: the plain send's code stays
+// as it is; the forwarders pass on slots already cast).
+template <typename NodePeers, typename RelayPeers, bool kCast = false>
 struct DispatchStream {
   DispatchArgs a;
   NodePeers node{};
@@ -429,7 +429,7 @@ struct DispatchStream {
     const int per = per_channel(), F = forwarders(a);
     const int c = static_cast<int>(unit / per), j = static_cast<int>(unit % per);
     if (j < senders) {
-      dispatch_stream_send<kWire>(a, node, relay, c, j, senders, w, watch);
+      dispatch_stream_send<kCast>(a, node, relay, c, j, senders, w, watch);
     } else if (j < senders + F) {
       dispatch_stream_forward(a, node, relay, c, j - senders, w, watch);
     } else {

@@ -563,18 +563,21 @@ PeerError run_op(Platform& p, int op, const DispatchArgs& out) {
                  DispatchTail<Peers>{a, a.first_rank, 1, peers});
       const int senders = dispatch_channel_warps(a, stream_warps(p, a.rings, false));
       const int receivers = senders;
-      with_wire(a.wire, [&](auto wire) {
+      // kCast: the senders cast to a.wire, every format in one kernel (not one per format:
+      // this is the longest kernel to compile).
+      const auto stream = [&](auto cast) {
         if (a.nodes() == 1) {
           p.per_unit(
-              DispatchStream<Peers, Peers, wire.value>{a, peers, peers, senders, receivers},
+              DispatchStream<Peers, Peers, cast.value>{a, peers, peers, senders, receivers},
               Meet{{}, true, {}});
         } else if constexpr (Peers::kPuts) {  // node-aware: the node's stores, puts to relays
           using NodePeers = typename Platform::Peers;
-          p.per_unit(DispatchStream<NodePeers, Peers, wire.value>{a, p.peers(), peers, senders,
+          p.per_unit(DispatchStream<NodePeers, Peers, cast.value>{a, p.peers(), peers, senders,
                                                                   receivers},
                      Meet{{}, true, {}});
         }
-      });
+      };
+      a.wire != kWireBf16 ? stream(std::true_type{}) : stream(std::false_type{});
       p.per_warp(DispatchFinish<OwnArrays>{landed(a), {}}, a.finish_items(),
                  Meet{{}, true, {}});
       return p.result(op);
