@@ -134,16 +134,16 @@ def device_events(trace: dict[str, Any], source: str = "auto"
         raise ValueError(f"jax_ep.tools.profile: source must be 'auto', 'gpu' or 'cpu'; got "
                          f"{source!r}.")
     raw = [e for e in trace.get("traceEvents", []) if isinstance(e, dict)]
-    processes, threads = trace_report._process_names(raw)
+    processes, threads = trace_report.process_names(raw)
     by_device: dict[str, list[dict[str, Any]]] = {}
     if source != "cpu":
-        for _, event, _ in trace_report._gpu_events(raw, processes, threads):
+        for _, event, _ in trace_report.gpu_events(raw, processes, threads):
             by_device.setdefault(processes.get(event.get("pid"), ""), []).append(event)
         if by_device or source == "gpu":
             return "gpu", by_device
     # A GPU's kernels carry an hlo_op too: only the host's threads run XLA:CPU's operations.
     host = [e for e in raw if "/device:" not in processes.get(e.get("pid"), "")]
-    for ordinal, event, _ in trace_report._host_xla_events(host):
+    for ordinal, event, _ in trace_report.host_xla_events(host):
         by_device.setdefault(f"/host:CPU device {ordinal}", []).append(event)
     return "cpu", by_device
 

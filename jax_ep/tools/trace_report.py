@@ -283,7 +283,7 @@ class DeviceTrace:
     events: str
 
 
-def _process_names(events: list[dict[str, Any]]) -> tuple[dict[Any, str], dict[Any, str]]:
+def process_names(events: list[dict[str, Any]]) -> tuple[dict[Any, str], dict[Any, str]]:
     """pid -> process name (with labels), (pid, tid) -> thread name, from metadata events."""
     processes: dict[Any, str] = {}
     threads: dict[Any, str] = {}
@@ -313,7 +313,7 @@ def _device_of_process(name: str) -> int | None:
     return int(match.group(1) or match.group(2)) if match else None
 
 
-def _gpu_events(events: list[dict[str, Any]], processes: dict[Any, str],
+def gpu_events(events: list[dict[str, Any]], processes: dict[Any, str],
                 threads: dict[Any, str]) -> list[tuple[int, dict[str, Any], bool]]:
     """(device, event, is a memory op) for every GPU kernel, memcpy and memset."""
     found = []
@@ -338,7 +338,7 @@ def _gpu_events(events: list[dict[str, Any]], processes: dict[Any, str],
     return found
 
 
-def _host_xla_events(events: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any], bool]]:
+def host_xla_events(events: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any], bool]]:
     """(device ordinal, event, False) for XLA operations run on host threads."""
     found = []
     for e in events:
@@ -533,13 +533,13 @@ def extract(
         raise ValueError(f"trace_report: num_sms must be >= 1; got {num_sms}.")
     classifier = classifier or Classifier()
     raw = [e for e in trace["traceEvents"] if isinstance(e, dict)]
-    processes, threads = _process_names(raw)
+    processes, threads = process_names(raw)
     selection = events
-    found = _gpu_events(raw, processes, threads) if events in ("auto", "gpu") else []
+    found = gpu_events(raw, processes, threads) if events in ("auto", "gpu") else []
     if events == "auto":
         selection = "gpu" if found else "host-xla"
     if selection == "host-xla":
-        found = _host_xla_events(raw)
+        found = host_xla_events(raw)
     if not found:
         what = {"auto": "GPU kernels and no XLA operations (events with an hlo_op)",
                 "gpu": "GPU kernels", "host-xla": "XLA operations (events with an hlo_op)"}

@@ -32,9 +32,9 @@ GPU_DEFAULTS = {"tokens": 4096, "ll_tokens": 128, "hidden": 7168, "repeat": 50}
 DTYPES = ("bfloat16", "float16", "float32")
 # Calls profiled per op for its device time (at most --repeat).
 DEVICE_CALLS = 5
-# Platforms whose profiler traces hold the device's own events, and which events they are
-# (jax_ep.tools.profile.device_events).
-DEVICE_SOURCES = {"gpu": "gpu", "cpu": "cpu"}
+# Platforms whose profiler traces hold the device's own events (the `source` of
+# jax_ep.tools.profile.device_events is the platform's name).
+DEVICE_PLATFORMS = frozenset({"gpu", "cpu"})
 
 
 class UsageError(Exception):
@@ -590,7 +590,8 @@ def run(args: argparse.Namespace) -> int:
     setup, repeat = make_setup(args, len(devices), on_cpu)
     check_memory(setup, memory_of(devices[0]), on_cpu or args.virtual)
     shared = on_cpu or args.virtual  # one memory moves every rank's bytes
-    device_source = None if args.device_time == "off" else DEVICE_SOURCES.get(platform)
+    device_source = (platform if args.device_time != "off" and platform in DEVICE_PLATFORMS
+                     else None)
     device_calls = min(DEVICE_CALLS, repeat)
     why_not = None
     if args.device_time == "off":
