@@ -1,8 +1,9 @@
 // The cast of bfloat16 rows to a wire format (cuda/wire.h) inside a send, shared by the
 // low-latency send (cuda/low_latency.h) and the normal dispatch's (cuda/dispatch.h,
 // cuda/dispatch_stream.h): a row, or a segment of one, read once and written in the format to
-// every slot of a fan (cast_rows), its bytes those of jax_ep.quant.to_rows. It includes the
-// shared primitives and the wire formats.
+// every slot of a fan (cast_rows), its bytes those of jax_ep.quant.to_rows. And the way back,
+// inside the normal dispatch's unpack: a row in a format dequantized to bfloat16
+// (dequantize_row). It includes the shared primitives and the wire formats.
 #pragma once
 
 #include <cstdint>
@@ -235,6 +236,113 @@ JAX_EP_HOST_DEVICE void cast_rows_to(int wire, const Bf16* token, int hidden, Fa
     case kWireE4m3Ue8m0: return cast_rows<kWireE4m3Ue8m0>(token, seg, rows, scales, lane, lanes);
     case kWireMxfp8: return cast_rows<kWireMxfp8>(token, seg, rows, scales, lane, lanes);
     default: return cast_rows<kWireNvfp4>(token, seg, rows, scales, lane, lanes);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The way back: jax_ep.quant.dequantize(q, bfloat16) of one row, bit for bit
+
+// A product of dequantization as every platform computes it (jax_ep.fp8.canonical): magnitudes
+// below 2^-126 as zeros of their sign, every NaN the positive quiet NaN.
+JAX_EP_HOST_DEVICE float canonical(float v) {
+  if (v != v) return bits_float(0x7fc00000u);
+  return (v < 0.0f ? -v : v) < kSmallestNormal ? bits_float(float_bits(v) & 0x80000000u) : v;
+}
+// A float8_e4m3fn code as a float32 (exact; the NaN codes a NaN).
+JAX_EP_HOST_DEVICE float e4m3_value(uint32_t code) {
+  const uint32_t sign = (code & 0x80u) << 24;
+  if ((code & 0x7fu) == 0x7fu) return bits_float(sign | 0x7fc00000u);
+  return bits_float(sign | float_bits(e4m3_to_float(static_cast<uint8_t>(code & 0x7fu))));
+}
+// A float4_e2m1fn code (sign in bit 3) as a float32 (code 8 is -0).
+JAX_EP_HOST_DEVICE float e2m1_value(uint32_t code) {
+  const uint32_t m = code & 7u;  // 0, 0.5, 1, 1.5, then 2, 3, 4, 6
+  const float magnitude = m < 4 ? 0.5f * static_cast<float>(m)
+                                : static_cast<float>(2u << ((m - 4) / 2)) * (m & 1u ? 1.5f : 1.0f);
+  return code & 8u ? -magnitude : magnitude;
+}
+
+// Byte i of a row's scale bytes (unaligned reads of the little-endian words).
+JAX_EP_HOST_DEVICE uint32_t scale_byte(const char* scales, int64_t i) {
+  return static_cast<uint8_t>(scales[i]);
+}
+
+// The row at `data` in format kWire (its data bytes; `scales`, its other bytes: the bytes of
+// jax_ep.quant.to_rows), dequantized to `hidden` bfloat16 channels at `out`:
+// quant.dequantize's arithmetic, each product made canonical, rounded to bfloat16 at the end.
+// Lane `lane` takes the parts of 8 channels lane, lane + lanes, ...: one load of the part's 8
+// (nvfp4: 4) bytes, one 16-byte store.
+template <int kWire>
+JAX_EP_HOST_DEVICE void dequantize_row_as(const char* data, const char* scales, int hidden,
+                                          Bf16* out, int lane, int lanes) {
+  const int block = wire_block(kWire), group = block / kCastChannels;
+  const int in = kWire == kWireNvfp4 ? 4 : 8;  // bytes of a part
+  const int parts = hidden / kCastChannels;
+  const bool aligned = ((reinterpret_cast<uintptr_t>(data) | reinterpret_cast<uintptr_t>(out)) &
+                        15u) == 0;
+  if (lane == 0) {
+    meter_rows(int64_t{parts} * in + wire_scale_words(kWire, hidden) * 4, 2 * int64_t{hidden});
+  }
+  float g = 1.0f;  // nvfp4's global scale: the 4 bytes after the block scales
+  if (kWire == kWireNvfp4) {
+    uint32_t u = 0;
+    for (int b = 0; b < 4; ++b) u |= scale_byte(scales, hidden / block + b) << (8 * b);
+    g = bits_float(u);
+  }
+  for (int part = lane; part < parts; part += lanes) {
+    const int b = part / group;
+    float scale;
+    bool halve = false;  // E8M0's 2^-127: times 2^-126, then 0.5 (as quant.dequantize)
+    if (kWire == kWireE4m3) {
+      uint32_t u = 0;
+      for (int k = 0; k < 4; ++k) u |= scale_byte(scales, 4 * int64_t{b} + k) << (8 * k);
+      scale = bits_float(u);
+    } else if (kWire == kWireNvfp4) {
+      scale = canonical(mul_rn(e4m3_value(scale_byte(scales, b)), g));
+    } else {
+      const uint32_t e = scale_byte(scales, b);
+      scale = e == kE8m0Nan ? bits_float(0x7fc00000u) : bits_float((e > 0 ? e : 1u) << 23);
+      halve = e == 0;
+    }
+    const char* from = data + static_cast<int64_t>(part) * in;
+    CastWord codes = {};
+    if (aligned && in == 8) {
+      codes = *reinterpret_cast<const CastWord*>(from);
+    } else if (aligned) {
+      codes.v[0] = *reinterpret_cast<const uint32_t*>(from);
+    } else {
+      for (int k = 0; k < in; ++k) {
+        codes.v[k / 4] |= static_cast<uint32_t>(static_cast<uint8_t>(from[k])) << (8 * (k % 4));
+      }
+    }
+    Word w = {};
+    JAX_EP_UNROLL for (int i = 0; i < kCastChannels; ++i) {
+      const float e = kWire == kWireNvfp4 ? e2m1_value(codes.v[0] >> (4 * i) & 15u)
+                                          : e4m3_value(codes.v[i / 4] >> (8 * (i % 4)) & 255u);
+      float v = canonical(mul_rn(e, scale));
+      if (halve) v = canonical(mul_rn(v, 0.5f));
+      w.v[i / 2] |= static_cast<uint32_t>(from_float<Bf16>(v).bits) << (i % 2 * 16);
+    }
+    Bf16* to = out + static_cast<int64_t>(part) * kCastChannels;
+    if (aligned) {
+      *reinterpret_cast<Word*>(to) = w;
+    } else {
+      JAX_EP_UNROLL for (int i = 0; i < kCastChannels; ++i) {
+        to[i].bits = static_cast<uint16_t>(w.v[i / 2] >> (i % 2 * 16));
+      }
+    }
+  }
+}
+
+// dequantize_row_as to the format `wire` names at run time (not kWireBf16).
+JAX_EP_HOST_DEVICE void dequantize_row(int wire, const char* data, const char* scales,
+                                       int hidden, Bf16* out, int lane, int lanes) {
+  switch (wire) {
+    case kWireE4m3: return dequantize_row_as<kWireE4m3>(data, scales, hidden, out, lane, lanes);
+    case kWireE4m3Ue8m0:
+      return dequantize_row_as<kWireE4m3Ue8m0>(data, scales, hidden, out, lane, lanes);
+    case kWireMxfp8: return dequantize_row_as<kWireMxfp8>(data, scales, hidden, out, lane, lanes);
+    default: return dequantize_row_as<kWireNvfp4>(data, scales, hidden, out, lane, lanes);
   }
 }
 

@@ -31,6 +31,10 @@ struct DispatchArgs {
   // scales travel as they are.
   int wire = kWireBf16;
   int hidden = 0;
+  // With a wire format, the finish (streamed: the receivers) dequantizes each row into XLA's
+  // x, bfloat16 [capacity, hidden] without scales (dequantize_row: the bits of
+  // jax_ep.quant.dequantize), reading the row once as it travelled: no dequantization pass.
+  bool dequantize = false;
 
   // Inputs, stacked per source rank: [R, T, ...].
   const char* x;
@@ -133,6 +137,11 @@ struct DispatchArgs {
     return expert_major ? num_ranks * num_tokens : capacity;
   }
   JAX_EP_HOST_DEVICE int idx_cols() const { return expert_major ? 1 : top_k; }
+  // A row of XLA's x in bytes, and of its scales in words (dequantize: bfloat16, no scales).
+  JAX_EP_HOST_DEVICE int64_t result_row_bytes() const {
+    return dequantize ? 2 * int64_t{hidden} : row_bytes;
+  }
+  JAX_EP_HOST_DEVICE int64_t result_scale_cols() const { return dequantize ? 0 : scale_cols; }
   // Items of the finish phase per receiver: its rows, entries and tokens of the group.
   JAX_EP_HOST_DEVICE int finish_items() const {
     const int tokens = num_ranks * num_tokens, El = experts_per_rank();
@@ -746,7 +755,9 @@ JAX_EP_HOST_DEVICE void dispatch_unpack(const DispatchArgs& a, const Peers& peer
 // ids, weights and sources are final (moved to XLA's results when they arrived in the
 // symmetric buffer); rows past the count get -1 ids and zero weights and, with zero_padding,
 // zero data; i < E/R writes the per-expert totals and i == 0 the scalar counts.
-template <typename Peers>
+// kDequantize: XLA's rows are bfloat16 (DispatchArgs::dequantize), the rows that move
+// dequantized into them.
+template <bool kDequantize, typename Peers>
 JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peers, int d, int i,
                                         int lane, int lanes) {
   const int R = a.num_ranks, K = a.top_k, El = a.experts_per_rank(), cap = a.capacity;
@@ -759,7 +770,18 @@ JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peer
   if (i < cap) {
     const auto x = landing(peers, a.recv_x, o.x, cap * a.row_bytes, d, ld);
     const auto scales = landing(peers, a.recv_scales, o.scales, cap * S, d, ld);
-    if (i < kept && x.moves) {
+    if constexpr (kDequantize) {
+      const int64_t H = a.hidden;
+      Bf16* to = reinterpret_cast<Bf16*>(x.moves ? o.x + ld * cap * a.result_row_bytes() : x.to) +
+                 i * H;
+      if (i < kept && x.moves) {
+        const char* from = x.sent + i * (packed ? a.packed_slot() : a.row_bytes);
+        const char* from_scales = packed ? from + a.slot_row_bytes()
+                                         : reinterpret_cast<const char*>(scales.sent + i * S);
+        dequantize_row(a.wire, from, from_scales, a.hidden, to, lane, lanes);
+      }
+      if (i >= kept && a.zero_padding) zero_row(to, 2 * H, lane, lanes);
+    } else if (i < kept && x.moves) {
       // Packed, the row and its scales are in slot i (x.sent: this rank's receive area).
       const char* from = x.sent + i * (packed ? a.packed_slot() : a.row_bytes);
       copy_row(x.to + i * a.row_bytes, from, a.row_bytes, lane, lanes);
@@ -768,7 +790,7 @@ JAX_EP_HOST_DEVICE void dispatch_finish(const DispatchArgs& a, const Peers& peer
                       : scales.sent + i * S,
                S * 4, lane, lanes);
     }
-    if (i >= kept && a.zero_padding) {
+    if (!kDequantize && i >= kept && a.zero_padding) {
       zero_row(x.to + i * a.row_bytes, a.row_bytes, lane, lanes);
       zero_row(scales.to + i * S, S * 4, lane, lanes);
     }

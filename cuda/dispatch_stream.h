@@ -279,6 +279,9 @@ JAX_EP_HOST_DEVICE void dispatch_stream_send(const DispatchArgs& a, const NodePe
 
 // Receiver d's slot of a node ring: the row, its scales and its metadata into XLA's results
 // at the row the sender found (the ids and weights of d's experts; -1 and 0 for others).
+// kCast (the casting launch), with DispatchArgs::dequantize: the row dequantized into XLA's
+// bfloat16 x (no scales there).
+template <bool kCast>
 JAX_EP_HOST_DEVICE void dispatch_stream_unpack(const DispatchArgs& a, const char* slot, int d,
                                                const Warp& w) {
   const int K = a.top_k, El = a.experts_per_rank();
@@ -287,8 +290,13 @@ JAX_EP_HOST_DEVICE void dispatch_stream_unpack(const DispatchArgs& a, const char
   const int64_t row = *meta.row;
   const DispatchArgs::Results& o = a.out;
   w.each([&](int lane) {
-    copy_row<kStreamWordsInFlight>(o.x + row * a.row_bytes, slot, a.row_bytes, lane, w.lanes);
-    if (S > 0) copy_row(o.scales + row * S, slot + a.slot_row_bytes(), S * 4, lane, w.lanes);
+    if (kCast && a.dequantize) {
+      dequantize_row(a.wire, slot, slot + a.slot_row_bytes(), a.hidden,
+                     reinterpret_cast<Bf16*>(o.x) + row * a.hidden, lane, w.lanes);
+    } else {
+      copy_row<kStreamWordsInFlight>(o.x + row * a.row_bytes, slot, a.row_bytes, lane, w.lanes);
+      if (S > 0) copy_row(o.scales + row * S, slot + a.slot_row_bytes(), S * 4, lane, w.lanes);
+    }
     for (int k = lane; k < K; k += w.lanes) {
       const int32_t e = local_expert(meta.ids[k], d, El);
       o.idx[row * K + k] = e;
@@ -343,7 +351,7 @@ JAX_EP_HOST_DEVICE bool drain_rings(const Rings& g, const Peers& peers, int c, i
 
 // Receiver warp j of `receivers`: node rings i = j, j + receivers, ..., drained into XLA's
 // results as their slots arrive.
-template <typename NodePeers, typename Watch>
+template <bool kCast, typename NodePeers, typename Watch>
 JAX_EP_HOST_DEVICE void dispatch_stream_receive(const DispatchArgs& a, const NodePeers& node,
                                                 int c, int j, int receivers, const Warp& w,
                                                 const Watch& watch) {
@@ -352,7 +360,7 @@ JAX_EP_HOST_DEVICE void dispatch_stream_receive(const DispatchArgs& a, const Nod
       a.rings, node, c, j, receivers, node_links(a),
       [&](int i) { return node_ring(a, me, i); },
       [&](int, const char* slot) {
-        dispatch_stream_unpack(a, slot, me, w);
+        dispatch_stream_unpack<kCast>(a, slot, me, w);
         return true;
       },
       [] {}, w, watch);
@@ -411,8 +419,9 @@ JAX_EP_HOST_DEVICE void dispatch_stream_forward(const DispatchArgs& a, const Nod
 // The streaming launch of a dispatch: per channel, `senders` sender warps, node-aware
 // forwarders(a) forwarder warps, then `receivers` receiver warps (units() of them per rank).
 // NodePeers reach the node's ranks (one node: the op's view), RelayPeers the relays (puts).
-// kCast: the senders cast the rows to a.wire (a launch of its own: the plain send's code stays
-// as it is; the forwarders pass on slots already cast).
+// kCast: the senders cast the rows to a.wire and, with DispatchArgs::dequantize, the
+// receivers dequantize them (a launch of its own: the plain launch's code stays as it is; the
+// forwarders pass on slots already cast).
 template <typename NodePeers, typename RelayPeers, bool kCast = false>
 struct DispatchStream {
   DispatchArgs a;
@@ -433,7 +442,7 @@ struct DispatchStream {
     } else if (j < senders + F) {
       dispatch_stream_forward(a, node, relay, c, j - senders, w, watch);
     } else {
-      dispatch_stream_receive(a, node, c, j - senders - F, receivers, w, watch);
+      dispatch_stream_receive<kCast>(a, node, c, j - senders - F, receivers, w, watch);
     }
   }
 };

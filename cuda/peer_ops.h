@@ -577,9 +577,11 @@ PeerError run_op(Platform& p, int op, const DispatchArgs& out) {
                      Meet{{}, true, {}});
         }
       };
-      a.wire != kWireBf16 ? stream(std::true_type{}) : stream(std::false_type{});
-      p.per_warp(DispatchFinish<OwnArrays>{landed(a), {}}, a.finish_items(),
-                 Meet{{}, true, {}});
+      with_bool(a.wire != kWireBf16, stream);
+      with_bool(a.dequantize, [&](auto dequantize) {
+        p.per_warp(DispatchFinish<OwnArrays, dequantize.value>{landed(a), {}}, a.finish_items(),
+                   Meet{{}, true, {}});
+      });
       return p.result(op);
     }
     // The count's tail publishes the totals into the peers' buffers (the count starts once
@@ -605,7 +607,10 @@ PeerError run_op(Platform& p, int op, const DispatchArgs& out) {
                  int64_t{a.num_ranks} * a.num_tokens, Meet{Wait::kInOp, true, {}});
     }
     // The finish, once every row has arrived; its arrival frees this rank's buffer.
-    p.per_warp(DispatchFinish<Peers>{a, peers}, a.finish_items(), Meet{Wait::kInOp, true, {}});
+    with_bool(a.dequantize, [&](auto dequantize) {
+      p.per_warp(DispatchFinish<Peers, dequantize.value>{a, peers}, a.finish_items(),
+                 Meet{Wait::kInOp, true, {}});
+    });
     return p.result(op);
   });
 }

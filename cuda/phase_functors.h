@@ -78,6 +78,12 @@ void with_wire(int wire, const F& f) {
   }
 }
 
+// Calls f(std::bool_constant<b>).
+template <typename F>
+void with_bool(bool b, const F& f) {
+  return b ? f(std::true_type{}) : f(std::false_type{});
+}
+
 struct DispatchCount {
   DispatchArgs a;
   JAX_EP_HOST_DEVICE void operator()(int s, int64_t g, int lane, int lanes) const {
@@ -162,13 +168,15 @@ struct DispatchRelay {
     dispatch_relay(a, peers, me, slot, lane, lanes);
   }
 };
-template <typename Peers>
+// kDequantize: the rows dequantized into bfloat16 results (DispatchArgs::dequantize), a
+// kernel of its own (computing, not a copy) so that the plain finish keeps its code.
+template <typename Peers, bool kDequantize = false>
 struct DispatchFinish {
-  static constexpr bool kCopy = true;
+  static constexpr bool kCopy = !kDequantize;
   DispatchArgs a;
   Peers peers{};
   JAX_EP_HOST_DEVICE void operator()(int d, int64_t i, int lane, int lanes) const {
-    dispatch_finish(a, peers, d, static_cast<int>(i), lane, lanes);
+    dispatch_finish<kDequantize>(a, peers, d, static_cast<int>(i), lane, lanes);
   }
 };
 template <typename T>

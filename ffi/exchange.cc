@@ -143,7 +143,7 @@ static xffi::Error CheckWire(std::string_view op, int64_t wire) {
 
 xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t num_ranks,
                           int64_t num_experts, int64_t capacity, int64_t expert_major,
-                          int64_t wire, DispatchArgs* a) {
+                          int64_t wire, bool dequantize, DispatchArgs* a) {
   const std::string_view op = kPeerOpNames[kPeerDispatch];
   Buffers b(op, args, rets);
   JAX_EP_RETURN_IF_ERROR(b.Count(4, 16));
@@ -169,11 +169,20 @@ xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, in
                            std::to_string(wire_block(static_cast<int>(wire))) +
                            " channels; H = " + std::to_string(H) + " is not a multiple");
   }
+  if (dequantize && (!casts || !Between(V, R))) {
+    return Invalid(op, "dequantize needs a wire format and one rank per device (V = 1 of R > "
+                       "1; virtual ranks write the rows as they travel); got wire " +
+                           std::to_string(wire) + ", V = " + std::to_string(V) +
+                           ", R = " + std::to_string(R));
+  }
   const int64_t S = casts ? wire_scale_words(static_cast<int>(wire), H)
                     : b.Arg(1).dimensions().size() == 3 ? b.Arg(1).dimensions()[2] : 0;
-  // The received rows' data elements and their type: x's, or the wire format's (bytes).
-  const int64_t D = casts ? wire_data_bytes(static_cast<int>(wire), H) : H;
-  const DataType recv_type = casts ? WireDataType(static_cast<int>(wire)) : x.element_type();
+  // The received rows' data elements and their type: x's, or the wire format's (bytes), or,
+  // dequantized, bfloat16 channels without scales.
+  const int64_t D = casts && !dequantize ? wire_data_bytes(static_cast<int>(wire), H) : H;
+  const DataType recv_type = dequantize ? DataType::BF16
+                             : casts    ? WireDataType(static_cast<int>(wire))
+                                        : x.element_type();
   const int64_t E = num_experts, El = E / R, cap = capacity;
   const bool em = expert_major != 0;
   const int64_t rows = em ? R * T : cap;
@@ -190,6 +199,7 @@ xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, in
   a->scale_cols = S;
   a->wire = static_cast<int>(wire);
   a->hidden = static_cast<int>(H);
+  a->dequantize = dequantize;
 
   JAX_EP_RETURN_IF_ERROR(b.In(0, "x", kAnyType, {V, T, H}, &a->x));
   // A cast's scale words are the send's to write: x then comes without scales.
@@ -198,7 +208,8 @@ xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, in
   JAX_EP_RETURN_IF_ERROR(b.In(3, "topk_weights", DataType::F32, {V, T, K}, &a->topk_weights));
 
   JAX_EP_RETURN_IF_ERROR(b.Out(0, "recv_x", recv_type, {V, cap, D}, &a->recv_x));
-  JAX_EP_RETURN_IF_ERROR(b.Out(1, "recv_scales", DataType::F32, {V, cap, S}, &a->recv_scales));
+  JAX_EP_RETURN_IF_ERROR(
+      b.Out(1, "recv_scales", DataType::F32, {V, cap, dequantize ? 0 : S}, &a->recv_scales));
   if (em) {
     JAX_EP_RETURN_IF_ERROR(b.Out(2, "recv_idx", DataType::S32, {V, cap}, &a->recv_idx));
     JAX_EP_RETURN_IF_ERROR(b.Out(3, "recv_weights", DataType::F32, {V, cap}, &a->recv_weights));
@@ -577,15 +588,20 @@ xffi::Error ParseCall(int op, const AnyBuffer& ranks, xffi::RemainingArgs args,
   switch (op) {
     case kPeerDispatch: {
       int64_t capacity = 0, expert_major = 0, zero_padding = 0, drop_by_source = 0, wire = 0;
+      int64_t dequantize = 0;
       JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "capacity", &capacity));
       JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "expert_major", &expert_major));
       JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "zero_padding", &zero_padding));
       JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "drop_by_source", &drop_by_source));
       // Optional: the wire format the send casts x's bfloat16 rows to (0: none).
       if (attrs.contains("wire")) JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "wire", &wire));
+      // Optional: with a wire, recv_x the rows dequantized to bfloat16 (0: the format's).
+      if (attrs.contains("dequantize")) {
+        JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "dequantize", &dequantize));
+      }
       DispatchArgs a;
-      JAX_EP_RETURN_IF_ERROR(
-          ParseDispatch(args, rets, R, E, capacity, expert_major, wire, &a));
+      JAX_EP_RETURN_IF_ERROR(ParseDispatch(args, rets, R, E, capacity, expert_major, wire,
+                                           dequantize != 0, &a));
       a.zero_padding = zero_padding != 0;
       a.drop_by_source = drop_by_source != 0 && expert_major != 0;
       JAX_EP_RETURN_IF_ERROR(ParseChannels(name, attrs, &a.rings));

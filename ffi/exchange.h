@@ -39,10 +39,12 @@ enum class RowType { kF32, kBF16, kF16 };
 // is set; the CPU handlers fill them with NaN bytes first. With `wire` (cuda/wire.h; 0: none)
 // the send casts x's bfloat16 rows to that format: scales are then [R,T,0], recv_x the
 // format's data ([R,cap,H] float8_e4m3fn, nvfp4 [R,cap,H/2] uint8) and recv_scales
-// [R,cap,S] its scale words (jax_ep.quant.to_rows).
+// [R,cap,S] its scale words (jax_ep.quant.to_rows); `dequantize` (one rank per device, not
+// virtual ranks): recv_x is instead the rows dequantized to bfloat16 [1,cap,H], recv_scales
+// [1,cap,0].
 xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t num_ranks,
                           int64_t num_experts, int64_t capacity, int64_t expert_major,
-                          int64_t wire, DispatchArgs* out);
+                          int64_t wire, bool dequantize, DispatchArgs* out);
 
 // Operands y [R,cap,H] (f32, bf16 or f16), weights f32 [R,cap] or [R,0], src_row s32
 // [R,R*T], row_entries s32 [R,R*T,K] (expert-major) or [R,0,K]. Result: out [R,T,H] in y's

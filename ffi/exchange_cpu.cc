@@ -44,8 +44,8 @@ void Poison(void* data, int64_t bytes) {
 // The received rows of the ops that deliver them; `ranks`: the ranks stacked in this call.
 void PoisonPadding(int, const DispatchArgs& a, int64_t ranks) {
   if (a.zero_padding) return;
-  Poison(a.recv_x, ranks * a.capacity * a.row_bytes);
-  Poison(a.recv_scales, ranks * a.capacity * a.scale_cols * 4);
+  Poison(a.recv_x, ranks * a.capacity * a.result_row_bytes());
+  Poison(a.recv_scales, ranks * a.capacity * a.result_scale_cols() * 4);
 }
 void PoisonPadding(int op, const LowLatencyArgs& a, int64_t ranks) {
   if (op != kPeerLlDispatchSend) return;

@@ -122,11 +122,12 @@ def _rings(op: str, axis_name: str | None, placement: Placement, expert_major: b
 
 def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, capacity,
              expert_major, drop_by_source=False, axis_name=None, zero_padding=False,
-             placement=ANYWHERE, wire=None):
+             placement=ANYWHERE, wire=None, dequantize=False):
     """Normal dispatch; returns the 16 results of "jax_ep_dispatch" as a dict. Rows of "x"
     and "scales" past the count are unspecified unless `zero_padding` (docs/contract.md,
     "Padding"). `wire` (a jax_ep.quant format; data bfloat16, no scales): the send casts the
-    rows, and "x" and "scales" are the format's rows (quant.to_rows)."""
+    rows, and "x" and "scales" are the format's rows (quant.to_rows), or, `dequantize` (one
+    rank per device), "x" the rows dequantized to bfloat16 and no "scales"."""
     _ffi.register()
     V, T, K = topk_idx.shape
     R, E, cap = num_ranks, num_experts, capacity
@@ -134,8 +135,10 @@ def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, ca
     if scales is None:
         scales = jnp.zeros((V, T, 0), jnp.float32)
     S = scales.shape[2]
-    if wire is not None:
+    if wire is not None and not dequantize:
         (H, row_type), S = ll_row_shapes(wire, H)
+    elif wire is not None:
+        S = 0
     rows = R * T if expert_major else cap
     per_entry = (V, cap) if expert_major else (V, cap, K)
     em_cap, em_rows = (cap, R * T) if expert_major else (0, 0)
@@ -157,6 +160,7 @@ def dispatch(data, scales, topk_idx, topk_weights, *, num_ranks, num_experts, ca
         dict(num_ranks=R, num_experts=E, capacity=cap, expert_major=expert_major,
              zero_padding=zero_padding, drop_by_source=drop_by_source,
              wire=None if wire is None else WIRES.index(wire),
+             dequantize=dequantize or None,
              **_rings("dispatch", axis_name, placement, expert_major, num_ranks)),
         placement, axis_name=axis_name,
         stacked=V)

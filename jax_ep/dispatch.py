@@ -41,16 +41,19 @@ class _DispatchConfig:
     placement: Placement
     drop_by_source: bool = False
     wire: str | None = None  # the send casts the rows to this format (_CastOnSend)
+    dequantize: bool = False  # and the unpack dequantizes them to bfloat16
 
 
 @dataclasses.dataclass(frozen=True)
 class _CastOnSend:
     """x's bfloat16 rows [T, H], which the cuda backend's send casts to `format` itself as it
     writes them (the bytes of quant.to_rows(quant.quantize(x, format))): each row read once,
-    no quantization pass in XLA; received as that Quantized."""
+    no quantization pass in XLA; received as that Quantized, or, `dequantize`, as bfloat16
+    rows that the unpack dequantized (quant.dequantize's bits; no dequantization pass)."""
 
     x: jax.Array
     format: str
+    dequantize: bool = False
 
     def like(self) -> quant.Quantized:
         """The Quantized of x (shapes and types only), which the received rows form."""
@@ -193,7 +196,8 @@ def dispatch(
         "mxfp8", "nvfp4"; x in bfloat16, float16 or float32): `recv.x` is, bit for bit,
         the dispatch of `quant.quantize(x, wire_format)` dequantized to x's dtype, and x's
         gradient is the unweighted combine of the rows' (straight through the rounding);
-        topk_weights' as without it.
+        topk_weights' as without it. On the cuda backend with bfloat16 x the kernels
+        quantize in the send and dequantize in the unpack (no pass in XLA).
       dequantize: with `wire_format`, False returns the received `Quantized` rows instead
         (for a low-precision GEMM; x is then not differentiated).
       grad_wire_format: x's gradient, the combine of the rows' gradient, travels as this
@@ -276,7 +280,7 @@ def dispatch(
     if capacity is None:
         capacity = default
     row_bytes = data.shape[1] * data.dtype.itemsize
-    if isinstance(x, _CastOnSend):  # the rows as they travel
+    if isinstance(x, _CastOnSend) and not x.dequantize:  # the rows as they are received
         row_bytes = quant.wire_bytes(x.format, data.shape[1])[0]
     if capacity > worst_case and capacity * row_bytes > _WASTE_BYTES:
         raise ValueError(
@@ -300,6 +304,7 @@ def dispatch(
         placement=placement,
         drop_by_source=expert_major and drop_order == "source",
         wire=x.format if isinstance(x, _CastOnSend) else None,
+        dequantize=isinstance(x, _CastOnSend) and x.dequantize,
     )
     received, handle, needed = _dispatch(config, data, scales, topk_idx, topk_weights)
     if config.drop_by_source:
@@ -419,14 +424,21 @@ def _dispatch_on_wire(op: str, x, topk_idx, topk_weights, wire_format: str | Non
         quant.check_format(op, "grad_wire_format", grad_wire_format, x.shape[1],
                            "x's hidden size")
     sent = jax.lax.stop_gradient(x)
-    if _casts_on_send(wire_format, x, options["backend"]):
-        sent = _CastOnSend(sent, wire_format)
+    fused = _casts_on_send(wire_format, x, options["backend"])
+    # The send quantizes and, between devices, the unpack dequantizes (a single rank runs as
+    # virtual ranks, whose kernels write the rows as they travel).
+    axis_name = "ep" if options["axis_name"] is None else options["axis_name"]
+    unpacked = fused and dequantize and _checks.axis_size(op, axis_name) > 1
+    if fused:
+        sent = _CastOnSend(sent, wire_format, unpacked)
     elif wire_format is not None:
         sent = quant.quantize(sent, wire_format)
     received, handle = dispatch(sent, topk_idx, topk_weights, **options)
     if not dequantize:
         return received, handle
-    rows = received.x if wire_format is None else quant.dequantize(received.x, x.dtype)
+    rows = received.x
+    if wire_format is not None and not unpacked:
+        rows = quant.dequantize(rows, x.dtype)
     back = _placement_options(options) + (("wire_format", grad_wire_format),)
     rows = _straight_through(back, x, jax.lax.stop_gradient(rows), handle)
     return dataclasses.replace(received, x=rows), handle
@@ -468,7 +480,7 @@ def _as_sent(x, result: tuple[Received, DispatchHandle]) -> tuple[Received, Disp
     """The received rows in the form `x` was given: a Quantized arrives as one (its format,
     bit for bit), the FP8 pair and floats as they are."""
     received, handle = result
-    if isinstance(x, (quant.Quantized, _CastOnSend)):
+    if isinstance(x, quant.Quantized) or (isinstance(x, _CastOnSend) and not x.dequantize):
         like = x.like() if isinstance(x, _CastOnSend) else x
         rows = quant.from_rows(received.x, received.scales, like)
         received = dataclasses.replace(received, x=rows, scales=None)
@@ -509,7 +521,9 @@ def _no_tokens(data, scales, topk_idx, num_experts, num_ranks, axis_name, capaci
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dispatch(config: _DispatchConfig, x, scales, topk_idx, topk_weights):
-    cast = {} if config.wire is None else {"wire": config.wire}  # the cuda backend's only
+    cast = {}  # the cuda backend's only
+    if config.wire is not None:
+        cast = {"wire": config.wire, "dequantize": config.dequantize}
     return backends.get(config.backend).dispatch(
         x,
         scales,

@@ -71,8 +71,18 @@ def dequantize(
     """Inverse of `quantize`: float32(x_fp8) * scale per block, returned in `out_dtype`."""
     op = "jax_ep.fp8.dequantize"
     check_pair(op, "x_fp8", x_fp8, scales)
-    out = _blocks(x_fp8.astype(jnp.float32)) * scales[..., None]
+    out = canonical(_blocks(x_fp8.astype(jnp.float32)) * scales[..., None])
     return out.reshape(x_fp8.shape).astype(out_dtype)
+
+
+def canonical(v: jax.Array) -> jax.Array:
+    """A float32 product of dequantization as every platform computes it: magnitudes below
+    2^-126 as zeros of their sign (XLA's CPU arithmetic flushes them, a GPU's need not) and
+    every NaN the positive quiet NaN (x86 gives inf * 0 a negative NaN, a GPU a positive one).
+    The kernels' dequantize_row (cuda/cast.h) applies the same rule."""
+    tiny = jnp.abs(v) < jnp.float32(2.0**-126)
+    v = jnp.where(tiny, jnp.copysign(jnp.float32(0), v), v)
+    return jnp.where(jnp.isnan(v), jnp.float32(jnp.nan), v)
 
 
 def check_pair(op: str, name: str, x_fp8: jax.Array, scales: jax.Array) -> None:

@@ -189,8 +189,8 @@ def dequantize(q: Quantized, dtype: Any = jnp.float32) -> jax.Array:
     values = _unpack_e2m1(q.data) if q.format == "nvfp4" else q.data.astype(jnp.float32)
     blocks = values.reshape(*values.shape[:-1], values.shape[-1] // block, block)
     if q.format == "nvfp4":
-        scale = q.scales.astype(jnp.float32) * q.global_scale[..., None]
-        blocks = blocks * scale[..., None]
+        scale = fp8.canonical(q.scales.astype(jnp.float32) * q.global_scale[..., None])
+        blocks = fp8.canonical(blocks * scale[..., None])
     else:
         biased = _unpack(q.scales, blocks.shape[-2]) if q.packed else q.scales
         blocks = _times_power_of_two(blocks, biased.astype(jnp.int32))
@@ -230,10 +230,10 @@ def _power_of_two(biased: jax.Array) -> jax.Array:
 
 def _times_power_of_two(blocks: jax.Array, biased: jax.Array) -> jax.Array:
     """blocks [..., n, block] times their scales 2^(biased - 127), exact wherever the product
-    is a normal float32: 2^-127 (biased 0) is a subnormal, which XLA:CPU flushes to 0, so it
-    is applied as 2^-126 and then 0.5."""
-    out = blocks * _power_of_two(biased)[..., None]
-    return jnp.where((biased == 0)[..., None], out * jnp.float32(0.5), out)
+    is a normal float32 (each product made canonical, fp8.canonical): 2^-127 (biased 0) is a
+    subnormal, which XLA:CPU flushes to 0, so it is applied as 2^-126 and then 0.5."""
+    out = fp8.canonical(blocks * _power_of_two(biased)[..., None])
+    return jnp.where((biased == 0)[..., None], fp8.canonical(out * jnp.float32(0.5)), out)
 
 
 def _pack(biased: jax.Array) -> jax.Array:

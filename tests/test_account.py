@@ -302,6 +302,54 @@ def test_streamed_ops(streamed_peers, R):  # noqa: F811
 
 @pytest.mark.parametrize("R", [2, 3])
 @pytest.mark.parametrize("expert_major", [False, True])
+def test_between_devices_dispatch_on_a_wire_format(R, expert_major):
+    """dispatch(x, wire_format=f) of bfloat16 x: the send reads each source row in bfloat16 and
+    writes the format's bytes, the finish (streamed: the receivers) reads those and writes
+    XLA's bfloat16 rows; no launch more than the plain dispatch's."""
+    rng = np.random.default_rng()
+    T, K, E, H, idx, w = draw(rng, R)
+    x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+    f = str(rng.choice(quant.FORMATS))
+
+    def program(x, idx, w):
+        received, _ = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, wire_format=f,
+                                      expert_major=expert_major, backend="cuda")
+        return received.x
+
+    run = sharded(program, R)
+    jax.block_until_ready(run(x, idx, w))  # compiles
+    counted, _ = metered(run, x, idx, w)
+    state = runtime.state()
+    streamed = dict(channels=state["channels"], channel_warps=cpu_channel_warps(
+        state["channels"])) if state["channels"] is not None else {}
+    data, rest = quant.wire_bytes(f, H)
+    want = account.dispatch(idx, num_experts=E, row_bytes=data, scale_bytes=rest,
+                            source_bytes=account.cast_source_bytes(f, H), result_bytes=2 * H,
+                            expert_major=expert_major,
+                            between=True, puts=over_puts(),
+                            ranks_per_node=state["ranks_per_node"], **streamed)
+    assert_counts(counted, want, ranks_running=R)
+
+
+@pytest.mark.parametrize("R", [3, 4])
+def test_between_devices_dispatch_on_a_wire_format_streamed(streamed_peers, R):  # noqa: F811
+    test_between_devices_dispatch_on_a_wire_format(R, False)
+
+
+@pytest.mark.parametrize("R", [2, 3])
+@pytest.mark.parametrize("expert_major", [False, True])
+def test_between_devices_dispatch_on_a_wire_format_over_puts(put_peers, R,  # noqa: F811
+                                                             expert_major):
+    test_between_devices_dispatch_on_a_wire_format(R, expert_major)
+
+
+@pytest.mark.parametrize("R", [4, 5])
+def test_between_devices_dispatch_on_a_wire_format_in_nodes(node_peers, R):  # noqa: F811
+    test_between_devices_dispatch_on_a_wire_format(R, bool(np.random.default_rng().integers(2)))
+
+
+@pytest.mark.parametrize("R", [2, 3])
+@pytest.mark.parametrize("expert_major", [False, True])
 def test_between_devices_round_trip_over_puts(put_peers, R, expert_major):  # noqa: F811
     """Over puts: a stage launch per send, the rows copied into the send areas, and combine's
     rows put into the homes' buffers."""
@@ -383,27 +431,30 @@ def test_the_table_shows_each_launch_s_parallelism(capsys):
 
 def test_a_training_step_moves_the_wire_format_s_bytes_forward():
     """account.training_step: the forward dispatch moves each format's row (its data and
-    other bytes) instead of bfloat16's, its send reading the bfloat16 rows it quantizes, the
-    three other ops stay bfloat16's, and the pass XLA adds (the dequantization) reads and
-    writes each received entry once."""
+    other bytes) instead of bfloat16's, its send reading the bfloat16 rows it quantizes and its
+    finish writing the bfloat16 rows it dequantizes (each received entry once), and the three
+    other ops stay bfloat16's."""
     R, T, H, K, E = 4, 96, 256, 4, 16
     kw = dict(num_ranks=R, tokens=T, hidden=H, top_k=K, num_experts=E, seed=3)
-    base, none = account.training_step(None, **kw)
-    assert none == 0 and [a.op for a in base] == [
+    base = account.training_step(None, **kw)
+    assert [a.op for a in base] == [
         "dispatch", "combine", "combine backward", "dispatch backward"]
     idx = account.uniform_routing(np.random.default_rng(3), R, T, K, E)
     entries = int(account.kept_entries(idx, E, default_capacity(R, T, K, E, True)).sum())
     for f in quant.FORMATS:
-        ops, passes = account.training_step(f, **kw)
+        ops = account.training_step(f, **kw)
         data, rest = quant.wire_bytes(f, H)
-        want = account.dispatch(idx, num_experts=E, row_bytes=data, scale_bytes=rest,
-                                expert_major=True, between=True, source_bytes=2 * H)
-        unfused = account.dispatch(idx, num_experts=E, row_bytes=data, scale_bytes=rest,
-                                   expert_major=True, between=True)
+        as_travelled = dict(num_experts=E, row_bytes=data, scale_bytes=rest, expert_major=True,
+                            between=True)
+        source = account.cast_source_bytes(f, H)
+        want = account.dispatch(idx, source_bytes=source, result_bytes=2 * H, **as_travelled)
+        cast = account.dispatch(idx, source_bytes=source, **as_travelled)
+        unfused = account.dispatch(idx, **as_travelled)
         assert (ops[0].read, ops[0].written) == (want.read, want.written), f
-        assert want.written == unfused.written and want.read > unfused.read, f
+        assert want.read == cast.read == unfused.read + R * T * (source - data - rest), f
+        grown = entries * (2 * H - data - rest)
+        assert want.written - cast.written == want.minimum - cast.minimum == grown, f
         assert ops[0].bytes < base[0].bytes and ops[1:] == base[1:], f
-        assert passes == entries * (2 * H + data + rest), f
 
 
 def test_combine_moves_its_minimum():

@@ -260,7 +260,10 @@ def test_dispatch_send_quantizes_bfloat16_rows(format, expert_major):
     """dispatch(x, ..., wire_format=f) of bfloat16 x on the cuda backend: its send casts each
     row itself (no quantization pass in XLA, the custom call's `wire`), and the received
     Quantized rows are, byte for byte, those of the dispatch of quant.quantize(x, f) (the
-    path of the other backends and dtypes) and the reference's dispatch of those rows. Skewed
+    path of the other backends and dtypes) and the reference's dispatch of those rows; with
+    dequantize (the default) the unpack dequantizes them between devices (the custom call's
+    `dequantize`, no pass in XLA), bit for bit the reference's dispatch of quant.dequantize's
+    rows. Skewed
     routing (a hot expert, ranks nobody picks, masked and invalid ids), T not a power of two,
     a capacity that may drop, NaN and infinity in rows; on the run's path (host peers,
     $JAX_EP_CHANNELS, $JAX_EP_PEER_ACCESS, $JAX_EP_RANKS_PER_NODE), else one rank."""
@@ -285,18 +288,23 @@ def test_dispatch_send_quantizes_bfloat16_rows(format, expert_major):
     def per_shard(x, idx, w):
         fused, _ = jax_ep.dispatch(x, idx, w, wire_format=format, dequantize=False, **kw)
         unfused, _ = jax_ep.dispatch(quant.quantize(x, format), idx, w, **kw)
-        return [(r.num_tokens, *quant.to_rows(r.with_zero_padding().x))
-                for r in (fused, unfused)]
+        rows, _ = jax_ep.dispatch(x, idx, w, wire_format=format, **kw)
+        return ([(r.num_tokens, *quant.to_rows(r.with_zero_padding().x))
+                 for r in (fused, unfused)], rows.with_zero_padding().x)
 
-    assert "wire = " in compiled_text(
+    text = compiled_text(
         lambda x, idx, w: jax_ep.dispatch(x, idx, w, wire_format=format, **kw)[0].x,
         R, x, idx, w)
-    want = reference.dispatch(_row_bytes(*quant.to_rows(q)), idx, w, num_experts=E,
-                              capacity=capacity, expert_major=expert_major)
-    got = to_numpy(sharded(per_shard, R)(x, idx, w))
+    assert "wire = " in text and ("dequantize = " in text) == (R > 1)  # between devices
+    where = dict(num_experts=E, capacity=capacity, expert_major=expert_major)
+    want = reference.dispatch(_row_bytes(*quant.to_rows(q)), idx, w, **where)
+    got, rows = to_numpy(sharded(per_shard, R)(x, idx, w))
     for name, (count, data, words) in zip(("fused", "unfused"), got, strict=True):
         np.testing.assert_array_equal(count, want["num_tokens"], err_msg=name)
         assert_bytes(_row_bytes(data, words), want["x"], f"{format} {name} rows")
+    dequantized = np.asarray(quant.dequantize(q, jnp.bfloat16))
+    assert_bytes(rows, reference.dispatch(dequantized, idx, w, **where)["x"],
+                 f"{format} rows dequantized by the unpack")
 
 
 @pytest.mark.parametrize("format", quant.FORMATS)
@@ -617,6 +625,22 @@ def test_combine_wire_format_errors():
         call(wire_format="nvfp4", partial_dtype=jnp.float32)
     with pytest.raises(ValueError, match=r"grad_wire_format 'mxfp8' quantizes blocks of 32"):
         call(grad_wire_format="mxfp8")
+
+
+def test_the_kernels_dequantize_one_rank_per_device():
+    """The dispatch custom call's `dequantize` (the unpack writes bfloat16 rows) needs a wire
+    format and one rank per device: virtual ranks, all in one call, are refused, naming it."""
+    from jax_ep import _exchange_ffi, _ffi
+
+    if _ffi.EXT is None:
+        pytest.skip("compiled extension missing")
+    x = jnp.ones((2, 4, 128), jnp.bfloat16)
+    idx = jnp.zeros((2, 4, 1), jnp.int32)
+    w = jnp.ones((2, 4, 1), jnp.float32)
+    with pytest.raises(Exception, match="dequantize needs a wire format and one rank per device"):
+        jax.block_until_ready(_exchange_ffi.dispatch(
+            x, None, idx, w, num_ranks=2, num_experts=2, capacity=8, expert_major=False,
+            wire="e4m3", dequantize=True))
 
 
 def test_dispatch_wire_format_errors():

@@ -56,12 +56,14 @@ COPY_PHASES = frozenset(
 )
 COPY_REGISTERS = {"sm_90": 64}  # Hopper's copies; the other architectures': 128
 OTHER_COPY_REGISTERS = 128  # (cuda/phase_functors.h, kCopyBlocksPerSm)
-# Of those, the sends that cast compute more than they copy and are built for the default
-# blocks per SM (kCopy): the low-latency send to NVFP4 (a block's scale needs a correctly
-# rounded reciprocal, and each segment's warp reduces its whole row's amax first), and the
-# normal dispatch's send to any format (the cast beside its lookup of each row's place).
+# Of those, the casts compute more than they copy and are built for the default blocks per SM
+# (kCopy): the low-latency send to NVFP4 (a block's scale needs a correctly rounded
+# reciprocal, and each segment's warp reduces its whole row's amax first), the normal
+# dispatch's send to any format (the cast beside its lookup of each row's place), and its
+# finish that dequantizes.
 NOT_COPIES = (re.compile(r"^per_warp_kernel<LowLatencySend<[^<>]*(<[^<>]*>)?, 4>"),
-              re.compile(r"^per_warp_kernel<DispatchSend<[^<>]*(<[^<>]*>)?, [1-4]>"))
+              re.compile(r"^per_warp_kernel<DispatchSend<[^<>]*(<[^<>]*>)?, [1-4]>"),
+              re.compile(r"^per_warp_kernel<DispatchFinish<[^<>]*(<[^<>]*>)?, true>"))
 
 ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(sm_\w+)'")
 OWNER = re.compile(r"Function properties for (\S+)")

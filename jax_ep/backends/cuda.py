@@ -63,15 +63,17 @@ def get_dispatch_layout(
 
 
 def dispatch(x, scales, topk_idx, topk_weights, *, num_experts, axis_name, capacity,
-             expert_major, drop_by_source=False, placement=ANYWHERE, wire=None):
+             expert_major, drop_by_source=False, placement=ANYWHERE, wire=None,
+             dequantize=False):
     """`wire`: a jax_ep.quant format the send casts x's bfloat16 rows to (the received x and
-    scales are then quant.to_rows of the format's rows)."""
+    scales are then quant.to_rows of the format's rows; `dequantize`: the rows dequantized to
+    bfloat16 by the unpack, no scales)."""
     num_ranks = lax.axis_size(axis_name)
     out = _exchange_ffi.dispatch(_one(x), _one(scales), _one(topk_idx), _one(topk_weights),
                                  num_ranks=num_ranks, num_experts=num_experts,
                                  capacity=capacity, expert_major=expert_major,
                                  drop_by_source=drop_by_source, axis_name=axis_name,
-                                 placement=placement, wire=wire)
+                                 placement=placement, wire=wire, dequantize=dequantize)
     needed = out.pop("needed")[0]
     del out["workspace"]
     received, handle = _exchange_ffi.received_and_handle(

@@ -248,7 +248,8 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
              capacity: int | None = None, expert_major: bool = False, between: bool = False,
              zero_padding: bool = False, puts: bool = False, ranks_per_node: int = 0,
              channels=None, channel_warps: int | None = None,
-            num_sms: int | None = DEFAULT_NUM_SMS, source_bytes: int | None = None) -> Account:
+            num_sms: int | None = DEFAULT_NUM_SMS, source_bytes: int | None = None,
+            result_bytes: int | None = None) -> Account:
     """Normal dispatch of every rank's rows.
 
     Args:
@@ -271,8 +272,14 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
         format of row_bytes and scale_bytes as it writes it (`jax_ep.dispatch(x,
         wire_format=)` on the cuda backend): its reads of source rows read these bytes, with
         no quantization pass before; None: the rows are read as they travel.
+      result_bytes: between devices, the finish (streamed: the receivers) dequantizes each
+        delivered row into XLA's result, a row of these bytes (bfloat16, 2H), and zeroes
+        padding rows of that size (`jax_ep.dispatch(x, wire_format=)` on the cuda backend);
+        None: XLA's rows are the rows as they travel.
     """
     _check_puts(puts, between)
+    if result_bytes is not None and not between:
+        raise ValueError("result_bytes describes the finish between devices: pass between=True.")
     R, T, K = np.shape(topk_idx)
     E = num_experts
     if capacity is None:
@@ -300,6 +307,12 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
     # The finish phase copies the delivered rows (and the metadata) out of the symmetric buffer.
     # Waits: the count's for the peers' last op and for their counts, the finish's for the rows.
     landing = delivered * row
+    # Dequantized, each row XLA gets (delivered or zeroed) is written as result_bytes.
+    grow = 0 if result_bytes is None else (delivered + padding) * (result_bytes - row)
+
+    def landed(a: Account) -> Account:
+        return dataclasses.replace(a, written=a.written + grow, minimum=a.minimum + grow)
+
     moving = _smallest(1, T, finish)  # the send (and stage, relay), the finish
     # Between devices every launch meets the peers, so it runs, items or not. Over puts the
     # count puts each rank's row of R + E totals to every other rank, counted with the rows.
@@ -307,16 +320,16 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
     if channels is not None and not expert_major:
         nodes = ranks_per_node if puts else 0
         plan = _stream_plan("dispatch", channels, R, nodes, channel_warps, num_sms)
-        return _streamed_dispatch(kept, topk_idx, E, row_bytes, scale_bytes, plan, channels,
-                                  puts, nodes, padding, minimum + 2 * landing, totals, chunks,
-                                  finish, extra)
+        return landed(_streamed_dispatch(kept, topk_idx, E, row_bytes, scale_bytes, plan,
+                                         channels, puts, nodes, padding, minimum + 2 * landing,
+                                         totals, chunks, finish, extra))
     if puts and 0 < ranks_per_node < R:
         # The count, the send, the relay (every token of every rank) and the finish meet the
         # peers; the stage does not (it runs with items only).
-        aware = _node_aware_dispatch(kept, topk_idx, E, expert_major, ranks_per_node, row,
-                                     _message(row_bytes, scale_bytes, K, expert_major), padding,
-                                     minimum, landing,
-                                     _smallest(1, chunks, T, R * T, finish, T, always=4))
+        aware = landed(_node_aware_dispatch(
+            kept, topk_idx, E, expert_major, ranks_per_node, row,
+            _message(row_bytes, scale_bytes, K, expert_major), padding, minimum, landing,
+            _smallest(1, chunks, T, R * T, finish, T, always=4)))
         return dataclasses.replace(
             aware, read=aware.read + totals + R * T * extra, written=aware.written + totals,
             row_warps=moving,
@@ -328,12 +341,13 @@ def dispatch(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int, scale_by
         staged, message = R * T * row, _message(row_bytes, scale_bytes, K, expert_major)
         read = staged + R * T * extra + delivered * message + totals
         written = staged + delivered * message + padding * row + totals
-        return Account("dispatch", 4, 3, read + landing, written + landing,
-                       minimum + 2 * landing, _smallest(1, chunks, T, finish, T, always=3),
-                       moving, _dispatch_messages(topk_idx, E, expert_major, kept,
-                                                  scale_bytes > 0))
-    return Account("dispatch", 3, 3, read + landing, written + landing, minimum + 2 * landing,
-                   _smallest(1, chunks, T, finish, always=3), moving)
+        return landed(Account("dispatch", 4, 3, read + landing, written + landing,
+                              minimum + 2 * landing, _smallest(1, chunks, T, finish, T, always=3),
+                              moving, _dispatch_messages(topk_idx, E, expert_major, kept,
+                                                         scale_bytes > 0)))
+    return landed(Account("dispatch", 3, 3, read + landing, written + landing,
+                          minimum + 2 * landing, _smallest(1, chunks, T, finish, always=3),
+                          moving))
 
 
 def dispatch_rows(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
@@ -878,44 +892,49 @@ def wire_formats(num_ranks: int = 8, between: bool = True, seed: int = 0, tokens
                  hidden: int = 7168, top_k: int = 8, num_experts: int = 256
                  ) -> list[tuple[str, int, Account]]:
     """Rank-major dispatch at DeepSeek's shapes in bfloat16 and in every wire format of
-    jax_ep.quant, whose send reads the bfloat16 rows and casts them (`dispatch(x,
-    wire_format=)`): (format, bytes per token row as it travels, its account)."""
+    jax_ep.quant, whose send reads the bfloat16 rows and casts them and whose finish writes
+    them dequantized (`dispatch(x, wire_format=)`): (format, bytes per token row as it
+    travels, its account)."""
     idx = uniform_routing(np.random.default_rng(seed), num_ranks, tokens, top_k, num_experts)
     rows = [("bfloat16", 2 * hidden, 0)] + [(f, *quant.wire_bytes(f, hidden))
                                              for f in quant.FORMATS]
+    fused = {f: dict(source_bytes=cast_source_bytes(f, hidden), result_bytes=2 * hidden)
+             for f in quant.FORMATS}
     return [(name, data + rest,
              dispatch(idx, num_experts=num_experts, row_bytes=data, scale_bytes=rest,
-                      between=between, source_bytes=None if rest == 0 else 2 * hidden))
+                      between=between, **fused.get(name, {})))
             for name, data, rest in rows]
+
+
+def cast_source_bytes(wire_format: str, hidden: int) -> int:
+    """Bytes the normal dispatch's send reads each time it casts a bfloat16 row of `hidden`
+    channels to `wire_format` (`dispatch`'s source_bytes): the row, and for nvfp4 the row
+    once more before (its global scale needs the whole row's amax, cast_rows)."""
+    return 2 * hidden * (2 if wire_format == "nvfp4" else 1)
 
 
 def training_step(wire_format: str | None = None, num_ranks: int = 8, between: bool = True,
                   seed: int = 0, tokens: int = 4096, hidden: int = 7168, top_k: int = 8,
-                  num_experts: int = 256) -> tuple[list[Account], int]:
+                  num_experts: int = 256) -> list[Account]:
     """One MoE layer's exchanges in a training step at DeepSeek's shapes, expert-major,
     bfloat16 except the forward dispatch's rows, which travel as `wire_format` (None:
-    bfloat16): (the four ops' accounts: the forward dispatch and combine, the combine's
-    backward (rows along the handle) and the dispatch's (an unweighted combine); the bytes of
-    the dequantization pass, all ranks, which the kernels do not fuse yet: each received entry
-    read and written back in bfloat16). The send quantizes the rows itself (the cuda backend,
-    bfloat16 x): it reads each source row in bfloat16, with no quantization pass before."""
+    bfloat16): the four ops' accounts, the forward dispatch and combine, the combine's
+    backward (rows along the handle) and the dispatch's (an unweighted combine). The cuda
+    backend's dispatch of bfloat16 x quantizes in the send (it reads each source row in
+    bfloat16) and dequantizes in the finish (it writes each received entry in bfloat16): no
+    pass in XLA before or after."""
     idx = uniform_routing(np.random.default_rng(seed), num_ranks, tokens, top_k, num_experts)
     kw = dict(num_experts=num_experts, expert_major=True, between=between)
     row = 2 * hidden
     data, rest = (row, 0) if wire_format is None else quant.wire_bytes(wire_format, hidden)
-    cast = None if wire_format is None else row
-    ops = [dispatch(idx, row_bytes=data, scale_bytes=rest, source_bytes=cast, **kw),
+    fused = {} if wire_format is None else dict(
+        source_bytes=cast_source_bytes(wire_format, hidden), result_bytes=row)
+    ops = [dispatch(idx, row_bytes=data, scale_bytes=rest, **fused, **kw),
            combine(idx, row_bytes=row, weighted=True, **kw),
            dispatch_rows(idx, row_bytes=row, **kw),
            combine(idx, row_bytes=row, **kw)]
-    ops = [dataclasses.replace(a, op=name) for a, name in zip(
+    return [dataclasses.replace(a, op=name) for a, name in zip(
         ops, ("dispatch", "combine", "combine backward", "dispatch backward"), strict=True)]
-    passes = 0
-    if wire_format is not None:
-        entries = int(kept_entries(idx, num_experts, default_capacity(
-            num_ranks, tokens, top_k, num_experts, True)).sum())
-        passes = entries * (row + data + rest)
-    return ops, passes
 
 
 def meets(account: Account) -> tuple[bool, bool, bool]:
@@ -1061,7 +1080,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("\n".join(missed))
     formats = wire_formats(args.ranks, True, args.seed, tokens=args.tokens)
     print(f"\nDispatch (rank-major, between GPUs) by wire format (jax_ep.quant; the send "
-          f"casts the bfloat16 rows), R = {args.ranks}, T {args.tokens}:\n")
+          f"casts the bfloat16 rows, the finish dequantizes them), R = {args.ranks}, "
+          f"T {args.tokens}:\n")
     print("| format | bytes per token row | GB moved | x bfloat16 |\n|---|---:|---:|---:|")
     for name, row, a in formats:
         print(f"| {name} | {row} | {a.bytes / 1e9:.3f} | {a.bytes / formats[0][2].bytes:.2f} |")
@@ -1075,16 +1095,15 @@ def training_table(num_ranks: int, seed: int = 0, tokens: int = 4096) -> str:
              f"R = {num_ranks}, T {tokens}: GB of row data the kernels move, all ranks "
              f"(`account.training_step`)\n",
              "| wire format | dispatch | combine | combine backward | dispatch backward | "
-             "step | x bfloat16 | dequantization pass |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "step | x bfloat16 |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     base = None
     for f in (None, *quant.FORMATS):
-        ops, passes = training_step(f, num_ranks, True, seed, tokens)
+        ops = training_step(f, num_ranks, True, seed, tokens)
         step = sum(a.bytes for a in ops)
         base = base or step
         cells = " | ".join(f"{a.bytes / 1e9:.2f}" for a in ops)
-        lines.append(f"| {f or 'bfloat16'} | {cells} | {step / 1e9:.2f} | {step / base:.2f} | "
-                     f"{passes / 1e9:.2f} |")
+        lines.append(f"| {f or 'bfloat16'} | {cells} | {step / 1e9:.2f} | {step / base:.2f} |")
     return "\n".join(lines)
 
 

@@ -66,6 +66,9 @@ struct Shape {
   int warps = 0;
   // The wire format the normal dispatch's send casts x's bfloat16 rows (elem 2) to; 0: none.
   int cast = 0;
+  // With a cast, the host peers' finish (receivers) dequantizes the rows into bfloat16
+  // results (DispatchArgs::dequantize); virtual ranks keep the rows as they travel.
+  bool dequantize = false;
   // A dispatch row as it travels (x's, or the cast's data bytes and scale words).
   int64_t row_bytes() const { return cast ? wire_data_bytes(cast, H) : int64_t{H} * elem; }
   int64_t scale_cols() const { return cast ? wire_scale_words(cast, H) : fp8 ? H / 128 : 0; }
@@ -142,8 +145,9 @@ struct DispatchData {
     const int V = rank < 0 ? s.R : 1;
     w.resize(carve_dispatch_workspace(&a, V));
     carve_dispatch_workspace(&a, V, w.data());
-    a.recv_x = recv_x.data() + v * cap * s.row_bytes();
-    a.recv_scales = recv_scales.data() + v * cap * S;
+    a.dequantize = s.dequantize && rank >= 0;
+    a.recv_x = recv_x.data() + v * cap * a.result_row_bytes();
+    a.recv_scales = recv_scales.data() + v * cap * a.result_scale_cols();
     a.recv_idx = recv_idx.data() + v * cap * s.cols();
     a.recv_weights = recv_weights.data() + v * cap * s.cols();
     a.recv_src = recv_src.data() + v * s.rows();
@@ -422,6 +426,7 @@ std::string round_name(const Shape& s, uint32_t seed, const char* how) {
                      : "") +
          (s.warps ? ", " + std::to_string(s.warps) + " warps per channel" : "") +
          (s.cast ? ", the send casts to wire " + std::to_string(s.cast) : "") +
+         (s.dequantize ? ", the finish dequantizes" : "") +
          how + ", seed " + std::to_string(seed) + ")";
 }
 
@@ -463,8 +468,12 @@ struct RoundData {
   }
 
   void compare(const Shape& s, const std::string& at) {
-    expect_equal(dp.recv_x, dv.recv_x, "dispatch recv_x" + at);
-    expect_equal(dp.recv_scales, dv.recv_scales, "dispatch recv_scales" + at);
+    if (s.dequantize) {
+      expect_dequantized(s, at);
+    } else {
+      expect_equal(dp.recv_x, dv.recv_x, "dispatch recv_x" + at);
+      expect_equal(dp.recv_scales, dv.recv_scales, "dispatch recv_scales" + at);
+    }
     expect_equal(dp.recv_idx, dv.recv_idx, "dispatch recv_idx" + at);
     expect_equal(dp.recv_weights, dv.recv_weights, "dispatch recv_weights" + at);
     expect_equal(dp.recv_src, dv.recv_src, "dispatch recv_src" + at);
@@ -490,7 +499,26 @@ struct RoundData {
     expect_equal(lp.num_invalid, lv.num_invalid, "low-latency num_invalid" + at);
     expect_equal(lp.out, lv.out, "low-latency combine out" + at);
   }
+  void expect_dequantized(const Shape& s, const std::string& at);
 };
+
+// The host peers' dequantized rows: the virtual ranks' received rows, dequantized (each rank's
+// kept rows; the padding is unspecified).
+void RoundData::expect_dequantized(const Shape& s, const std::string& at) {
+  const int64_t cap = s.capacity, H = s.H, S = s.scale_cols(), bytes = s.row_bytes();
+  std::vector<Bf16> want(H);
+  for (int d = 0; d < s.R; ++d) {
+    for (int64_t i = 0; i < dv.num_received[d]; ++i) {
+      const int64_t row = d * cap + i;
+      dequantize_row(s.cast, dv.recv_x.data() + row * bytes,
+                     reinterpret_cast<const char*>(dv.recv_scales.data() + row * S), s.H,
+                     want.data(), 0, 1);
+      expect(std::memcmp(dp.recv_x.data() + row * 2 * H, want.data(), 2 * H) == 0,
+             "dispatch recv_x" + at + ": rank " + std::to_string(d) + " row " +
+                 std::to_string(i) + " is not the virtual ranks' row dequantized");
+    }
+  }
+}
 
 void check_round(const Shape& s, uint32_t seed, const HostGrid& grid, const char* how = "") {
   RoundData d(s, seed, std::mt19937(seed));
@@ -820,6 +848,9 @@ int main() {
       // The send casts bfloat16 rows to a wire format: E4M3 rank-major, NVFP4 expert-major.
       {R, 13, 3, 8, 256, 20, false, false, 0, 0, 0, 0, 2, 0, kWireE4m3},
       {R, 11, 4, 12, 128, 30, true, false, 0, 0, 0, 0, 2, 0, kWireNvfp4},
+      // ... and the finish dequantizes them: UE8M0 rank-major, MXFP8 expert-major.
+      {R, 13, 3, 8, 384, 20, false, false, 0, 0, 0, 0, 2, 0, kWireE4m3Ue8m0, true},
+      {R, 11, 4, 12, 128, 30, true, false, 0, 0, 0, 0, 2, 0, kWireMxfp8, true},
   };
   uint32_t round = 0;
   for (const Shape& s : shapes) {
@@ -847,6 +878,8 @@ int main() {
       {12, 9, 10, 12, 128, 108, false, false, 0, 2, 1, 2, 4, 5},
       // The senders cast bfloat16 rows to MXFP8 (the forwarders pass the cast slots on).
       {R, 13, 3, 8, 256, 52, false, false, 0, 2, 1, 2, 2, 0, kWireMxfp8},
+      // ... to NVFP4, and the receivers dequantize them.
+      {R, 13, 3, 8, 256, 52, false, false, 0, 2, 1, 2, 2, 0, kWireNvfp4, true},
   };
   for (const bool puts : {false, true}) {
     puts_only = puts;
