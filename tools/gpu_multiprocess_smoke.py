@@ -8,7 +8,8 @@ $JAX_EP_PEER_ACCESS set to --peer-access: `put` reaches the peers with NVSHMEM's
 between nodes, which NVSHMEM's P2P transport serves on one GPU too; --ranks-per-node sets
 $JAX_EP_RANKS_PER_NODE, node-aware: stores within each simulated node; --channels sets
 $JAX_EP_CHANNELS: the rings the rank-major dispatch and combine stream through, or off), runs
-dispatch and combine (both layouts) and the low-latency round trip with backend="cuda" inside
+dispatch and combine (both layouts), dispatch on every wire format (the send quantizes, the
+unpack dequantizes) and the low-latency round trip with backend="cuda" inside
 shard_map over a (data D, ep N/D) mesh of the N processes (D = 1: the EP axis alone; D > 1: D
 EP groups, each with its own inputs), and compares its shard with jax_ep.tools.reference of its
 group bit for bit. Several processes on one GPU run NVSHMEM's "limited MPG" mode: functional
@@ -88,6 +89,19 @@ def check(data: int) -> str:
                                      weights=recv["topk_weights"] if em else None, **kw)
 
         compare(run(normal, x, idx, w), want, f"combine(dispatch) (expert_major={em})")
+
+    # The send quantizes the bfloat16 rows and the unpack dequantizes them (wire_format).
+    for f in jax_ep.quant.FORMATS:
+        def on_wire(x, idx, w, f=f):
+            recv, _ = jax_ep.dispatch(x[0], idx[0], w[0], num_experts=E, wire_format=f,
+                                      backend="cuda")
+            return recv.with_zero_padding().x[None]
+
+        def wire_want(d, f=f):
+            rounded = jax_ep.quant.dequantize(jax_ep.quant.quantize(x[d], f), x.dtype)
+            return reference.dispatch(np.asarray(rounded), idx[d], w[d], num_experts=E)["x"]
+
+        compare(run(on_wire, x, idx, w), wire_want, f"dispatch on the {f} wire")
 
     ll_x, ll_idx, ll_w = x[:, :, :TL], idx[:, :, :TL], w[:, :, :TL]
 
