@@ -235,7 +235,7 @@ def dispatch(
         raise TypeError(f"{op}: pass the routing (topk_idx, topk_weights and num_experts=), "
                         f"or handle= the DispatchHandle of an earlier dispatch to send x along "
                         f"its routing.")
-    axis_name = "ep" if axis_name is None else axis_name
+    axis_name = _ep_axis(axis_name)
     num_ranks = _checks.axis_size(op, axis_name)
     num_tokens, top_k = _checks.check_topk_idx(op, topk_idx)
     data, scales = _check_x(op, x, num_tokens)
@@ -427,8 +427,7 @@ def _dispatch_on_wire(op: str, x, topk_idx, topk_weights, wire_format: str | Non
     fused = _casts_on_send(wire_format, x, options["backend"])
     # The send quantizes and, between devices, the unpack dequantizes (a single rank runs as
     # virtual ranks, whose kernels write the rows as they travel).
-    axis_name = "ep" if options["axis_name"] is None else options["axis_name"]
-    unpacked = fused and dequantize and _checks.axis_size(op, axis_name) > 1
+    unpacked = fused and dequantize and _checks.axis_size(op, _ep_axis(options["axis_name"])) > 1
     if fused:
         sent = _CastOnSend(sent, wire_format, unpacked)
     elif wire_format is not None:
@@ -442,6 +441,11 @@ def _dispatch_on_wire(op: str, x, topk_idx, topk_weights, wire_format: str | Non
     back = _placement_options(options) + (("wire_format", grad_wire_format),)
     rows = _straight_through(back, x, jax.lax.stop_gradient(rows), handle)
     return dataclasses.replace(received, x=rows), handle
+
+
+def _ep_axis(axis_name: str | None) -> str:
+    """The mesh axis dispatch runs over: `axis_name`, or "ep" when none is given."""
+    return "ep" if axis_name is None else axis_name
 
 
 def _casts_on_send(wire_format: str | None, x, backend: str) -> bool:
