@@ -18,31 +18,33 @@
 
 namespace jax_ep {
 
-// Bytes of a combine ring slot's row part: the row of H values, padded to 16 (so that its
-// weight and token are aligned, and the row moves in 16-byte words whatever H is).
-template <typename T>
+// Bytes of a combine ring slot's row part: the row (H values of T, or kCast in the wire
+// format), padded to 16 (so that its weight and token are aligned, and the row moves in 16-byte
+// words whatever H is).
+template <bool kCast, typename T>
 JAX_EP_HOST_DEVICE int64_t combine_slot_row_bytes(const CombineArgs<T>& a) {
-  return word_padded(a.hidden * static_cast<int64_t>(sizeof(T)));
+  return word_padded(kCast ? a.row_bytes() : a.hidden * static_cast<int64_t>(sizeof(T)));
 }
 // Bytes of a combine ring slot: the row part, its weight and its token, to 16.
 template <typename T>
 JAX_EP_HOST_DEVICE int64_t combine_slot_bytes(const CombineArgs<T>& a) {
-  return combine_slot_row_bytes(a) + 16;
+  const bool cast = a.wire != kWireBf16;
+  return (cast ? combine_slot_row_bytes<true>(a) : combine_slot_row_bytes<false>(a)) + 16;
 }
 // A combine slot's weight and token, after its row part.
-template <typename T>
+template <bool kCast, typename T>
 JAX_EP_HOST_DEVICE float* slot_weight(const CombineArgs<T>& a, char* slot) {
-  return reinterpret_cast<float*>(slot + combine_slot_row_bytes(a));
+  return reinterpret_cast<float*>(slot + combine_slot_row_bytes<kCast>(a));
 }
-template <typename T>
+template <bool kCast, typename T>
 JAX_EP_HOST_DEVICE int32_t* slot_token(const CombineArgs<T>& a, char* slot) {
-  return reinterpret_cast<int32_t*>(slot_weight(a, slot) + 1);
+  return reinterpret_cast<int32_t*>(slot_weight<kCast>(a, slot) + 1);
 }
 
 // Sender warp j of `senders` on channel c: the rows this rank holds for the channel's tokens of
 // homes s = j, j + senders, ..., polled in turn: each home's in token order while its ring
 // has room; a home whose scan reached the channel's end gets its ring closed.
-template <typename T, typename Peers, typename Watch>
+template <bool kCast, typename T, typename Peers, typename Watch>
 JAX_EP_HOST_DEVICE void combine_stream_send(const CombineArgs<T>& a, const Peers& peers, int c,
                                             int j, int senders, const Warp& w,
                                             const Watch& watch) {
@@ -76,11 +78,17 @@ JAX_EP_HOST_DEVICE void combine_stream_send(const CombineArgs<T>& a, const Peers
         const int64_t n = g.sent(c, s);
         char* slot = ring_write_slot(g, peers, c, l, n);
         w.each([&](int lane) {
-          copy_row<kStreamWordsInFlight>(slot, y + row * H, H * static_cast<int64_t>(sizeof(T)),
-                                         lane, w.lanes);
+          if constexpr (kCast) {  // the weighted row in the wire format; no weight
+            if (lane == 0) meter_cast(a, 1);
+            cast_weighted_row(a, y + row * H, weights ? weights + row : nullptr, slot, lane,
+                              w.lanes);
+          } else {
+            copy_row<kStreamWordsInFlight>(slot, y + row * H,
+                                           H * static_cast<int64_t>(sizeof(T)), lane, w.lanes);
+          }
           if (lane == 0) {
-            *slot_weight(a, slot) = weights ? weights[row] : 0.0f;
-            *slot_token(a, slot) = static_cast<int32_t>(t);
+            *slot_weight<kCast>(a, slot) = weights && !kCast ? weights[row] : 0.0f;
+            *slot_token<kCast>(a, slot) = static_cast<int32_t>(t);
           }
         });
         ring_advance(g, peers, c, l, w);
@@ -163,7 +171,7 @@ JAX_EP_HOST_DEVICE TokenSlots& token_slots_table(TokenSlots& own) {
 
 // The receiver warp of channel c: the channel's tokens of this rank, one after another, each
 // summed over the ranks whose next slot is that token, in rank order, into XLA's result.
-template <typename T, typename Peers, typename Watch>
+template <bool kCast, typename T, typename Peers, typename Watch>
 JAX_EP_HOST_DEVICE void combine_stream_receive(const CombineArgs<T>& a, const Peers& peers,
                                                int c, const Warp& w, const Watch& watch) {
   const Rings& g = a.rings;
@@ -177,7 +185,7 @@ JAX_EP_HOST_DEVICE void combine_stream_receive(const CombineArgs<T>& a, const Pe
   auto holds = [&](int r, int t) {
     const int64_t n = g.consumed(c, r);
     return n < (g.at(c, r, Rings::kSeen) & ~static_cast<int64_t>(kRingClosed)) &&
-           *slot_token(a, g.slot(g.recv, c, r, n)) == t;
+           *slot_token<kCast>(a, g.slot(g.recv, c, r, n)) == t;
   };
   TokenSlots own;
   TokenSlots& held = token_slots_table(own);
@@ -196,7 +204,7 @@ JAX_EP_HOST_DEVICE void combine_stream_receive(const CombineArgs<T>& a, const Pe
         } else {
           char* slot = g.slot(g.recv, c, r, g.consumed(c, r));
           held.slot[held.n] = slot;
-          held.weight[held.n] = *slot_weight(a, slot);
+          held.weight[held.n] = *slot_weight<kCast>(a, slot);
           held.rank[held.n++] = r;
         }
       }
@@ -204,20 +212,20 @@ JAX_EP_HOST_DEVICE void combine_stream_receive(const CombineArgs<T>& a, const Pe
     w.sync();  // the lanes read the table after its writes
     const bool listed = held.all;
     T* out = a.out + (a.local(me) * Tn + t) * H;
+    auto collect = [&](Terms<T>& terms, int i) {
+      for (; listed && i < held.n && !terms.full(); ++i) {
+        terms.add(reinterpret_cast<const T*>(held.slot[i]), held.weight[i]);
+      }
+      for (; !listed && i < R && !terms.full(); ++i) {
+        if (!holds(i, t)) continue;
+        char* slot = g.slot(g.recv, c, i, g.consumed(c, i));
+        terms.add(reinterpret_cast<const T*>(slot), *slot_weight<kCast>(a, slot));
+      }
+      return i;
+    };
     w.each([&](int lane) {
-      sum_rows(out, H, a.weights != nullptr, listed ? held.n : R,
-               [&](Terms<T>& terms, int i) {
-                 for (; listed && i < held.n && !terms.full(); ++i) {
-                   terms.add(reinterpret_cast<const T*>(held.slot[i]), held.weight[i]);
-                 }
-                 for (; !listed && i < R && !terms.full(); ++i) {
-                   if (!holds(i, t)) continue;
-                   char* slot = g.slot(g.recv, c, i, g.consumed(c, i));
-                   terms.add(reinterpret_cast<const T*>(slot), *slot_weight(a, slot));
-                 }
-                 return i;
-               },
-               lane, w.lanes);
+      combine_sum<kCast>(a, out, a.weights != nullptr, listed ? held.n : R, collect, lane,
+                         w.lanes);
     });
     // Each summed ring's slot consumed: the table's, or the rings that hold the token.
     auto consume = [&](int r) {
@@ -236,8 +244,9 @@ JAX_EP_HOST_DEVICE void combine_stream_receive(const CombineArgs<T>& a, const Pe
   for (int r = 0; r < R; ++r) ring_release(g, peers, c, flat_link(me, r), w);
 }
 
-// The streaming launch of a combine: per channel, `senders` sender warps then one receiver.
-template <typename T, typename Peers>
+// The streaming launch of a combine: per channel, `senders` sender warps then one receiver;
+// kCast: the rows travel in the wire format a.wire (cuda/combine.h).
+template <typename T, typename Peers, bool kCast = false>
 struct CombineStream {
   CombineArgs<T> a;
   Peers peers{};
@@ -251,9 +260,9 @@ struct CombineStream {
     const int per = senders + 1;
     const int c = static_cast<int>(unit / per), j = static_cast<int>(unit % per);
     if (j < senders) {
-      combine_stream_send(a, peers, c, j, senders, w, watch);
+      combine_stream_send<kCast>(a, peers, c, j, senders, w, watch);
     } else {
-      combine_stream_receive(a, peers, c, w, watch);
+      combine_stream_receive<kCast>(a, peers, c, w, watch);
     }
   }
 };

@@ -21,6 +21,10 @@ struct F16 {
   uint16_t bits;
 };
 
+// The positive quiet NaN's bits: the one NaN every path writes (docs/contract.md, "Wire
+// formats"), whatever NaN a processor's arithmetic made.
+constexpr uint32_t kQuietNan = 0x7fc00000u;
+
 JAX_EP_HOST_DEVICE uint32_t float_bits(float f) {
 #if defined(__CUDA_ARCH__)
   return __float_as_uint(f);
@@ -147,7 +151,7 @@ constexpr float kFp8AmaxFloor = 1e-4f;
 constexpr float kFp8InvMax = static_cast<float>(1.0 / 448.0);
 
 JAX_EP_HOST_DEVICE float fp8_scale(float amax) {
-  if (amax != amax) return bits_float(0x7fc00000u);
+  if (amax != amax) return bits_float(kQuietNan);
   return mul_rn(amax > kFp8AmaxFloor ? amax : kFp8AmaxFloor, kFp8InvMax);
 }
 

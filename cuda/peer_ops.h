@@ -633,39 +633,44 @@ PeerError run_op(Platform& p, int op, const CombineArgs<T>& in) {
                          {a.num_ranks, a.num_tokens, a.top_k, 0, a.capacity, em, false,
                           int64_t{a.hidden} * int64_t{sizeof(T)}});
   if (!error.ok()) return error;
-  if (a.rings.channels > 0) {
-    // Streamed: the ring counters zeroed once the peers are done with the last op (and
-    // before they write them), then senders and receivers at once; its arrival frees the
-    // buffer.
+  // kCast: the stages cast the rows they stage to a.wire, the sums dequantize them.
+  return with_cast<T>(a.wire, [&](auto cast) {
+    constexpr bool kCast = decltype(cast)::value;
+    if (a.rings.channels > 0) {
+      // Streamed: the ring counters zeroed once the peers are done with the last op (and
+      // before they write them), then senders and receivers at once; its arrival frees the
+      // buffer.
+      return with_peers(p, [&](const auto& peers) {
+        using Peers = std::decay_t<decltype(peers)>;
+        const RingsZero zero{a.rings};
+        p.per_warp(zero, zero.items(), Meet{Wait::kStart, true, Wait::kStart});
+        const int senders = role_warps(stream_warps(p, a.rings, true), a.num_ranks);
+        p.per_unit(CombineStream<T, Peers, kCast>{a, peers, senders}, Meet{{}, true, {}});
+        return p.result(op);
+      });
+    }
+    // Cast, the weights go into the cast: none are staged.
+    a.staged = {r.staged.y, a.weights && !kCast ? r.staged.weights : nullptr, r.staged.src_row};
+    a.partial = em ? r.partial : nullptr;
+    a.returned = r.returned;
+    const Meet stage_meet{Wait::kStart, !puts, {}};
+    if (em) {
+      p.per_warp(CombinePartial<T, kCast>{a}, rows, stage_meet);  // local y, entries, weights
+    } else {
+      p.per_warp(CombineStage<T, kCast>{a}, rows, stage_meet);
+      a.y = a.staged.y;
+      a.weights = a.staged.weights;
+    }
+    a.src_row = a.staged.src_row;
     return with_peers(p, [&](const auto& peers) {
       using Peers = std::decay_t<decltype(peers)>;
-      const RingsZero zero{a.rings};
-      p.per_warp(zero, zero.items(), Meet{Wait::kStart, true, Wait::kStart});
-      const int senders = role_warps(stream_warps(p, a.rings, true), a.num_ranks);
-      p.per_unit(CombineStream<T, Peers>{a, peers, senders}, Meet{{}, true, {}});
+      if constexpr (Peers::kPuts) {
+        p.per_warp(CombineReturn<T, Peers>{a, peers}, rows, Meet{{}, true, {}});
+      }
+      p.per_warp(CombineToken<T, Peers, kCast>{a, peers}, a.num_tokens,
+                 Meet{Peers::kPuts ? Wait::kInOp : Wait::kStart, true, {}});
       return p.result(op);
     });
-  }
-  a.staged = {r.staged.y, a.weights ? r.staged.weights : nullptr, r.staged.src_row};
-  a.partial = em ? r.partial : nullptr;
-  a.returned = r.returned;
-  const Meet stage_meet{Wait::kStart, !puts, {}};
-  if (em) {
-    p.per_warp(CombinePartial<T>{a}, rows, stage_meet);  // the local y, row_entries, weights
-  } else {
-    p.per_warp(CombineStage<T>{a}, rows, stage_meet);
-    a.y = a.staged.y;
-    a.weights = a.staged.weights;
-  }
-  a.src_row = a.staged.src_row;
-  return with_peers(p, [&](const auto& peers) {
-    using Peers = std::decay_t<decltype(peers)>;
-    if constexpr (Peers::kPuts) {
-      p.per_warp(CombineReturn<T, Peers>{a, peers}, rows, Meet{{}, true, {}});
-    }
-    p.per_warp(CombineToken<T, Peers>{a, peers}, a.num_tokens,
-               Meet{Peers::kPuts ? Wait::kInOp : Wait::kStart, true, {}});
-    return p.result(op);
   });
 }
 

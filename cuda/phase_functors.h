@@ -84,6 +84,17 @@ void with_bool(bool b, const F& f) {
   return b ? f(std::true_type{}) : f(std::false_type{});
 }
 
+// Returns f(std::bool_constant<kCast>): whether a combine of T rows casts them to the wire
+// format `wire` (bfloat16 rows only: the others never do, and their casting kernels are not
+// built).
+template <typename T, typename F>
+auto with_cast(int wire, const F& f) {
+  if constexpr (std::is_same_v<T, Bf16>) {
+    if (wire != kWireBf16) return f(std::true_type{});
+  }
+  return f(std::false_type{});
+}
+
 struct DispatchCount {
   DispatchArgs a;
   JAX_EP_HOST_DEVICE void operator()(int s, int64_t g, int lane, int lanes) const {
@@ -179,19 +190,21 @@ struct DispatchFinish {
     dispatch_finish<kDequantize>(a, peers, d, static_cast<int>(i), lane, lanes);
   }
 };
-template <typename T>
+// kCast: the stages cast the rows to the wire format (a.wire) as they stage them, the sums
+// dequantize them (cuda/combine.h).
+template <typename T, bool kCast = false>
 struct CombineStage {
-  static constexpr bool kCopy = true;
+  static constexpr bool kCopy = !kCast;
   CombineArgs<T> a;
   JAX_EP_HOST_DEVICE void operator()(int d, int64_t src, int lane, int lanes) const {
-    combine_stage(a, d, src, lane, lanes);
+    combine_stage<kCast>(a, d, src, lane, lanes);
   }
 };
-template <typename T>
+template <typename T, bool kCast = false>
 struct CombinePartial {
   CombineArgs<T> a;
   JAX_EP_HOST_DEVICE void operator()(int d, int64_t src, int lane, int lanes) const {
-    combine_partial(a, d, src, lane, lanes);
+    combine_partial<kCast>(a, d, src, lane, lanes);
   }
 };
 // Put views: the receivers return the rows to the tokens' homes.
@@ -204,12 +217,12 @@ struct CombineReturn {
     combine_return(a, peers, d, src, lane, lanes);
   }
 };
-template <typename T, typename Peers>
+template <typename T, typename Peers, bool kCast = false>
 struct CombineToken {
   CombineArgs<T> a;
   Peers peers{};
   JAX_EP_HOST_DEVICE void operator()(int s, int64_t t, int lane, int lanes) const {
-    combine_token(a, peers, s, static_cast<int>(t), lane, lanes);
+    combine_token<kCast>(a, peers, s, static_cast<int>(t), lane, lanes);
   }
 };
 template <typename T, typename Peers>

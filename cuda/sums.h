@@ -1,10 +1,12 @@
 // Ordered sums of rows (cuda/exchange.h), what every combine adds with: the rows of one sum
 // kSumBatch at a time (Terms), 16-byte packs (Pack, PackSum) and sum_rows, which adds terms
 // in their given order (optionally weighted, or grouped) so the result is bit for bit the
-// reference's. It includes only the shared primitives.
+// reference's; sum_wire_rows, the same of rows that travelled in a wire format. It includes
+// the shared primitives and the casts (cuda/cast.h).
 #pragma once
 
 #include <cstdint>
+#include "cuda/cast.h"
 #include "cuda/primitives.h"
 
 namespace jax_ep {
@@ -83,6 +85,20 @@ JAX_EP_HOST_DEVICE void add_terms(const Terms<T>& t, int64_t i, bool weighted,
   }
 }
 
+// How many terms collect(terms, from) yields over [0, end), their addresses' bits or'ed into
+// *bits (whether every row is aligned).
+template <typename T, typename Collect>
+JAX_EP_HOST_DEVICE int64_t count_terms(const Collect& collect, int end, uintptr_t* bits) {
+  int64_t terms = 0;
+  for (int from = 0; from < end;) {
+    Terms<T> batch;
+    from = collect(batch, from);
+    *bits |= address_bits(batch.row, batch.n);
+    terms += batch.n;
+  }
+  return terms;
+}
+
 // sum_rows with packs of N values: lane `lane` writes packs lane, lane + lanes, ...
 template <typename T, int N, bool kGrouped, typename Collect>
 JAX_EP_HOST_DEVICE void sum_rows_packed(T* out, int64_t packs, bool weighted, int end,
@@ -118,19 +134,72 @@ JAX_EP_HOST_DEVICE void sum_rows(T* out, int64_t H, bool weighted, int end,
                                  const Collect& collect, int lane, int lanes) {
   const int64_t row_bytes = H * static_cast<int64_t>(sizeof(T));
   uintptr_t bits = reinterpret_cast<uintptr_t>(out) | static_cast<uintptr_t>(row_bytes);
-  int64_t terms = 0;
-  for (int from = 0; from < end;) {
-    Terms<T> batch;
-    from = collect(batch, from);
-    bits |= address_bits(batch.row, batch.n);
-    terms += batch.n;
-  }
+  const int64_t terms = count_terms<T>(collect, end, &bits);
   if (lane == 0) meter_rows(terms * row_bytes, row_bytes);
   constexpr int N = 16 / sizeof(T);
   if ((bits & 15u) == 0) {
     sum_rows_packed<T, N, kGrouped>(out, H / N, weighted, end, collect, lane, lanes);
   } else {
     sum_rows_packed<T, 1, kGrouped>(out, H, weighted, end, collect, lane, lanes);
+  }
+}
+
+// sum_rows of rows in the wire format kWire (each term a row's data bytes, its other bytes
+// after them at wire_data_bytes: the combine's rows quantized before they travel,
+// docs/contract.md): each term dequantized to float32 (quant.dequantize's canonical
+// products), added in order from 0, each sum rounded to float32, the total rounded to T once.
+// Unweighted: the weights were applied before the cast. Lane `lane` writes the parts of 8
+// channels lane, lane + lanes, ...; the terms are collected again for every part, as in
+// sum_rows.
+template <int kWire, typename T, typename Collect>
+JAX_EP_HOST_DEVICE void sum_wire_rows_as(T* out, int hidden, int end, const Collect& collect,
+                                         int lane, int lanes) {
+  const int64_t data = wire_data_bytes(kWire, hidden);
+  uintptr_t bits = reinterpret_cast<uintptr_t>(out);
+  const int64_t terms = count_terms<T>(collect, end, &bits);
+  if (lane == 0) {
+    meter_rows(terms * wire_row_bytes(kWire, hidden), hidden * static_cast<int64_t>(sizeof(T)));
+  }
+  const bool aligned = (bits & 15u) == 0;
+  constexpr int N = 16 / sizeof(T);  // values of a 16-byte pack
+  const int parts = hidden / kCastChannels;
+  JAX_EP_NO_UNROLL for (int part = lane; part < parts; part += lanes) {
+    float total[kCastChannels] = {};
+    for (int from = 0; from < end;) {
+      Terms<T> batch;
+      from = collect(batch, from);
+      JAX_EP_UNROLL for (int j = 0; j < kSumBatch; ++j) {  // registers: compile-time indices
+        if (j >= batch.n) continue;
+        const char* row = reinterpret_cast<const char*>(batch.row[j]);
+        float v[kCastChannels];
+        dequantize_part<kWire>(row, row + data, part, global_scale_of<kWire>(row + data, hidden),
+                               aligned, v);
+        JAX_EP_UNROLL for (int q = 0; q < kCastChannels; ++q) total[q] = add_rn(total[q], v[q]);
+      }
+    }
+    T* to = out + static_cast<int64_t>(part) * kCastChannels;
+    JAX_EP_UNROLL for (int k = 0; k < kCastChannels; k += N) {
+      Pack<T, N> p;
+      JAX_EP_UNROLL for (int q = 0; q < N; ++q) p.v[q] = from_float<T>(total[k + q]);
+      if (aligned) {
+        reinterpret_cast<Pack<T, N>*>(to)[k / N] = p;
+      } else {
+        JAX_EP_UNROLL for (int q = 0; q < N; ++q) to[k + q] = p.v[q];
+      }
+    }
+  }
+}
+
+// sum_wire_rows_as in the format `wire` names at run time (not kWireBf16).
+template <typename T, typename Collect>
+JAX_EP_HOST_DEVICE void sum_wire_rows(int wire, T* out, int hidden, int end,
+                                      const Collect& collect, int lane, int lanes) {
+  switch (wire) {
+    case kWireE4m3: return sum_wire_rows_as<kWireE4m3>(out, hidden, end, collect, lane, lanes);
+    case kWireE4m3Ue8m0:
+      return sum_wire_rows_as<kWireE4m3Ue8m0>(out, hidden, end, collect, lane, lanes);
+    case kWireMxfp8: return sum_wire_rows_as<kWireMxfp8>(out, hidden, end, collect, lane, lanes);
+    default: return sum_wire_rows_as<kWireNvfp4>(out, hidden, end, collect, lane, lanes);
   }
 }
 

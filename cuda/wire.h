@@ -40,6 +40,11 @@ JAX_EP_HOST_DEVICE int64_t wire_scale_words(int wire, int64_t hidden) {
   return (bytes + 3) / 4;
 }
 
+// Bytes of a whole row of H channels in a format: its data bytes, then its other bytes.
+JAX_EP_HOST_DEVICE int64_t wire_row_bytes(int wire, int64_t hidden) {
+  return wire_data_bytes(wire, hidden) + 4 * wire_scale_words(wire, hidden);
+}
+
 // Magnitudes below float32's smallest normal count as zero (every format but e4m3).
 constexpr float kSmallestNormal = 1.17549435e-38f;  // 2^-126
 JAX_EP_HOST_DEVICE float flush_tiny(float v) {
@@ -111,7 +116,7 @@ struct Nvfp4Block {
   float inverse;
 };
 JAX_EP_HOST_DEVICE Nvfp4Block nvfp4_block(float amax, const Nvfp4Row& row) {
-  if (!row.finite) return Nvfp4Block{kE4m3Nan, bits_float(0x7fc00000u)};
+  if (!row.finite) return Nvfp4Block{kE4m3Nan, bits_float(kQuietNan)};
   const float s = mul_rn(amax, row.r);
   const uint8_t scale = to_e4m3(s < 448.0f ? s : 448.0f);
   const float q = mul_rn(e4m3_to_float(scale), row.g);

@@ -241,7 +241,8 @@ xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, in
 }
 
 xffi::Error ParseCombine(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t num_ranks,
-                         int64_t expert_major, RowType* type, CombineArgs<float>* a) {
+                         int64_t expert_major, int64_t wire, RowType* type,
+                         CombineArgs<float>* a) {
   const std::string_view op = kPeerOpNames[kPeerCombine];
   Buffers b(op, args, rets);
   JAX_EP_RETURN_IF_ERROR(b.Count(4, 1));
@@ -270,8 +271,27 @@ xffi::Error ParseCombine(xffi::RemainingArgs args, xffi::RemainingRets rets, int
   if (W != 0 && W != cap) return Invalid(op, "weights must be [V, capacity] or [V, 0]");
   JAX_EP_RETURN_IF_ERROR(CheckInt32(op, "R*T*K", R * T * K));
   JAX_EP_RETURN_IF_ERROR(CheckInt32(op, "capacity", cap));
+  JAX_EP_RETURN_IF_ERROR(CheckWire(op, wire));
+  if (wire != kWireBf16) {
+    const std::string format = "wire format " + std::to_string(wire);
+    if (*type != RowType::kBF16) {
+      return Invalid(op, "the stages cast bfloat16 rows to a " + format + "; y is " +
+                             TypeName(y.element_type()) + " (cast it, or quantize in XLA)");
+    }
+    if (H % wire_block(static_cast<int>(wire)) != 0) {
+      return Invalid(op, format + " casts blocks of " +
+                             std::to_string(wire_block(static_cast<int>(wire))) +
+                             " channels; H = " + std::to_string(H) + " is not a multiple");
+    }
+    if (!Between(V, R)) {
+      return Invalid(op, "a " + format + " needs one rank per device (V = 1 of R > 1; virtual "
+                         "ranks sum the rows where they are, nothing travels); got V = " +
+                             std::to_string(V) + ", R = " + std::to_string(R));
+    }
+  }
 
   *a = CombineArgs<float>{};
+  a->wire = static_cast<int>(wire);
   a->num_ranks = static_cast<int>(R);
   a->num_tokens = static_cast<int>(T);
   a->top_k = static_cast<int>(K);
@@ -609,11 +629,13 @@ xffi::Error ParseCall(int op, const AnyBuffer& ranks, xffi::RemainingArgs args,
       break;
     }
     case kPeerCombine: {
-      int64_t expert_major = 0;
+      int64_t expert_major = 0, wire = 0;
       JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "expert_major", &expert_major));
+      // Optional: the wire format the stages cast y's bfloat16 rows to (0: none).
+      if (attrs.contains("wire")) JAX_EP_RETURN_IF_ERROR(Attr(name, attrs, "wire", &wire));
       CombineArgs<float> a;
       RowType type;
-      JAX_EP_RETURN_IF_ERROR(ParseCombine(args, rets, R, expert_major, &type, &a));
+      JAX_EP_RETURN_IF_ERROR(ParseCombine(args, rets, R, expert_major, wire, &type, &a));
       JAX_EP_RETURN_IF_ERROR(ParseChannels(name, attrs, &a.rings));
       switch (type) {
         case RowType::kF32: call->args = a; break;

@@ -48,9 +48,11 @@ xffi::Error ParseDispatch(xffi::RemainingArgs args, xffi::RemainingRets rets, in
 
 // Operands y [R,cap,H] (f32, bf16 or f16), weights f32 [R,cap] or [R,0], src_row s32
 // [R,R*T], row_entries s32 [R,R*T,K] (expert-major) or [R,0,K]. Result: out [R,T,H] in y's
-// type.
+// type. `wire` (cuda/wire.h; bfloat16 y, one rank per device): the rows travel home in that
+// format (CombineArgs::wire).
 xffi::Error ParseCombine(xffi::RemainingArgs args, xffi::RemainingRets rets, int64_t num_ranks,
-                         int64_t expert_major, RowType* type, CombineArgs<float>* out);
+                         int64_t expert_major, int64_t wire, RowType* type,
+                         CombineArgs<float>* out);
 
 // The parsed arguments with the rows' real element type.
 template <typename T>
@@ -69,6 +71,7 @@ CombineArgs<T> Retype(const CombineArgs<float>& a) {
   out.out = reinterpret_cast<T*>(a.out);
   out.first_rank = a.first_rank;
   out.rings = a.rings;
+  out.wire = a.wire;
   return out;
 }
 

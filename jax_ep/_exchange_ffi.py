@@ -202,8 +202,10 @@ def received_and_handle(out: dict, *, num_ranks, num_experts, capacity, expert_m
 
 
 def combine(y, weights, src_row, row_entries, *, num_ranks, top_k, expert_major,
-            axis_name=None, placement=ANYWHERE):
-    """Combine of [V, rows, H] rows; `row_entries` None for the rank-major layout."""
+            axis_name=None, placement=ANYWHERE, wire=None):
+    """Combine of [V, rows, H] rows; `row_entries` None for the rank-major layout. `wire` (a
+    jax_ep.quant format; bfloat16 y, one rank per device): the rows travel home in it, cast
+    by the stages and dequantized by the sums (cuda/combine.h)."""
     _ffi.register()
     V, _, H = y.shape
     T = src_row.shape[1] // num_ranks
@@ -215,6 +217,7 @@ def combine(y, weights, src_row, row_entries, *, num_ranks, top_k, expert_major,
         "jax_ep_combine", _types(y, [((V, T, H), y.dtype)])[0],
         (y, weights, src_row, row_entries),
         dict(num_ranks=num_ranks, expert_major=expert_major,
+             wire=None if wire is None else WIRES.index(wire),
              **_rings("combine", axis_name, placement, expert_major, num_ranks)), placement,
         axis_name=axis_name, stacked=V)
 

@@ -597,12 +597,14 @@ def combine(
         row for a token (expert-major the weighted sum of its entries, rank-major the
         weighted row) is quantized before it leaves and dequantized at home, where the sum
         is taken as always (docs/contract.md). The backward pass is unchanged (straight
-        through the rounding). Today it travels through XLA's collectives on every backend
-        (the kernels do not carry it yet).
+        through the rounding). On the cuda backend with bfloat16 y between devices the
+        kernels cast in their stages and dequantize in their sums; elsewhere the rows go
+        through XLA's collectives.
       grad_wire_format: the backward pass sends d(out)'s rows to the receivers as this
         format (quantized at home, dequantized to d(out)'s dtype on arrival; H a multiple
-        of its block): y's and the weights' gradients are the rule's on those values. Also
-        through XLA's collectives for now.
+        of its block): y's and the weights' gradients are the rule's on those values. On
+        the cuda backend with bfloat16 d(out) between devices, the dispatch's send casts
+        and its unpack dequantizes; elsewhere XLA's collectives carry it.
       backend: "auto", "xla" or "cuda".
       num_sms, stream: where the kernels run, also in the backward pass; as in `dispatch`.
 
@@ -671,11 +673,24 @@ def _combine(backend: str, placement: Placement, wire: _Wire, y, weights, handle
     """The combine, its rows travelling as `wire` says (with float32 partials, y is cast
     first: the sums of float32 partials are y's float32 values anyway). The result is in y's
     dtype."""
+    if wire.format is not None and _casts_in_combine(backend, y, handle):
+        return backends.get(backend).combine(y, weights, handle, placement=placement,
+                                             wire=wire.format)
     if wire.format is not None:
         return xla.combine_on_wire(y, weights, handle, wire.format)
     rows = y if wire.partial_dtype is None else y.astype(wire.partial_dtype)
     out = backends.get(backend).combine(rows, weights, handle, placement=placement)
     return out.astype(y.dtype)
+
+
+def _casts_in_combine(backend: str, y, handle: DispatchHandle) -> bool:
+    """Whether the cuda backend's kernels carry a combine's wire format themselves (each
+    stage casts the rows it stages, the home's sums dequantize them), or its backward's (the
+    dispatch along the handle's routing casts in its send and dequantizes in its unpack):
+    bfloat16 rows `y`, one rank per device. Virtual ranks (a single rank runs as one) sum
+    the rows where they are, so nothing travels to cast: XLA's collectives carry the format
+    there."""
+    return backend == "cuda" and y.dtype == jnp.bfloat16 and handle.num_ranks > 1
 
 
 def _combine_fwd(backend, placement, wire, y, weights, handle):
@@ -685,7 +700,10 @@ def _combine_fwd(backend, placement, wire, y, weights, handle):
 @scoped("jax_ep.combine.backward")
 def _combine_bwd(backend, placement, wire, residuals, d_out):
     y, weights, handle = residuals
-    if wire.grad_format is not None:
+    if wire.grad_format is not None and _casts_in_combine(backend, d_out, handle):
+        rows = backends.get(backend).rows_for_receivers(d_out, handle, placement=placement,
+                                                        wire=wire.grad_format)
+    elif wire.grad_format is not None:
         rows = xla.rows_for_receivers_on_wire(d_out, handle, wire.grad_format)
     else:
         rows = backends.get(backend).rows_for_receivers(d_out, handle, placement=placement)

@@ -350,6 +350,97 @@ def test_between_devices_dispatch_on_a_wire_format_in_nodes(node_peers, R):  # n
 
 @pytest.mark.parametrize("R", [2, 3])
 @pytest.mark.parametrize("expert_major", [False, True])
+def test_between_devices_combine_on_a_wire_format(R, expert_major):
+    """combine(y, wire_format=f) of bfloat16 y: each stage reads its rows of y (nvfp4 twice)
+    and writes the format's bytes, the sums read those and write the bfloat16 output; no
+    launch more than the plain combine's, no weight sent."""
+    rng = np.random.default_rng()
+    T, K, E, H, idx, w = draw(rng, R)
+    x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+    f = str(rng.choice(quant.FORMATS))
+    weighted = bool(rng.integers(2))
+
+    def program(x, idx, w):
+        received, handle = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS,
+                                           expert_major=expert_major, backend="cuda")
+        weights = received.topk_weights
+        if weighted and not expert_major:
+            weights = weights.sum(axis=1)
+        return jax_ep.combine(received.x, handle, topk_weights=weights if weighted else None,
+                              wire_format=f, backend="cuda")
+
+    run = sharded(program, R)
+    jax.block_until_ready(run(x, idx, w))  # compiles
+    counted, _ = metered(run, x, idx, w)
+    state = runtime.state()
+    shared = dict(num_experts=E, row_bytes=2 * H, expert_major=expert_major, between=True,
+                  puts=over_puts())
+    if state["channels"] is not None:
+        shared.update(channels=state["channels"],
+                      channel_warps=cpu_channel_warps(state["channels"]))
+    want = (account.dispatch(idx, ranks_per_node=state["ranks_per_node"], **shared)
+            + account.combine(idx, weighted=weighted, wire_format=f, **shared))
+    assert_counts(counted, want, ranks_running=R)
+
+
+@pytest.mark.parametrize("R", [2, 3])
+@pytest.mark.parametrize("expert_major", [False, True])
+def test_between_devices_combine_backward_on_a_wire_format(R, expert_major):
+    """combine(y, grad_wire_format=f)'s backward of bfloat16 d(out): the dispatch along the
+    handle's routing again, its send casting each row and its unpack dequantizing it (zero
+    padding): the account of that dispatch."""
+    rng = np.random.default_rng()
+    T, K, E, H, idx, w = draw(rng, R)
+    x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+    f = str(rng.choice(quant.FORMATS))
+
+    def program(x, idx, w):
+        received, handle = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS,
+                                           expert_major=expert_major, backend="cuda")
+        out, vjp = jax.vjp(lambda y: jax_ep.combine(y, handle, grad_wire_format=f,
+                                                    backend="cuda"), received.x)
+        return vjp(jax.numpy.ones_like(out))[0]
+
+    run = sharded(program, R)
+    jax.block_until_ready(run(x, idx, w))  # compiles
+    counted, _ = metered(run, x, idx, w)
+    state = runtime.state()
+    shared = dict(num_experts=E, expert_major=expert_major, between=True, puts=over_puts(),
+                  ranks_per_node=state["ranks_per_node"])
+    data, rest = quant.wire_bytes(f, H)
+    want = (account.dispatch(idx, row_bytes=2 * H, **shared)
+            + account.combine(idx, num_experts=E, row_bytes=2 * H, expert_major=expert_major,
+                              between=True, puts=over_puts())
+            + account.dispatch(idx, row_bytes=data, scale_bytes=rest, zero_padding=True,
+                               source_bytes=account.cast_source_bytes(f, H),
+                               result_bytes=2 * H, **shared))
+    assert_counts(counted, want, ranks_running=R)
+
+
+@pytest.mark.parametrize("R", [2, 3])
+def test_between_devices_combine_backward_on_a_wire_format_over_puts(put_peers,  # noqa: F811
+                                                                     R):
+    test_between_devices_combine_backward_on_a_wire_format(
+        R, bool(np.random.default_rng().integers(2)))
+
+
+@pytest.mark.parametrize("R", [3, 4])
+def test_between_devices_combine_on_a_wire_format_streamed(streamed_peers, R):  # noqa: F811
+    test_between_devices_combine_on_a_wire_format(R, False)
+
+
+@pytest.mark.parametrize("R", [2, 3])
+def test_between_devices_combine_on_a_wire_format_over_puts(put_peers, R):  # noqa: F811
+    test_between_devices_combine_on_a_wire_format(R, bool(np.random.default_rng().integers(2)))
+
+
+@pytest.mark.parametrize("R", [4, 5])
+def test_between_devices_combine_on_a_wire_format_in_nodes(node_peers, R):  # noqa: F811
+    test_between_devices_combine_on_a_wire_format(R, bool(np.random.default_rng().integers(2)))
+
+
+@pytest.mark.parametrize("R", [2, 3])
+@pytest.mark.parametrize("expert_major", [False, True])
 def test_between_devices_round_trip_over_puts(put_peers, R, expert_major):  # noqa: F811
     """Over puts: a stage launch per send, the rows copied into the send areas, and combine's
     rows put into the homes' buffers."""

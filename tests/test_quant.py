@@ -254,6 +254,22 @@ def _row_bytes(data, words):
     return np.ascontiguousarray(row).view(F32)
 
 
+def _kernel_routing(rng, T: int):
+    """(R, T, K, E, H, topk_idx, topk_weights) for the kernels' wire formats: 4 host-peer
+    ranks where the runtime runs them, else one; skewed routing (a hot expert, ranks nobody
+    picks, masked and invalid ids), and the last rank receiving nothing."""
+    from test_fuzz import draw_routing
+
+    import jax_ep
+
+    R = 4 if jax_ep.runtime.is_initialized() else 1
+    K, E, H = 3, 4 * R, 256
+    idx, w = draw_routing(rng, R, T, K, E)
+    if R > 1:  # the last rank's experts' choices masked
+        idx = np.where(idx // (E // R) == R - 1, -1, idx).astype(np.int32)
+    return R, T, K, E, H, idx, w
+
+
 @pytest.mark.parametrize("format", quant.FORMATS)
 @pytest.mark.parametrize("expert_major", [False, True])
 def test_dispatch_send_quantizes_bfloat16_rows(format, expert_major):
@@ -268,17 +284,12 @@ def test_dispatch_send_quantizes_bfloat16_rows(format, expert_major):
     a capacity that may drop, NaN and infinity in rows; on the run's path (host peers,
     $JAX_EP_CHANNELS, $JAX_EP_PEER_ACCESS, $JAX_EP_RANKS_PER_NODE), else one rank."""
     from harness import compiled_text, sharded, to_numpy
-    from test_fuzz import draw_routing
 
     import jax_ep
     from jax_ep.tools import reference
 
     rng = np.random.default_rng()
-    R = 4 if jax_ep.runtime.is_initialized() else 1
-    T, K, E, H = 11, 3, 4 * R, 256
-    idx, w = draw_routing(rng, R, T, K, E)
-    if R > 1:  # and the last rank receives nothing: its experts' choices masked
-        idx = np.where(idx // (E // R) == R - 1, -1, idx).astype(np.int32)
+    R, T, K, E, H, idx, w = _kernel_routing(rng, 11)
     x = rows_of_every_kind(rng, R * T, H).astype(ml_dtypes.bfloat16).reshape(R, T, H)
     q = quant.quantize(jnp.asarray(x), format)
     capacity = int(rng.integers(1, R * T * (K if expert_major else 1) + 1))
@@ -602,6 +613,67 @@ def test_combine_on_a_wire_format_and_its_gradient(format):
         np.testing.assert_allclose(dyw[finite], want_dyw[finite], rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("format", quant.FORMATS)
+@pytest.mark.parametrize("expert_major", [False, True])
+def test_combine_stages_cast_bfloat16_rows(format, expert_major):
+    """combine(y, handle, wire_format=f, grad_wire_format=f) of bfloat16 y on the cuda
+    backend between devices: the kernels carry the format themselves (the custom calls'
+    `wire`; no quantization or dequantization in XLA): each rank's stage casts its float32
+    row of a token (the weighted row, expert-major the weighted partial sum of its entries)
+    and the home sums the rows dequantized in rank order, bit for bit the reference's
+    combine with that rounding on the wire; the backward's dispatch of d(out) casts in its
+    send and dequantizes in its unpack, bit for bit the reference's backward of d(out)
+    rounded to the format. Rows with NaN, infinity, the subnormal range and e2m1 ties;
+    weights drawn (zeros among them, so that an infinity times its weight may be a NaN), or
+    none; skewed routing, an empty rank, T not a power of two, a capacity that may drop; on
+    the run's path (host peers, $JAX_EP_CHANNELS, $JAX_EP_PEER_ACCESS,
+    $JAX_EP_RANKS_PER_NODE), else one rank."""
+    from harness import compiled_text, sharded, to_numpy
+    from test_fuzz import wire_rounding
+
+    import jax_ep
+    from jax_ep.tools import reference
+
+    rng = np.random.default_rng()
+    R, T, K, E, H, idx, w = _kernel_routing(rng, 13)
+    x = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+    capacity = int(rng.integers(1, R * T * (K if expert_major else 1) + 1))
+    kw = dict(num_experts=E, capacity=capacity, expert_major=expert_major)
+    n = R * capacity  # rows of every kind (7 of them at least), shuffled
+    y = rows_of_every_kind(rng, max(n, 7), H)[rng.permutation(max(n, 7))[:n]]
+    y = y.astype(ml_dtypes.bfloat16).reshape(R, capacity, H)
+    yw = None
+    if rng.integers(2):
+        yw = np.where(rng.random((R, capacity)) < 0.1, 0, rng.random((R, capacity))).astype(F32)
+
+    d_out = rng.standard_normal((R, T, H)).astype(ml_dtypes.bfloat16)
+
+    def per_shard(x, idx, w, y, yw, d_out):
+        _, handle = jax_ep.dispatch(x, idx, w, on_overflow="drop", on_invalid="mask",
+                                    backend="cuda", **kw)
+
+        def forward(y):
+            return jax_ep.combine(y, handle, topk_weights=yw, wire_format=format,
+                                  grad_wire_format=format, backend="cuda")
+
+        out, vjp = jax.vjp(forward, y)
+        return out, vjp(d_out)[0]
+
+    # Between devices the combine and its backward's dispatch carry the format (virtual
+    # ranks quantize in XLA).
+    text = compiled_text(per_shard, R, x, idx, w, y, yw, d_out)
+    assert text.count("wire = ") == (2 if R > 1 else 0)
+    out, dy = to_numpy(sharded(per_shard, R)(x, idx, w, y, yw, d_out))
+    want = reference.combine(y, idx, weights=yw, wire=wire_rounding(format), **kw)
+    assert_bytes(out, want, f"{format} combine")
+    # The backward: d(out) rounded to the format on its way to the receivers (the weighted
+    # rows' float32 products are XLA's, exact here: nothing reaches the subnormal range).
+    sent = np.asarray(quant.dequantize(quant.quantize(jnp.asarray(d_out), format),
+                                       jnp.bfloat16))
+    want_dy, _ = reference.combine_vjp(sent, y, idx, weights=yw, **kw)
+    assert_bytes(dy, want_dy, f"{format} combine's backward")
+
+
 def test_combine_wire_format_errors():
     from harness import sharded
 
@@ -641,6 +713,29 @@ def test_the_kernels_dequantize_one_rank_per_device():
         jax.block_until_ready(_exchange_ffi.dispatch(
             x, None, idx, w, num_ranks=2, num_experts=2, capacity=8, expert_major=False,
             wire="e4m3", dequantize=True))
+
+
+def test_the_kernels_combine_in_a_format_one_rank_per_device():
+    """The combine custom call's `wire` (the stages cast, the sums dequantize) needs bfloat16
+    y, whole blocks and one rank per device: virtual ranks, all in one call, float32 rows
+    and a hidden size of no whole blocks are refused, each naming what is wrong."""
+    from jax_ep import _exchange_ffi, _ffi
+
+    if _ffi.EXT is None:
+        pytest.skip("compiled extension missing")
+    src_row = jnp.zeros((2, 8), jnp.int32)
+
+    def call(y, **kw):
+        return jax.block_until_ready(_exchange_ffi.combine(
+            y, None, src_row[: y.shape[0]], None, num_ranks=2, top_k=1, expert_major=False,
+            **kw))
+
+    with pytest.raises(Exception, match="needs one rank per device"):
+        call(jnp.ones((2, 8, 128), jnp.bfloat16), wire="e4m3")
+    with pytest.raises(Exception, match="cast bfloat16 rows to a wire format 3; y is float32"):
+        call(jnp.ones((2, 8, 128), jnp.float32), wire="mxfp8")
+    with pytest.raises(Exception, match="casts blocks of 16 channels; H = 24"):
+        call(jnp.ones((2, 8, 24), jnp.bfloat16), wire="nvfp4")
 
 
 def test_dispatch_wire_format_errors():

@@ -59,11 +59,12 @@ OTHER_COPY_REGISTERS = 128  # (cuda/phase_functors.h, kCopyBlocksPerSm)
 # Of those, the casts compute more than they copy and are built for the default blocks per SM
 # (kCopy): the low-latency send to NVFP4 (a block's scale needs a correctly rounded
 # reciprocal, and each segment's warp reduces its whole row's amax first), the normal
-# dispatch's send to any format (the cast beside its lookup of each row's place), and its
-# finish that dequantizes.
+# dispatch's send to any format (the cast beside its lookup of each row's place), its
+# finish that dequantizes, and the combine's stage that casts each weighted row.
 NOT_COPIES = (re.compile(r"^per_warp_kernel<LowLatencySend<[^<>]*(<[^<>]*>)?, 4>"),
               re.compile(r"^per_warp_kernel<DispatchSend<[^<>]*(<[^<>]*>)?, [1-4]>"),
-              re.compile(r"^per_warp_kernel<DispatchFinish<[^<>]*(<[^<>]*>)?, true>"))
+              re.compile(r"^per_warp_kernel<DispatchFinish<[^<>]*(<[^<>]*>)?, true>"),
+              re.compile(r"^per_warp_kernel<CombineStage<[^<>]*, true>"))
 
 ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(sm_\w+)'")
 OWNER = re.compile(r"Function properties for (\S+)")

@@ -82,22 +82,26 @@ def dispatch(x, scales, topk_idx, topk_weights, *, num_experts, axis_name, capac
     return received, handle, needed
 
 
-def combine(y, weights, handle: DispatchHandle, *, placement=ANYWHERE):
+def combine(y, weights, handle: DispatchHandle, *, placement=ANYWHERE, wire=None):
+    """`wire`: a jax_ep.quant format the rows travel home in (bfloat16 y, one rank per
+    device): the stages cast each rank's float32 row of a token, the sums dequantize it."""
     out = _exchange_ffi.combine(_one(y), _one(weights), _one(handle.src_row),
                                 _one(handle.row_entries), num_ranks=handle.num_ranks,
                                 top_k=handle.top_k, expert_major=handle.expert_major,
-                                axis_name=handle.axis_name, placement=placement)
+                                axis_name=handle.axis_name, placement=placement, wire=wire)
     return out[0]
 
 
-def rows_for_receivers(values, handle: DispatchHandle, *, placement=ANYWHERE):
+def rows_for_receivers(values, handle: DispatchHandle, *, placement=ANYWHERE, wire=None):
     """Per-token values [T, H] delivered like the dispatch's rows (entries), the rows past the
     count zero (cotangents must be defined everywhere): each receiver pulls its rows along the
     handle (`_exchange_ffi.dispatch_rows`, no count), or, where peers cannot be read (puts),
-    the dispatch's data movement runs again with the handle's routing."""
+    the dispatch's data movement runs again with the handle's routing. `wire` (a jax_ep.quant
+    format; bfloat16 values, one rank per device): the rows travel in it, the dispatch's send
+    casting them and its unpack dequantizing them to bfloat16."""
     row_bytes = values.shape[1] * values.dtype.itemsize
-    if _exchange_ffi.rows_by_loads(handle.axis_name, handle.num_ranks, handle.num_tokens,
-                                   row_bytes):
+    if wire is None and _exchange_ffi.rows_by_loads(handle.axis_name, handle.num_ranks,
+                                                    handle.num_tokens, row_bytes):
         entry_row = _one(handle.entry_row) if handle.expert_major else None
         return _exchange_ffi.dispatch_rows(
             _one(values), _one(handle.recv_src), entry_row, num_ranks=handle.num_ranks,
@@ -108,7 +112,7 @@ def rows_for_receivers(values, handle: DispatchHandle, *, placement=ANYWHERE):
                                  capacity=handle.capacity, expert_major=handle.expert_major,
                                  drop_by_source=handle.drop_by_source,
                                  axis_name=handle.axis_name, zero_padding=True,
-                                 placement=placement)
+                                 placement=placement, wire=wire, dequantize=wire is not None)
     return out["x"][0]
 
 

@@ -237,8 +237,9 @@ def combine_on_wire(y: jax.Array, weights: jax.Array | None, handle: DispatchHan
     """combine whose rows travel as `wire_format`: each rank's float32 row for a token (the
     weighted sum of its entries expert-major, the weighted row rank-major) quantized before
     it leaves, dequantized at home and summed there in float32 in rank order, cast to y's
-    dtype. Over XLA's collectives whichever backend dispatched: a handle's src_row and
-    row_entries mean the same on every backend."""
+    dtype. Over XLA's collectives whichever backend dispatched (a handle's src_row and
+    row_entries mean the same on every backend), where the cuda kernels do not carry the
+    format themselves (jax_ep.dispatch._casts_in_combine)."""
     if handle.expert_major:
         rows = _partial_sums(y, weights, handle)
     else:

@@ -583,7 +583,7 @@ def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
             capacity: int | None = None, expert_major: bool = False,
             between: bool = False, puts: bool = False, weighted: bool = False,
             channels=None, channel_warps: int | None = None,
-            num_sms: int | None = DEFAULT_NUM_SMS) -> Account:
+            num_sms: int | None = DEFAULT_NUM_SMS, wire_format: str | None = None) -> Account:
     """Normal combine of the rows a dispatch with this routing delivered.
 
     Args:
@@ -591,15 +591,23 @@ def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
       num_sms: as for `dispatch` (streamed: `_streamed_combine`).
       row_bytes: bytes of one row of y (H x the element size).
       weighted: combine with `topk_weights` (over puts, rank-major rows send theirs).
+      wire_format: between devices, the rows travel home in this jax_ep.quant format
+        (`combine(y, wire_format=)` of bfloat16 y on the cuda backend): each stage casts the
+        float32 row it forms from its rows of y (reading them twice for nvfp4, once for the
+        row's amax) and stages the format's bytes, which the sums read (the weights go
+        with the cast).
     """
     _check_puts(puts, between)
+    if wire_format is not None and not between:
+        raise ValueError("wire_format describes a combine between devices: pass between=True.")
     R, T, K = np.shape(topk_idx)
     E = num_experts
     if capacity is None:
         capacity = default_capacity(R, T, K, E, expert_major)
     out = R * T * row_bytes  # every output row is written
     # The rows a home receives: one per token and receiver holding some of its choices.
-    rows = int(kept_rows(topk_idx, E, R * T if expert_major else capacity).sum()) * row_bytes
+    held = int(kept_rows(topk_idx, E, R * T if expert_major else capacity).sum())
+    rows = held * row_bytes
     # The rows that carry data: those rows, or expert-major each kept entry's row.
     carried = (int(kept_entries(topk_idx, E, capacity).sum()) * row_bytes if expert_major
                else rows)
@@ -611,20 +619,26 @@ def combine(topk_idx: np.ndarray, *, num_experts: int, row_bytes: int,
     # Each receiver stages the rows its homes read in the symmetric buffer: its rows of y
     # (rank-major) or one partial sum of its entries per row (expert-major). The stage goes
     # over every rank's tokens, the sums over this rank's.
-    read, written = carried + rows, rows + out
-    minimum = carried + out + 2 * rows
+    # A staged row: y's, or the wire format's.
+    sent = row_bytes if wire_format is None else sum(quant.wire_bytes(wire_format,
+                                                                      row_bytes // 2))
+    cast_reads = 2 if wire_format == "nvfp4" else 1
+    staged = held * sent
+    read, written = carried * cast_reads + staged, staged + out
+    minimum = carried + out + 2 * staged
     if channels is not None and not expert_major:
         plan = _stream_plan("combine", channels, R, 0, channel_warps, num_sms)
-        return _streamed_combine(kept_rows(topk_idx, E, capacity), row_bytes, plan, channels,
-                                 puts, out, minimum, carried)
+        return _streamed_combine(kept_rows(topk_idx, E, capacity), sent, plan, channels,
+                                 puts, out, minimum, carried * cast_reads)
     warps = _smallest(1, R * T, T, always=2)
     if puts:
         # Each receiver puts every staged row into its home's buffer, where the sums read
         # them: a launch between the stage and the sums. Messages: for every (receiver,
-        # token) the row it holds or -1, and each row with (rank-major, weighted) its weight.
-        held = rows // row_bytes
-        messages = R * R * T + held * (2 if weighted and not expert_major else 1)
-        return Account("combine", 3, 2, read + rows, written + rows, minimum, warps, warps,
+        # token) the row it holds or -1, and each row with (rank-major, weighted, not cast)
+        # its weight.
+        weights = weighted and not expert_major and wire_format is None
+        messages = R * R * T + held * (2 if weights else 1)
+        return Account("combine", 3, 2, read + staged, written + staged, minimum, warps, warps,
                        messages)
     # The stage and the sums, each waiting for the peers.
     return Account("combine", 2, 2, read, written, minimum, warps, warps)
@@ -915,24 +929,30 @@ def cast_source_bytes(wire_format: str, hidden: int) -> int:
 
 def training_step(wire_format: str | None = None, num_ranks: int = 8, between: bool = True,
                   seed: int = 0, tokens: int = 4096, hidden: int = 7168, top_k: int = 8,
-                  num_experts: int = 256) -> list[Account]:
+                  num_experts: int = 256, everywhere: bool = False) -> list[Account]:
     """One MoE layer's exchanges in a training step at DeepSeek's shapes, expert-major,
     bfloat16 except the forward dispatch's rows, which travel as `wire_format` (None:
     bfloat16): the four ops' accounts, the forward dispatch and combine, the combine's
     backward (rows along the handle) and the dispatch's (an unweighted combine). The cuda
     backend's dispatch of bfloat16 x quantizes in the send (it reads each source row in
     bfloat16) and dequantizes in the finish (it writes each received entry in bfloat16): no
-    pass in XLA before or after."""
+    pass in XLA before or after. `everywhere`: the other three travel as `wire_format` too
+    (`combine(wire_format=, grad_wire_format=)`, `dispatch(grad_wire_format=)`): the combines
+    cast in their stages and dequantize in their sums, the combine's backward is the
+    dispatch again with the casting send and the dequantizing unpack (zero padding)."""
     idx = uniform_routing(np.random.default_rng(seed), num_ranks, tokens, top_k, num_experts)
     kw = dict(num_experts=num_experts, expert_major=True, between=between)
     row = 2 * hidden
     data, rest = (row, 0) if wire_format is None else quant.wire_bytes(wire_format, hidden)
     fused = {} if wire_format is None else dict(
         source_bytes=cast_source_bytes(wire_format, hidden), result_bytes=row)
+    cast = everywhere and wire_format is not None
+    combines = dict(wire_format=wire_format) if cast else {}
+    back = (dispatch(idx, row_bytes=data, scale_bytes=rest, zero_padding=True, **fused, **kw)
+            if cast else dispatch_rows(idx, row_bytes=row, **kw))
     ops = [dispatch(idx, row_bytes=data, scale_bytes=rest, **fused, **kw),
-           combine(idx, row_bytes=row, weighted=True, **kw),
-           dispatch_rows(idx, row_bytes=row, **kw),
-           combine(idx, row_bytes=row, **kw)]
+           combine(idx, row_bytes=row, weighted=True, **combines, **kw), back,
+           combine(idx, row_bytes=row, **combines, **kw)]
     return [dataclasses.replace(a, op=name) for a, name in zip(
         ops, ("dispatch", "combine", "combine backward", "dispatch backward"), strict=True)]
 
@@ -1089,21 +1109,25 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def training_table(num_ranks: int, seed: int = 0, tokens: int = 4096) -> str:
-    """`training_step` for bfloat16 and each wire format, as a Markdown table."""
-    lines = [f"\nOne MoE layer's training step (forward dispatch in the wire format; its "
-             f"combine and both backward passes in bfloat16), expert-major, between GPUs, "
-             f"R = {num_ranks}, T {tokens}: GB of row data the kernels move, all ranks "
-             f"(`account.training_step`)\n",
-             "| wire format | dispatch | combine | combine backward | dispatch backward | "
+    """`training_step` for bfloat16 and each wire format (the forward dispatch's rows alone,
+    then every op's), as a Markdown table."""
+    lines = [f"\nOne MoE layer's training step, expert-major, between GPUs, R = {num_ranks}, "
+             f"T {tokens}: GB of row data the kernels move, all ranks "
+             f"(`account.training_step`). In \"dispatch\" the forward dispatch's rows travel "
+             f"in the format and the rest in bfloat16; in \"every op\" the combine and both "
+             f"backward passes too\n",
+             "| wire format | in | dispatch | combine | combine backward | dispatch backward | "
              "step | x bfloat16 |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     base = None
-    for f in (None, *quant.FORMATS):
-        ops = training_step(f, num_ranks, True, seed, tokens)
+    for f, everywhere in ((None, False), *((f, e) for f in quant.FORMATS for e in (False, True))):
+        ops = training_step(f, num_ranks, True, seed, tokens, everywhere=everywhere)
         step = sum(a.bytes for a in ops)
         base = base or step
         cells = " | ".join(f"{a.bytes / 1e9:.2f}" for a in ops)
-        lines.append(f"| {f or 'bfloat16'} | {cells} | {step / 1e9:.2f} | {step / base:.2f} |")
+        where = "-" if f is None else "every op" if everywhere else "dispatch"
+        lines.append(f"| {f or 'bfloat16'} | {where} | {cells} | {step / 1e9:.2f} | "
+                     f"{step / base:.2f} |")
     return "\n".join(lines)
 
 

@@ -69,6 +69,10 @@ struct Shape {
   // With a cast, the host peers' finish (receivers) dequantizes the rows into bfloat16
   // results (DispatchArgs::dequantize); virtual ranks keep the rows as they travel.
   bool dequantize = false;
+  // The wire format the host peers' combine carries its bfloat16 rows home in (elem 2,
+  // rank-major; CombineArgs::wire); 0: none. The virtual ranks' combine of the rows cast and
+  // dequantized in float32 is the reference (RoundData::expect_wire_combined).
+  int combine_wire = 0;
   // A dispatch row as it travels (x's, or the cast's data bytes and scale words).
   int64_t row_bytes() const { return cast ? wire_data_bytes(cast, H) : int64_t{H} * elem; }
   int64_t scale_cols() const { return cast ? wire_scale_words(cast, H) : fp8 ? H / 128 : 0; }
@@ -225,6 +229,7 @@ struct CombineData {
     a.row_entries = s.expert_major ? d.row_entries.data() + v * rows * s.K : nullptr;
     a.out = out_rows + v * s.T * s.H;
     if (rank >= 0) a.rings = DispatchData::ring_config(s);
+    if (rank >= 0 && sizeof(T) == 2) a.wire = s.combine_wire;
     return a;
   }
   // f(args) with the combine's arguments in the shape's element type.
@@ -487,8 +492,12 @@ struct RoundData {
     expect_equal(dp.num_needed, dv.num_needed, "dispatch num_needed" + at);
     expect_equal(dp.num_invalid, dv.num_invalid, "dispatch num_invalid" + at);
     if (!puts_only) expect_equal(dp.rows_out, dv.rows_out, "rows along the dispatch" + at);
-    expect_equal(cp.out, cv.out, "combine out" + at);
-    expect_equal(cp.out16, cv.out16, "combine out (bfloat16)" + at);
+    if (s.combine_wire) {
+      expect_wire_combined(s, at);
+    } else {
+      expect_equal(cp.out, cv.out, "combine out" + at);
+      expect_equal(cp.out16, cv.out16, "combine out (bfloat16)" + at);
+    }
     // The rows of a wire format fill the first part of recv_x.
     const size_t bytes = size_t(s.El()) * s.R * s.T * wire_data_bytes(s.ll_wire(), s.H) * s.R;
     expect(std::memcmp(lp.recv_x.data(), lv.recv_x.data(), bytes) == 0,
@@ -500,7 +509,49 @@ struct RoundData {
     expect_equal(lp.out, lv.out, "low-latency combine out" + at);
   }
   void expect_dequantized(const Shape& s, const std::string& at);
+  void expect_wire_combined(const Shape& s, const std::string& at);
 };
+
+// Row i of `rows` (float32 [n, H]): the bfloat16 row y16[i] times weights[i], cast to `wire`
+// and dequantized, each part as the host peers' sums dequantize it.
+template <int kWire>
+void wire_rounded(const Shape& s, const CombineData& c, int64_t i, float* out) {
+  std::vector<char> row(wire_row_bytes(kWire, s.H));
+  const Bf16* x = c.y16.data() + i * s.H;
+  cast_values_as<kWire>(
+      [&](int part, float (&v)[kCastChannels]) {
+        for (int q = 0; q < kCastChannels; ++q) {
+          v[q] = mul_rn(to_float(x[part * kCastChannels + q]), c.weights[i]);
+        }
+      },
+      s.H, row.data(), 0, 1);
+  const char* scales = row.data() + wire_data_bytes(kWire, s.H);
+  for (int part = 0; part < s.H / kCastChannels; ++part) {
+    float v[kCastChannels];
+    dequantize_part<kWire>(row.data(), scales, part, global_scale_of<kWire>(scales, s.H), false,
+                           v);
+    std::memcpy(out + part * kCastChannels, v, sizeof(v));
+  }
+}
+
+// The host peers' combine in a wire format: the virtual ranks' unweighted float32 combine of
+// the rows cast and dequantized (the same rank-order sum), rounded to bfloat16.
+void RoundData::expect_wire_combined(const Shape& s, const std::string& at) {
+  const int64_t n = int64_t{s.R} * s.capacity;
+  std::vector<float> rows(n * s.H), out(int64_t{s.R} * s.T * s.H);
+  with_wire(s.combine_wire, [&](auto wire) {
+    for (int64_t i = 0; i < n; ++i) wire_rounded<wire.value>(s, cv, i, rows.data() + i * s.H);
+  });
+  CombineArgs<float> a = cv.args(s, dv, -1, rows.data(), out.data());
+  a.weights = nullptr;
+  HostLauncher l{s.R, HostGrid{}};
+  run_virtual(l, kPeerCombine, a);
+  std::vector<Bf16> want(out.size());
+  for (size_t i = 0; i < out.size(); ++i) want[i] = from_float<Bf16>(out[i]);
+  expect_equal(cp.out16, want, "combine out in wire format " + std::to_string(s.combine_wire) +
+                                   at + " (against the virtual ranks' sums of the rows it "
+                                   "rounds)");
+}
 
 // The host peers' dequantized rows: the virtual ranks' received rows, dequantized (each rank's
 // kept rows; the padding is unspecified).
@@ -851,6 +902,9 @@ int main() {
       // ... and the finish dequantizes them: UE8M0 rank-major, MXFP8 expert-major.
       {R, 13, 3, 8, 384, 20, false, false, 0, 0, 0, 0, 2, 0, kWireE4m3Ue8m0, true},
       {R, 11, 4, 12, 128, 30, true, false, 0, 0, 0, 0, 2, 0, kWireMxfp8, true},
+      // The combine's stages cast its weighted rows, its sums dequantize them: NVFP4, E4M3.
+      {R, 13, 3, 8, 256, 20, false, false, 0, 0, 0, 0, 2, 0, 0, false, kWireNvfp4},
+      {R, 9, 3, 8, 384, 27, false, false, 0, 0, 0, 0, 2, 0, 0, false, kWireE4m3},
   };
   uint32_t round = 0;
   for (const Shape& s : shapes) {
@@ -880,6 +934,8 @@ int main() {
       {R, 13, 3, 8, 256, 52, false, false, 0, 2, 1, 2, 2, 0, kWireMxfp8},
       // ... to NVFP4, and the receivers dequantize them.
       {R, 13, 3, 8, 256, 52, false, false, 0, 2, 1, 2, 2, 0, kWireNvfp4, true},
+      // The combine's senders cast its weighted rows to UE8M0 into the ring slots.
+      {R, 13, 3, 8, 256, 40, false, false, 0, 2, 1, 2, 2, 0, 0, false, kWireE4m3Ue8m0},
   };
   for (const bool puts : {false, true}) {
     puts_only = puts;
