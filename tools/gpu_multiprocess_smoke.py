@@ -8,8 +8,9 @@ $JAX_EP_PEER_ACCESS set to --peer-access: `put` reaches the peers with NVSHMEM's
 between nodes, which NVSHMEM's P2P transport serves on one GPU too; --ranks-per-node sets
 $JAX_EP_RANKS_PER_NODE, node-aware: stores within each simulated node; --channels sets
 $JAX_EP_CHANNELS: the rings the rank-major dispatch and combine stream through, or off), runs
-dispatch and combine (both layouts), dispatch on every wire format (the send quantizes, the
-unpack dequantizes) and the low-latency round trip with backend="cuda" inside
+dispatch and combine (both layouts), dispatch and combine on every wire format (the send
+quantizes and the unpack dequantizes; the combine's stages cast and its sums dequantize) and the
+low-latency round trip with backend="cuda" inside
 shard_map over a (data D, ep N/D) mesh of the N processes (D = 1: the EP axis alone; D > 1: D
 EP groups, each with its own inputs), and compares its shard with jax_ep.tools.reference of its
 group bit for bit. Several processes on one GPU run NVSHMEM's "limited MPG" mode: functional
@@ -102,6 +103,31 @@ def check(data: int) -> str:
             return reference.dispatch(np.asarray(rounded), idx[d], w[d], num_experts=E)["x"]
 
         compare(run(on_wire, x, idx, w), wire_want, f"dispatch on the {f} wire")
+
+    # The combine's stages cast each rank's float32 rows and its sums dequantize them
+    # (wire_format), expert-major for the formats of even index, rank-major for the others.
+    for i, f in enumerate(jax_ep.quant.FORMATS):
+        em = i % 2 == 0
+
+        def combine_on_wire(x, idx, w, f=f, em=em):
+            recv, handle = jax_ep.dispatch(x[0], idx[0], w[0], num_experts=E, expert_major=em,
+                                           backend="cuda")
+            weights = recv.topk_weights if em else None
+            return jax_ep.combine(recv.x, handle, topk_weights=weights, wire_format=f,
+                                  backend="cuda")[None]
+
+        def combine_want(d, f=f, em=em):
+            kw = dict(num_experts=E, expert_major=em)
+            recv = reference.dispatch(x[d], idx[d], w[d], **kw)
+
+            def rounding(rows):  # what travelling as f does to the float32 rows
+                return np.asarray(jax_ep.quant.dequantize(jax_ep.quant.quantize(rows, f)))
+
+            return reference.combine(recv["x"], idx[d], weights=recv["topk_weights"] if em
+                                     else None, wire=rounding, **kw)
+
+        compare(run(combine_on_wire, x, idx, w), combine_want,
+                f"combine on the {f} wire (expert_major={em})")
 
     ll_x, ll_idx, ll_w = x[:, :, :TL], idx[:, :, :TL], w[:, :, :TL]
 
